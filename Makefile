@@ -1,0 +1,34 @@
+# The README's two commands: `make demo` and `make test`. Each creates .venv
+# and installs what it needs from pyproject.toml; nothing else is required.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test,demo]'
+	touch $@
+
+$(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[demo]'
+	touch $@
+
+demo: $(VENV)/.installed-demo
+	$(BIN)/python -m examples.demo
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest
+
+bench: $(VENV)/.installed-test
+	$(BIN)/python -m benchmarks.gate_latency
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis demo-output

@@ -1,0 +1,197 @@
+"""How the decision is made: :class:`Gate` runs ``lua/gate.lua`` on Redis.
+
+The gate answers one question for every worker at once: *may this job start
+now, and if not, exactly when?*  The decision is read, made and written in one
+script call (never a check followed by an increment), on the Redis server's
+clock by default so that workers with drifting clocks still agree.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import redis
+
+from .keys import bucket_key, validate_name, validate_prefix
+from .rates import US_PER_SECOND, Rate, parse_rate
+
+__all__ = ["Decision", "Gate", "Limit"]
+
+_SCRIPT = importlib.resources.files(__package__).joinpath("lua/gate.lua").read_text("utf-8")
+
+# Reply status codes of gate.lua.
+_DENIED, _ALLOWED, _RESERVED, _EARLY = 0, 1, 2, 3
+_NEVER = -1
+
+
+def _positive_int(what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"invalid {what} {value!r}: expected an integer >= 1")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One bucket to pass: ``name`` (and ``key``) at ``rate`` with ``burst``, charged ``cost``.
+
+    ``burst`` starts may happen at the same instant; over any window of length
+    ``w`` at most ``burst - 1 + ceil(w * rate)`` units pass.  ``cost`` units are
+    charged per start; a cost above the burst could never pass and is refused.
+    """
+
+    name: str
+    rate: Rate
+    burst: int = 1
+    key: object = field(default=None, repr=False)  # may be a secret: never shown
+    cost: int = 1
+
+    def __post_init__(self) -> None:
+        validate_name(self.name)
+        object.__setattr__(self, "rate", parse_rate(self.rate))
+        _positive_int("burst", self.burst)
+        _positive_int("cost", self.cost)
+        if self.cost > self.burst:
+            raise ValueError(
+                f"cost {self.cost} exceeds burst {self.burst} of limit {self.name!r}: "
+                "it could never pass; raise the burst or split the job"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The gate's answer.
+
+    ``allowed``: start now.  Otherwise ``retry_after`` seconds is the exact
+    wait, ``limit`` the limit that forced it and, when the call asked for a
+    reservation and got one, ``slot`` is the booked start (server clock,
+    microseconds) to hand back as ``claim=`` when the job returns.
+    """
+
+    allowed: bool
+    retry_after: float
+    limit: Limit | None = None
+    slot: int | None = None
+    now: int = 0
+    early: bool = False
+
+    @property
+    def reserved(self) -> bool:
+        """A slot was booked for this caller (it must wait ``retry_after``, then claim it)."""
+        return not self.allowed and self.slot is not None
+
+
+class Gate:
+    """Atomic multi-limit GCRA decisions on one Redis client.
+
+    ``clock``: ``"server"`` (default) uses the Redis server's ``TIME``, so
+    every caller agrees whatever its own clock says.  ``"local"`` passes this
+    process's ``time.time()`` (looked up at each call, so freezegun applies),
+    for servers that refuse ``TIME`` in scripts; any callable returning
+    seconds may stand in for it.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        prefix: str = "throttle",
+        clock: Literal["server", "local"] | Callable[[], float] = "server",
+    ) -> None:
+        if clock not in ("server", "local") and not callable(clock):
+            raise ValueError(f"invalid clock {clock!r}: expected 'server', 'local' or a callable")
+        self.client = client
+        self.prefix = validate_prefix(prefix)
+        self.clock = clock
+        # redis-py's Script does EVALSHA and reloads the body on NOSCRIPT
+        # (after SCRIPT FLUSH or a restart), so no SHA cache of our own.
+        self._script = client.register_script(_SCRIPT)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Gate:
+        """A gate on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``)."""
+        return cls(redis.Redis.from_url(url), **options)
+
+    def __repr__(self) -> str:
+        # The client's repr names host and db but never the password.
+        clock = self.clock if isinstance(self.clock, str) else "caller"
+        return f"Gate(prefix={self.prefix!r}, clock={clock!r})"
+
+    def preload(self) -> None:
+        """Load the script now, so the first decision is a plain EVALSHA."""
+        self.client.script_load(_SCRIPT)
+
+    def key_of(self, limit: Limit) -> str:
+        """The Redis key of ``limit``'s bucket."""
+        return bucket_key(self.prefix, limit.name, limit.key)
+
+    def acquire(
+        self,
+        name: str,
+        rate: str | Rate,
+        *,
+        burst: int = 1,
+        key: object = None,
+        cost: int = 1,
+    ) -> Decision:
+        """Try to start one job under a single limit; charged only if allowed."""
+        return self.acquire_many([Limit(name, parse_rate(rate), burst, key, cost)])
+
+    def acquire_many(
+        self,
+        limits: Sequence[Limit],
+        *,
+        reserve: float | None = None,
+        claim: int | None = None,
+        grace: float = 0.0,
+    ) -> Decision:
+        """Pass every limit in ``limits`` at once, or none of them.
+
+        ``reserve``: when denied and the wait is at most this many seconds, book
+        the earliest common slot (``Decision.reserved``).  ``claim``: a slot
+        booked by an earlier call; honoured from the slot until ``grace``
+        seconds after it (``Decision.early`` if it is still ahead), void
+        later, when a fresh decision is made.
+        """
+        if not limits:
+            raise ValueError("acquire_many needs at least one limit")
+        keys: list[str] = []
+        args: list[int] = [
+            self._now_us(),
+            _NEVER if reserve is None else _to_us(reserve),
+            claim or 0,
+            _to_us(grace),
+        ]
+        for limit in limits:
+            keys.append(self.key_of(limit))
+            args += [limit.rate.interval_us, limit.burst, limit.cost]
+        status, wait_us, blocking, slot_us, now_us = self._script(keys=keys, args=args)
+        blocked = limits[blocking - 1] if blocking else None
+        retry_after = wait_us / US_PER_SECOND
+        if status == _ALLOWED:
+            return Decision(True, 0.0, None, slot_us or None, now_us)
+        if status == _EARLY:
+            return Decision(False, retry_after, None, slot_us, now_us, early=True)
+        if status == _RESERVED:
+            return Decision(False, retry_after, blocked, slot_us, now_us)
+        return Decision(False, retry_after, blocked, None, now_us)
+
+    def reset(self, limit: Limit) -> bool:
+        """Forget ``limit``'s bucket (it is full again); True if it existed."""
+        return bool(self.client.delete(self.key_of(limit)))
+
+    def _now_us(self) -> int:
+        if self.clock == "server":
+            return 0  # the script reads TIME
+        now = time.time() if self.clock == "local" else self.clock()
+        return int(now * US_PER_SECOND)
+
+
+def _to_us(seconds: float) -> int:
+    if seconds < 0 or math.isnan(seconds):
+        raise ValueError(f"invalid duration {seconds!r}: expected seconds >= 0")
+    return math.ceil(seconds * US_PER_SECOND)

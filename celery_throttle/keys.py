@@ -1,0 +1,77 @@
+"""Where state lives: bucket key names.
+
+Layout: ``{<prefix>}:<name>`` for a shared bucket and ``{<prefix>}:<name>:k:<digest>``
+for one bucket per caller-supplied key value (tenant id, API key, ...).
+
+* The prefix is the key's *first* ``{...}`` group, i.e. its Redis Cluster hash
+  tag.  One decision may span several buckets (a tenant rate, a provider rate,
+  a token budget) and must run as one script on one node, and the same bucket
+  takes part in decisions with different partners, so every bucket of one
+  prefix lives in one slot.  User data comes after the tag and can never move
+  a key to another slot.
+* Key values are always hashed (BLAKE2b, 128 bits) after a type tag: values
+  of any length map to 32 hex characters, distinct values (``1`` and ``"1"``,
+  ``"Acme"`` and ``"acme"``, NFC and NFD forms) never share a bucket, and an
+  API key used as a key value never appears in Redis, in logs or in errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+__all__ = ["bucket_key", "key_digest", "validate_name", "validate_prefix"]
+
+_MAX_NAME = 200
+
+
+def validate_prefix(prefix: object) -> str:
+    """Return ``prefix`` if it is usable as a hash tag, else raise ``ValueError``."""
+    if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
+        raise ValueError(
+            f"invalid key prefix {prefix!r}: expected a non-empty string without '{{' or '}}'"
+        )
+    return prefix
+
+
+def validate_name(name: object) -> str:
+    """Return ``name`` if it is a usable limit name, else raise ``ValueError``."""
+    if not isinstance(name, str) or not name.strip() or len(name) > _MAX_NAME:
+        raise ValueError(
+            f"invalid limit name {name!r}: expected a non-empty string of at most "
+            f"{_MAX_NAME} characters"
+        )
+    return name
+
+
+def key_digest(value: object) -> str:
+    """Hash a caller-supplied key value to 32 hex characters, tagged by type.
+
+    Accepted: ``str``, ``bytes``, ``int`` and ``uuid.UUID`` (UUIDs hash like
+    their string form, because Celery's JSON serializer turns them into one).
+    Anything else, ``None`` and ``bool`` included, is almost always a bug in
+    the caller and raises ``TypeError`` naming the type (never the value: it
+    may be a secret).
+    """
+    if isinstance(value, bool) or value is None:
+        raise TypeError(f"invalid key value of type {type(value).__name__}: "
+                        "expected str, bytes, int or uuid.UUID")
+    if isinstance(value, uuid.UUID):
+        value = str(value)
+    if isinstance(value, str):
+        data = b"s:" + value.encode("utf-8", "surrogatepass")
+    elif isinstance(value, bytes | bytearray | memoryview):
+        data = b"b:" + bytes(value)
+    elif isinstance(value, int):
+        data = b"i:" + str(value).encode("ascii")
+    else:
+        raise TypeError(f"invalid key value of type {type(value).__name__}: "
+                        "expected str, bytes, int or uuid.UUID")
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def bucket_key(prefix: str, name: str, key: object = None) -> str:
+    """The Redis key of the bucket ``name`` (and key value ``key``, if given)."""
+    if key is None:
+        return f"{{{prefix}}}:{name}"
+    return f"{{{prefix}}}:{name}:k:{key_digest(key)}"

@@ -1,0 +1,296 @@
+"""The gate on a real Redis: GCRA decisions, atomicity, all-or-nothing, reservations, TTLs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import uuid
+
+import pytest
+import redis
+from freezegun import freeze_time
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from redis.crc import key_slot
+
+from celery_throttle import Decision, Gate, Limit, parse_rate
+from celery_throttle.keys import bucket_key, key_digest
+
+from .model import Model, ModelLimit
+
+T0 = 1_800_000_000_000_000  # an arbitrary fixed "now" in microseconds
+
+
+def at(us: int) -> float:
+    """A caller clock reading of ``us`` microseconds, exactly representable."""
+    return us / 1_000_000
+
+
+class StepClock:
+    """A caller clock the test moves explicitly (no sleeping to reach boundaries)."""
+
+    def __init__(self, us: int = T0) -> None:
+        self.us = us
+
+    def __call__(self) -> float:
+        return at(self.us)
+
+
+@pytest.fixture
+def clock() -> StepClock:
+    """A clock starting at T0."""
+    return StepClock()
+
+
+@pytest.fixture
+def cgate(client: redis.Redis, prefix: str, clock: StepClock) -> Gate:
+    """A gate on the explicit test clock."""
+    return Gate(client, prefix=prefix, clock=clock)
+
+
+def test_first_start_allowed_second_waits_one_interval(gate: Gate) -> None:
+    """At '60/m' with burst 1 the first start passes and the next waits about one second."""
+    first = gate.acquire("api", "60/m")
+    second = gate.acquire("api", "60/m")
+    assert first.allowed
+    assert first.retry_after == 0.0
+    assert not second.allowed
+    assert 0.99 < second.retry_after <= 1.0
+    assert second.limit is not None
+    assert second.limit.name == "api"
+
+
+def test_exact_wait_then_allowed(cgate: Gate, clock: StepClock) -> None:
+    """Denied with retry_after r: still denied 1 us before r, allowed exactly at r."""
+    assert cgate.acquire("api", "10/s").allowed
+    denied = cgate.acquire("api", "10/s")
+    assert denied.retry_after == 0.1
+    clock.us += 99_999
+    assert not cgate.acquire("api", "10/s").allowed
+    clock.us += 1
+    assert cgate.acquire("api", "10/s").allowed
+
+
+def test_burst_allows_that_many_at_one_instant(cgate: Gate) -> None:
+    """With burst B, exactly B starts pass at the same instant."""
+    results = [cgate.acquire("api", "1/s", burst=4).allowed for _ in range(6)]
+    assert results == [True] * 4 + [False] * 2
+
+
+def test_cost_consumes_units(cgate: Gate, clock: StepClock) -> None:
+    """A cost of c takes c units: burst 10 admits 3+3+3 at once, then a 3 waits 2 intervals."""
+    for _ in range(3):
+        assert cgate.acquire("tok", "10/s", burst=10, cost=3).allowed
+    denied = cgate.acquire("tok", "10/s", burst=10, cost=3)
+    assert not denied.allowed
+    assert denied.retry_after == pytest.approx(0.2)
+
+
+def test_cost_above_burst_is_a_clear_error(gate: Gate) -> None:
+    """A cost the burst can never hold is refused before any Redis call."""
+    with pytest.raises(ValueError, match="cost 2 exceeds burst 1"):
+        gate.acquire("api", "1/s", cost=2)
+
+
+def test_hundred_concurrent_threads_exactly_burst_pass(redis_url: str, prefix: str) -> None:
+    """100 threads on separate connections at '5/m' burst 5: exactly 5 pass (seed 000's race)."""
+    clients = [redis.Redis.from_url(redis_url) for _ in range(100)]
+    gates = [Gate(c, prefix=prefix) for c in clients]
+    for g in gates:
+        g.preload()
+        g.client.ping()  # connect now, so the threads really collide
+    barrier = threading.Barrier(100, timeout=30)
+    decisions: list[Decision | None] = [None] * 100
+
+    def fire(i: int) -> None:
+        barrier.wait()
+        decisions[i] = gates[i].acquire("send", "5/m", burst=5)
+
+    threads = [threading.Thread(target=fire, args=(i,)) for i in range(100)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    done = [d for d in decisions if d is not None]
+    assert len(done) == 100
+    allowed = [d for d in done if d.allowed]
+    denied = [d for d in done if not d.allowed]
+    assert len(allowed) == 5
+    # The true wait: the bucket re-admits one interval (12 s) after the first grant.
+    first = min(d.now for d in allowed)
+    for d in denied:
+        true_wait = (first + 12_000_000 - d.now) / 1_000_000
+        assert abs(d.retry_after - true_wait) <= 0.001
+    for c in clients:
+        c.close()
+
+
+def test_multi_limit_all_or_nothing(cgate: Gate, client: redis.Redis) -> None:
+    """When one limit denies, no bucket is written; when all admit, all are charged."""
+    tenant = Limit("tenant", parse_rate("5/s"), key="acme")
+    shared = Limit("provider", parse_rate("1/s"))
+    assert cgate.acquire_many([tenant, shared]).allowed
+    before = {k: (client.get(k), client.pttl(k)) for k in map(cgate.key_of, (tenant, shared))}
+    denied = cgate.acquire_many([tenant, shared])
+    assert not denied.allowed
+    assert denied.limit == shared
+    assert denied.retry_after == 1.0
+    after = {k: (client.get(k), client.pttl(k)) for k in map(cgate.key_of, (tenant, shared))}
+    assert [v[0] for v in before.values()] == [v[0] for v in after.values()]
+
+
+def test_denied_call_writes_nothing(gate: Gate, client: redis.Redis) -> None:
+    """A denied decision leaves the stored TAT byte for byte as it was."""
+    gate.acquire("api", "1/m")
+    key = gate.key_of(Limit("api", parse_rate("1/m")))
+    stored = client.get(key)
+    assert not gate.acquire("api", "1/m").allowed
+    assert client.get(key) == stored
+
+
+def test_ttl_equals_drain_time_for_slow_limit(gate: Gate, client: redis.Redis) -> None:
+    """A '1/2h' bucket lives exactly until it has drained (2 h), not less."""
+    gate.acquire("slow", "1/2h")
+    ttl = client.pttl(gate.key_of(Limit("slow", parse_rate("1/2h"))))
+    assert 7_200_000 - 1_000 <= ttl <= 7_200_000
+
+
+def test_ttl_grows_with_fill(gate: Gate, client: redis.Redis) -> None:
+    """Two starts in a burst-3 bucket at '1/m' leave it 2 minutes from empty."""
+    for _ in range(2):
+        assert gate.acquire("fill", "1/m", burst=3).allowed
+    ttl = client.pttl(gate.key_of(Limit("fill", parse_rate("1/m"), burst=3)))
+    assert 120_000 - 1_000 <= ttl <= 120_000
+
+
+def test_every_write_sets_a_ttl(cgate: Gate, client: redis.Redis, clock: StepClock) -> None:
+    """After allowed and reserved writes, every bucket key carries a positive TTL."""
+    limits = [Limit("a", parse_rate("2/s")), Limit("b", parse_rate("1/s"), key=7)]
+    cgate.acquire_many(limits)
+    cgate.acquire_many(limits, reserve=60)
+    for key in map(cgate.key_of, limits):
+        assert client.pttl(key) > 0
+
+
+def test_recovers_after_script_flush(gate: Gate, client: redis.Redis) -> None:
+    """After SCRIPT FLUSH the next call reloads the script (NOSCRIPT) and decides correctly."""
+    assert gate.acquire("flush", "1/m").allowed
+    client.script_flush()
+    assert not gate.acquire("flush", "1/m").allowed
+
+
+def test_reservations_are_distinct_and_evenly_spaced(cgate: Gate) -> None:
+    """Ten denied calls with reserve book ten slots one interval apart, in order."""
+    assert cgate.acquire_many([Limit("r", parse_rate("20/s"))]).allowed
+    slots = []
+    for _ in range(10):
+        d = cgate.acquire_many([Limit("r", parse_rate("20/s"))], reserve=10)
+        assert d.reserved
+        slots.append(d.slot)
+    assert slots == [T0 + 50_000 * i for i in range(1, 11)]
+
+
+def test_reservation_beyond_horizon_books_nothing(cgate: Gate, client: redis.Redis) -> None:
+    """A wait longer than the horizon is reported, but no slot is booked."""
+    lim = Limit("h", parse_rate("1/m"))
+    cgate.acquire_many([lim])
+    stored = client.get(cgate.key_of(lim))
+    d = cgate.acquire_many([lim], reserve=30)
+    assert not d.reserved
+    assert d.retry_after == 60.0
+    assert client.get(cgate.key_of(lim)) == stored
+
+
+def test_claim_early_on_time_and_late(cgate: Gate, clock: StepClock) -> None:
+    """A claim is early before its slot, honoured up to slot+grace, void (fresh decision) after."""
+    lim = Limit("c", parse_rate("10/s"))
+    cgate.acquire_many([lim])
+    booked = cgate.acquire_many([lim], reserve=5)
+    assert booked.slot == T0 + 100_000
+    early = cgate.acquire_many([lim], claim=booked.slot, grace=0.02)
+    assert early.early
+    assert early.retry_after == 0.1
+    clock.us = booked.slot + 20_000
+    assert cgate.acquire_many([lim], claim=booked.slot, grace=0.02).allowed
+    # Late: the old slot is void; this is a fresh decision against the current bucket.
+    clock.us = booked.slot + 20_001
+    late = cgate.acquire_many([lim], claim=booked.slot, grace=0.02, reserve=5)
+    assert late.reserved
+    assert late.slot == booked.slot + 100_000  # the next free slot, not a burst now
+
+
+def test_caller_clock_under_freezegun(client: redis.Redis, prefix: str) -> None:
+    """With clock='local' the gate follows freezegun's frozen, then ticked, time."""
+    g = Gate(client, prefix=prefix, clock="local")
+    with freeze_time("2030-01-01 00:00:00") as frozen:
+        assert g.acquire("fz", "1/m").allowed
+        frozen.tick(dt.timedelta(seconds=59))
+        denied = g.acquire("fz", "1/m")
+        assert not denied.allowed
+        assert denied.retry_after == pytest.approx(1.0)
+        frozen.tick(dt.timedelta(seconds=1))
+        assert g.acquire("fz", "1/m").allowed
+
+
+def test_keys_share_one_slot_and_never_collide() -> None:
+    """Keys of one prefix share a cluster slot whatever the user value; distinct values differ."""
+    values: list[object] = [
+        "acme", "Acme", "1", 1, b"1", "{evil}", "}{", "caf\u00e9", "cafe\u0301", "x" * 10_000,
+        b"\xff\x00", -1, "",
+    ]
+    keys = [bucket_key("throttle", "llm", v) for v in values]
+    assert len(set(keys)) == len(values)
+    assert {key_slot(k.encode()) for k in keys} == {key_slot(b"{throttle}:llm")}
+    assert max(len(k) for k in keys) == len("{throttle}:llm:k:") + 32
+
+
+@pytest.mark.parametrize("bad", [None, True, 1.5, object(), ["a"]])
+def test_bad_key_values_are_type_errors(bad: object) -> None:
+    """Unsupported key value types raise TypeError naming the type, never the value."""
+    with pytest.raises(TypeError, match=f"type {type(bad).__name__}"):
+        key_digest(bad)
+
+
+@pytest.mark.parametrize("bad", ["", "{x}", "a}b", None])
+def test_bad_prefix_rejected(client: redis.Redis, bad: object) -> None:
+    """A prefix that could not be a hash tag is refused with the value named."""
+    with pytest.raises(ValueError, match="invalid key prefix"):
+        Gate(client, prefix=bad)  # type: ignore[arg-type]
+
+
+# Rates whose rounded-up interval is known, including one that needs rounding.
+RATES = {"1000000/s": 1, "125000/s": 8, "1000/s": 1_000, "3/s": 333_334, "20/s": 50_000,
+         "1/s": 1_000_000, "1/h": 3_600_000_000}
+
+limit_st = st.tuples(st.integers(0, 2), st.sampled_from(sorted(RATES)), st.integers(1, 5),
+                     st.integers(1, 5))
+step_st = st.tuples(
+    st.integers(0, 2_000_000),  # microseconds since the previous call
+    st.lists(limit_st, min_size=1, max_size=3, unique_by=lambda m: m[0]),
+    st.sampled_from([-1, 0, 100_000, 10_000_000]),  # reservation horizon, -1 = none
+)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(step_st, min_size=1, max_size=25))
+def test_lua_matches_reference_model(
+    client: redis.Redis, steps: list[tuple[int, list[tuple[int, str, int, int]], int]]
+) -> None:
+    """Over random arrivals, limits, costs, bursts and horizons, Lua decides like the model."""
+    clock = StepClock()
+    g = Gate(client, prefix=f"p-{uuid.uuid4().hex[:10]}", clock=clock)
+    model = Model()
+    shape: dict[int, tuple[str, int]] = {}  # a bucket keeps one rate and burst within a run
+    for gap, picks, horizon in steps:
+        clock.us += gap
+        limits, mlimits = [], []
+        for k, rate, burst, cost in picks:
+            rate, burst = shape.setdefault(k, (rate, burst))
+            cost = min(cost, burst)
+            limits.append(Limit(f"k{k}", parse_rate(rate), burst, None, cost))
+            mlimits.append(ModelLimit(f"k{k}", RATES[rate], burst, cost))
+        expected = model.decide(clock.us, mlimits, horizon)
+        d = g.acquire_many(limits, reserve=None if horizon < 0 else horizon / 1_000_000)
+        status = "allowed" if d.allowed else ("reserved" if d.reserved else "denied")
+        assert (status, round(d.retry_after * 1_000_000), d.slot or 0) == expected

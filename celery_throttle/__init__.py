@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+from .defer import HEADER
 from .errors import ThrottleConfigError, ThrottleError, ThrottleStoreError, ThrottleTimeout
-from .gate import Decision, Gate, Limit
+from .gate import Decision, Gate, Limit, Reservation
 from .rates import Rate, parse_rate
+from .task import Throttle, throttled
+from .worker import install, limits_in_force
 
 __all__ = [
+    "HEADER",
     "Decision",
     "Gate",
     "Limit",
     "Rate",
+    "Reservation",
+    "Throttle",
     "ThrottleConfigError",
     "ThrottleError",
     "ThrottleStoreError",
     "ThrottleTimeout",
+    "install",
+    "limits_in_force",
     "parse_rate",
+    "throttled",
 ]

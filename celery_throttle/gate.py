@@ -20,13 +20,15 @@ import redis
 from .keys import bucket_key, validate_name, validate_prefix
 from .rates import US_PER_SECOND, Rate, parse_rate
 
-__all__ = ["Decision", "Gate", "Limit"]
+__all__ = ["Decision", "Gate", "Limit", "Reservation"]
 
 _SCRIPT = importlib.resources.files(__package__).joinpath("lua/gate.lua").read_text("utf-8")
 
 # Reply status codes of gate.lua.
 _DENIED, _ALLOWED, _RESERVED, _EARLY = 0, 1, 2, 3
 _NEVER = -1
+# The booked-limits mask travels as an integer (exact in a Lua double).
+_MAX_LIMITS = 50
 
 
 def _positive_int(what: str, value: object) -> int:
@@ -63,26 +65,44 @@ class Limit:
 
 
 @dataclass(frozen=True, slots=True)
+class Reservation:
+    """A booked start: ``slot`` (server clock, microseconds) and the limits it is booked in.
+
+    ``booked`` has bit ``i`` set for ``limits[i]`` of the call that booked it;
+    the other limits are charged when the reservation is claimed.
+    """
+
+    slot: int
+    booked: int
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """The gate's answer.
 
     ``allowed``: start now.  Otherwise ``retry_after`` seconds is the exact
     wait, ``limit`` the limit that forced it and, when the call asked for a
-    reservation and got one, ``slot`` is the booked start (server clock,
-    microseconds) to hand back as ``claim=`` when the job returns.
+    reservation and got one (or claimed one too early), ``reservation`` is the
+    booked start to hand back as ``claim=`` when the job returns.  ``now`` is
+    the decision's clock (microseconds).
     """
 
     allowed: bool
     retry_after: float
     limit: Limit | None = None
-    slot: int | None = None
+    reservation: Reservation | None = None
     now: int = 0
     early: bool = False
 
     @property
     def reserved(self) -> bool:
-        """A slot was booked for this caller (it must wait ``retry_after``, then claim it)."""
-        return not self.allowed and self.slot is not None
+        """A slot is booked for this caller (it must wait ``retry_after``, then claim it)."""
+        return not self.allowed and self.reservation is not None
+
+    @property
+    def slot(self) -> int | None:
+        """The booked (or claimed) slot, server clock microseconds."""
+        return self.reservation.slot if self.reservation is not None else None
 
 
 class Gate:
@@ -146,39 +166,40 @@ class Gate:
         limits: Sequence[Limit],
         *,
         reserve: float | None = None,
-        claim: int | None = None,
+        claim: Reservation | None = None,
         grace: float = 0.0,
     ) -> Decision:
         """Pass every limit in ``limits`` at once, or none of them.
 
         ``reserve``: when denied and the wait is at most this many seconds, book
-        the earliest common slot (``Decision.reserved``).  ``claim``: a slot
-        booked by an earlier call; honoured from the slot until ``grace``
-        seconds after it (``Decision.early`` if it is still ahead), void
-        later, when a fresh decision is made.
+        the earliest common slot (``Decision.reserved``).  ``claim``: a
+        reservation from an earlier call with the same ``limits``; honoured
+        from its slot until ``grace`` seconds after it, if the limits it is not
+        booked in admit then (``Decision.early`` while it is still ahead);
+        otherwise void, and a fresh decision is made.
         """
-        if not limits:
-            raise ValueError("acquire_many needs at least one limit")
+        if not limits or len(limits) > _MAX_LIMITS:
+            raise ValueError(f"acquire_many takes 1 to {_MAX_LIMITS} limits, got {len(limits)}")
         keys: list[str] = []
         args: list[int] = [
             self._now_us(),
             _NEVER if reserve is None else _to_us(reserve),
-            claim or 0,
+            claim.slot if claim is not None else 0,
             _to_us(grace),
+            claim.booked if claim is not None else 0,
         ]
         for limit in limits:
             keys.append(self.key_of(limit))
             args += [limit.rate.interval_us, limit.burst, limit.cost]
-        status, wait_us, blocking, slot_us, now_us = self._script(keys=keys, args=args)
+        status, wait_us, blocking, slot_us, now_us, mask = self._script(keys=keys, args=args)
         blocked = limits[blocking - 1] if blocking else None
         retry_after = wait_us / US_PER_SECOND
+        booking = Reservation(slot_us, mask) if slot_us else None
         if status == _ALLOWED:
-            return Decision(True, 0.0, None, slot_us or None, now_us)
+            return Decision(True, 0.0, None, booking, now_us)
         if status == _EARLY:
-            return Decision(False, retry_after, None, slot_us, now_us, early=True)
-        if status == _RESERVED:
-            return Decision(False, retry_after, blocked, slot_us, now_us)
-        return Decision(False, retry_after, blocked, None, now_us)
+            return Decision(False, retry_after, None, booking, now_us, early=True)
+        return Decision(False, retry_after, blocked, booking, now_us)
 
     def reset(self, limit: Limit) -> bool:
         """Forget ``limit``'s bucket (it is full again); True if it existed."""

@@ -25,28 +25,38 @@ class Model:
 
     tat: dict[str, int] = field(default_factory=dict)
 
+    def earliest(self, now: int, lim: ModelLimit) -> int:
+        """When ``lim`` next admits its cost: the start s with max(TAT, s) + cT - BT <= s."""
+        return max(now, self.tat.get(lim.key, now) + (lim.cost - lim.burst) * lim.interval)
+
     def decide(
-        self, now: int, limits: list[ModelLimit], horizon: int = -1
-    ) -> tuple[str, int, int]:
-        """Return (status, wait_us, slot_us) with status allowed/denied/reserved."""
-        # The earliest time at which every limit admits its cost.
-        earliest = now
-        for lim in limits:
-            tat = max(self.tat.get(lim.key, now), now)
-            earliest = max(earliest, tat + lim.cost * lim.interval - lim.burst * lim.interval)
-        wait = earliest - now
+        self, now: int, limits: list[ModelLimit], horizon: int = -1,
+        claim: tuple[int, frozenset[int]] | None = None, grace: int = 0,
+    ) -> tuple[str, int, int, frozenset[int]]:
+        """Return (status, wait_us, slot_us, booked limit indexes)."""
+        starts = [self.earliest(now, lim) for lim in limits]
+        if claim is not None:
+            slot, booked = claim
+            if now < slot:
+                return ("early", slot - now, slot, booked)
+            others = [i for i in range(len(limits)) if i not in booked]
+            if now <= slot + grace and all(starts[i] == now for i in others):
+                self._charge(now, [limits[i] for i in others])
+                return ("allowed", 0, slot, booked)
+        start = max(starts)
+        wait = start - now
         if wait == 0:
             self._charge(now, limits)
-            return ("allowed", 0, 0)
-        if horizon >= 0 and wait <= horizon:
-            self._charge(earliest, limits)
-            return ("reserved", wait, earliest)
-        return ("denied", wait, 0)
+            return ("allowed", 0, 0, frozenset())
+        if 0 <= horizon and wait <= horizon:
+            # A limit free more than one start of its own before the slot is
+            # not booked: that would block its other users until the slot.
+            booked = frozenset(i for i, (s, lim) in enumerate(zip(starts, limits, strict=True))
+                               if start - s <= lim.cost * lim.interval)
+            self._charge(start, [limits[i] for i in sorted(booked)])
+            return ("reserved", wait, start, booked)
+        return ("denied", wait, 0, frozenset())
 
     def _charge(self, at: int, limits: list[ModelLimit]) -> None:
         for lim in limits:
             self.tat[lim.key] = max(self.tat.get(lim.key, at), at) + lim.cost * lim.interval
-
-    def starts_in_window_bound(self, lim: ModelLimit, window_us: int) -> int:
-        """The most units ``lim`` may admit in any window of ``window_us``: B - 1 + ceil(w/T)."""
-        return lim.burst - 1 + -(-window_us // lim.interval)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-from celery_throttle import Decision, Gate, Limit, parse_rate
+from celery_throttle import Decision, Gate, Limit, Reservation, parse_rate
 from celery_throttle.keys import bucket_key, key_digest
 
 from .model import Model, ModelLimit
@@ -207,14 +207,14 @@ def test_claim_early_on_time_and_late(cgate: Gate, clock: StepClock) -> None:
     cgate.acquire_many([lim])
     booked = cgate.acquire_many([lim], reserve=5)
     assert booked.slot == T0 + 100_000
-    early = cgate.acquire_many([lim], claim=booked.slot, grace=0.02)
+    early = cgate.acquire_many([lim], claim=booked.reservation, grace=0.02)
     assert early.early
     assert early.retry_after == 0.1
     clock.us = booked.slot + 20_000
-    assert cgate.acquire_many([lim], claim=booked.slot, grace=0.02).allowed
+    assert cgate.acquire_many([lim], claim=booked.reservation, grace=0.02).allowed
     # Late: the old slot is void; this is a fresh decision against the current bucket.
     clock.us = booked.slot + 20_001
-    late = cgate.acquire_many([lim], claim=booked.slot, grace=0.02, reserve=5)
+    late = cgate.acquire_many([lim], claim=booked.reservation, grace=0.02, reserve=5)
     assert late.reserved
     assert late.slot == booked.slot + 100_000  # the next free slot, not a burst now
 
@@ -268,29 +268,89 @@ step_st = st.tuples(
     st.integers(0, 2_000_000),  # microseconds since the previous call
     st.lists(limit_st, min_size=1, max_size=3, unique_by=lambda m: m[0]),
     st.sampled_from([-1, 0, 100_000, 10_000_000]),  # reservation horizon, -1 = none
+    st.booleans(),  # claim the last reservation (when the limits match), or not
 )
 
 
-@settings(max_examples=150, deadline=None,
+@settings(max_examples=200, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(step_st, min_size=1, max_size=25))
 def test_lua_matches_reference_model(
-    client: redis.Redis, steps: list[tuple[int, list[tuple[int, str, int, int]], int]]
+    client: redis.Redis, steps: list[tuple[int, list[tuple[int, str, int, int]], int, bool]]
 ) -> None:
-    """Over random arrivals, limits, costs, bursts and horizons, Lua decides like the model."""
+    """Over random arrivals, limits, costs, bursts, horizons and claims, Lua equals the model."""
     clock = StepClock()
     g = Gate(client, prefix=f"p-{uuid.uuid4().hex[:10]}", clock=clock)
     model = Model()
     shape: dict[int, tuple[str, int]] = {}  # a bucket keeps one rate and burst within a run
-    for gap, picks, horizon in steps:
+    last: tuple[list[tuple[int, int]], Reservation] | None = None
+    for gap, picks, horizon, use_claim in steps:
         clock.us += gap
-        limits, mlimits = [], []
+        limits, mlimits, ident = [], [], []
         for k, rate, burst, cost in picks:
             rate, burst = shape.setdefault(k, (rate, burst))
             cost = min(cost, burst)
             limits.append(Limit(f"k{k}", parse_rate(rate), burst, None, cost))
             mlimits.append(ModelLimit(f"k{k}", RATES[rate], burst, cost))
-        expected = model.decide(clock.us, mlimits, horizon)
-        d = g.acquire_many(limits, reserve=None if horizon < 0 else horizon / 1_000_000)
-        status = "allowed" if d.allowed else ("reserved" if d.reserved else "denied")
-        assert (status, round(d.retry_after * 1_000_000), d.slot or 0) == expected
+            ident.append((k, cost))
+        claim = last[1] if use_claim and last is not None and last[0] == ident else None
+        mclaim = None if claim is None else (
+            claim.slot, frozenset(i for i in range(len(limits)) if claim.booked >> i & 1))
+        expected = model.decide(clock.us, mlimits, horizon, mclaim, grace=20_000)
+        d = g.acquire_many(limits, reserve=None if horizon < 0 else horizon / 1_000_000,
+                           claim=claim, grace=0.02)
+        status = ("allowed" if d.allowed else "early" if d.early
+                  else "reserved" if d.reserved else "denied")
+        booked = frozenset() if d.reservation is None else frozenset(
+            i for i in range(len(limits)) if d.reservation.booked >> i & 1)
+        got = (status, round(d.retry_after * 1_000_000), d.slot or 0, booked)
+        assert got == expected
+        if d.reserved:
+            last = (ident, d.reservation)  # type: ignore[assignment]
+
+
+def test_reservation_books_only_the_limit_that_forces_the_slot(
+    cgate: Gate, clock: StepClock
+) -> None:
+    """A slot forced by a slow own limit leaves the shared limit free for others until then."""
+    own = Limit("own", parse_rate("1/s"))
+    shared = Limit("shared", parse_rate("10/s"))
+    assert cgate.acquire_many([own, shared]).allowed
+    held = cgate.acquire_many([own, shared], reserve=10)
+    assert held.reserved
+    assert held.reservation == Reservation(T0 + 1_000_000, booked=0b01)
+    clock.us += 100_000
+    assert cgate.acquire_many([shared]).allowed  # not blocked until the held task's slot
+    clock.us = T0 + 1_000_000
+    assert cgate.acquire_many([own, shared], claim=held.reservation, grace=0.01).allowed
+    # The claim charged the shared limit at its start.
+    assert not cgate.acquire_many([shared]).allowed
+
+
+def test_claim_with_busy_unbooked_limit_decides_afresh(cgate: Gate, clock: StepClock) -> None:
+    """If a limit the slot is not booked in is busy at the slot, the claim books anew."""
+    own = Limit("own", parse_rate("1/s"))
+    shared = Limit("shared", parse_rate("2/s"))
+    cgate.acquire_many([own])
+    held = cgate.acquire_many([own, shared], reserve=10)
+    assert held.reservation == Reservation(T0 + 1_000_000, booked=0b01)
+    clock.us = T0 + 999_000
+    assert cgate.acquire_many([shared]).allowed  # shared now busy until T0 + 1.499 s
+    clock.us = T0 + 1_000_000
+    again = cgate.acquire_many([own, shared], claim=held.reservation, grace=0.01, reserve=10)
+    assert again.reserved
+    assert again.slot == T0 + 2_000_000  # own's next free slot (the lost one stays charged)
+    assert again.reservation is not None
+    # shared is free 0.501 s (over one start of its own) before the slot: not booked.
+    assert again.reservation.booked == 0b01
+
+
+def test_limits_free_within_one_start_are_booked_too(cgate: Gate) -> None:
+    """Limits whose own next start is at most one interval before the slot are booked with it."""
+    fast = Limit("fast", parse_rate("10/s"))
+    slow = Limit("slow", parse_rate("8/s"))
+    assert cgate.acquire_many([fast, slow]).allowed
+    d = cgate.acquire_many([fast, slow], reserve=10)
+    assert d.slot == T0 + 125_000
+    assert d.reservation is not None
+    assert d.reservation.booked == 0b11

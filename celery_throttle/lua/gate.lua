@@ -16,17 +16,24 @@ KEYS[i]   the bucket of limit i (all share one hash tag; see keys.py)
 ARGV[1]   now, integer microseconds; "" or "0" = use this server's TIME
 ARGV[2]   reservation horizon, integer microseconds; -1 = never reserve.
           When denied and the wait is <= horizon, the earliest common slot S is
-          booked in every bucket and returned, so N waiting jobs get N distinct,
-          evenly spaced start times instead of returning all at once.
+          booked and returned, so N waiting jobs get N distinct, evenly spaced
+          start times instead of returning all at once.  A limit is booked at
+          S only if it would otherwise be free for at most one start of its
+          own before S (the limits that force S always are): GCRA keeps one
+          TAT per bucket and cannot hold a hole, so booking a limit free long
+          before S would block its other users until S.  The others are
+          charged when the slot is claimed.
 ARGV[3]   claim: the slot S (microseconds) this caller booked earlier, or 0
 ARGV[4]   claim grace, integer microseconds: a claim is honoured from S up to
-          S + grace; later, it is void and a fresh decision is made (a late
+          S + grace; later it is void and a fresh decision is made (a late
           start in an old slot would crowd a newer window and break the bound)
-ARGV[3+3i-2 .. 3+3i] for limit i = 1..n (ARGV[5], ARGV[6], ARGV[7] for i = 1):
+ARGV[5]   claim mask: bit i-1 set where the claimed slot is booked in limit i;
+          the other limits are charged when the claim is honoured; 0 without
+ARGV[5+3i-2 .. 5+3i] for limit i = 1..n (ARGV[6], ARGV[7], ARGV[8] for i = 1):
           interval T (integer microseconds >= 1), burst B (integer >= 1),
           cost c (integer, 1 <= c <= B; checked by the caller)
 
-Reply: { status, wait_us, blocking, slot_us, now_us } (integers only)
+Reply: { status, wait_us, blocking, slot_us, now_us, mask } (integers only)
   status   1 allowed (charged now, or a claim honoured), 0 denied (nothing
            written), 2 reserved (slot booked, start at slot_us), 3 early (a
            claim for a slot still ahead; nothing written, wait wait_us)
@@ -34,6 +41,7 @@ Reply: { status, wait_us, blocking, slot_us, now_us } (integers only)
   blocking the 1-based index of the limit that forced the longest wait, or 0
   slot_us  the booked or claimed slot, or 0
   now_us   the clock this decision used
+  mask     with status 2, the limits the slot is booked in (bit i-1 = limit i)
 ]]
 
 local now = tonumber(ARGV[1]) or 0
@@ -44,60 +52,91 @@ end
 local horizon = tonumber(ARGV[2])
 local claim = tonumber(ARGV[3])
 local grace = tonumber(ARGV[4])
+local mask = tonumber(ARGV[5])
+local n = #KEYS
 
-if claim > 0 then
-  if now < claim then
-    return { 3, claim - now, 0, claim, now }
-  end
-  if now <= claim + grace then
-    return { 1, 0, 0, claim, now }
-  end
+local function booked_in(m, i)
+  return math.floor(m / 2 ^ (i - 1)) % 2 == 1
 end
 
-local n = #KEYS
-local tats = {}
+local function limit(i)
+  local base = 5 + 3 * i
+  return tonumber(ARGV[base - 2]), tonumber(ARGV[base - 1]), tonumber(ARGV[base])
+end
+
+-- Read every bucket once; wait[i] = how long until limit i admits its cost.
+local tats, waits = {}, {}
 local wait, blocking = 0, 0
 for i = 1, n do
-  local base = 3 + 3 * i
-  local interval = tonumber(ARGV[base - 1])
-  local burst = tonumber(ARGV[base])
-  local cost = tonumber(ARGV[base + 1])
+  local interval, burst, cost = limit(i)
   local tat = tonumber(redis.call('GET', KEYS[i]) or 0)
   if tat < now then
     tat = now
   end
   tats[i] = tat
-  local w = tat + (cost - burst) * interval - now
-  if w > wait then
-    wait, blocking = w, i
+  waits[i] = tat + (cost - burst) * interval - now
+  if waits[i] > wait then
+    wait, blocking = waits[i], i
   end
 end
 
-local function charge(at)
-  -- Write, then TTL = time until the bucket has drained (TAT reached): the
-  -- key can never expire while it still holds state, and idle buckets vanish.
-  for i = 1, n do
-    local base = 3 + 3 * i
-    local tat = tats[i]
-    if tat < at then
-      tat = at
-    end
-    tat = tat + tonumber(ARGV[base + 1]) * tonumber(ARGV[base - 1])
-    local ttl_ms = math.ceil((tat - now) / 1000)
-    if ttl_ms < 1 then
-      ttl_ms = 1
-    end
-    -- %d: Lua's default number formatting would round a 16-digit TAT.
-    redis.call('SET', KEYS[i], string.format('%d', tat), 'PX', ttl_ms)
+-- Charge limit i for a start at `at`: write, then TTL = time until the
+-- bucket has drained (TAT reached), so the key never expires while it holds
+-- state, and idle buckets vanish on their own.
+local function charge(i, at)
+  local interval, _, cost = limit(i)
+  local tat = tats[i]
+  if tat < at then
+    tat = at
   end
+  tat = tat + cost * interval
+  local ttl_ms = math.ceil((tat - now) / 1000)
+  if ttl_ms < 1 then
+    ttl_ms = 1
+  end
+  -- %d: Lua's default number formatting would round a 16-digit TAT.
+  redis.call('SET', KEYS[i], string.format('%d', tat), 'PX', ttl_ms)
+end
+
+if claim > 0 then
+  if now < claim then
+    return { 3, claim - now, 0, claim, now, mask }
+  end
+  if now <= claim + grace then
+    -- The booked limits were charged at booking; the others must admit now.
+    local ok = true
+    for i = 1, n do
+      if not booked_in(mask, i) and waits[i] > 0 then
+        ok = false
+      end
+    end
+    if ok then
+      for i = 1, n do
+        if not booked_in(mask, i) then
+          charge(i, now)
+        end
+      end
+      return { 1, 0, 0, claim, now, mask }
+    end
+  end
+  -- Late, or an unbooked limit is busy: the old slot is lost, decide afresh.
 end
 
 if wait <= 0 then
-  charge(now)
-  return { 1, 0, 0, 0, now }
+  for i = 1, n do
+    charge(i, now)
+  end
+  return { 1, 0, 0, 0, now, 0 }
 end
 if horizon >= 0 and wait <= horizon then
-  charge(now + wait)
-  return { 2, wait, blocking, now + wait, now }
+  local booked = 0
+  for i = 1, n do
+    local interval, _, cost = limit(i)
+    if wait - math.max(waits[i], 0) <= cost * interval then
+      charge(i, now + wait)
+      booked = booked + 2 ^ (i - 1)
+    end
+  end
+  return { 2, wait, blocking, now + wait, now, booked }
 end
-return { 0, wait, blocking, 0, now }
+return { 0, wait, blocking, 0, now, 0 }

@@ -1,0 +1,169 @@
+"""The ``throttle_*`` settings, read once per app into a frozen :class:`Config`.
+
+Precedence, written once: a ``@throttled(..., max_wait=...)`` argument beats
+the ``throttle_max_wait`` setting, which beats the built-in default below.
+Queue limits (``throttle_queues``) add to a task's own limits; they never
+replace them: a task consumed from a limited queue passes both, atomically.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery
+
+from .errors import ThrottleConfigError
+from .gate import Limit
+from .keys import validate_prefix
+from .rates import parse_rate
+
+__all__ = ["SETTINGS", "Config", "QueueLimit", "read_config"]
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_POLICIES = ("defer", "allow", "fail")
+
+#: Every setting: (default, meaning). The README's settings table is this one.
+SETTINGS: dict[str, tuple[object, str]] = {
+    "throttle_redis_url": (
+        None, "Redis for the buckets; default: broker_url when it is a Redis URL"),
+    "throttle_prefix": ("throttle", "key prefix and Redis Cluster hash tag of every bucket"),
+    "throttle_queues": ({}, "{queue: rate} or {queue: {'rate': r, 'burst': b}}: a limit on "
+                        "every task consumed from that queue"),
+    "throttle_on_error": ("defer", "when the throttle's Redis fails: 'defer' (re-schedule "
+                          "with backoff), 'allow' (run unthrottled, WARNING) or 'fail'"),
+    "throttle_max_wait": (None, "seconds a task may wait in total before it fails with "
+                          "ThrottleTimeout; None: no limit"),
+    "throttle_horizon": (3600.0, "how far ahead (s) a slot may be booked; later waits "
+                         "return when a slot comes within reach"),
+    "throttle_max_countdown": (None, "longest single countdown (s); default: half the broker's "
+                               "visibility_timeout (Redis/SQS), at most 900"),
+    "throttle_max_sleep": (0.25, "waits up to this many seconds are slept in the worker "
+                           "instead of re-publishing the task"),
+    "throttle_claim_grace": (None, "how late (s) a task may start in its booked slot; later "
+                             "it asks again; default: half the shortest interval, at most 0.25"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLimit:
+    """A limit on every task consumed from ``queue``."""
+
+    queue: str
+    limit: Limit
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The settings of one app, validated."""
+
+    redis_url: str = field(repr=False)  # may carry a password
+    prefix: str = "throttle"
+    queues: tuple[QueueLimit, ...] = ()
+    on_error: str = "defer"
+    max_wait: float | None = None
+    horizon: float = 3600.0
+    max_countdown: float = 900.0
+    max_sleep: float = 0.25
+    claim_grace: float | None = None
+
+    def queue_limit(self, queue: str | None) -> Limit | None:
+        """The limit of ``queue``, if it has one."""
+        for q in self.queues:
+            if q.queue == queue:
+                return q.limit
+        return None
+
+
+def _seconds(name: str, value: object, *, allow_none: bool) -> float | None:
+    if value is None and allow_none:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or math.isnan(value)
+        or value < 0
+    ):
+        raise ThrottleConfigError(f"setting {name}={value!r}: expected seconds >= 0"
+                                  + (" or None" if allow_none else ""))
+    return float(value)
+
+
+def _queue_limits(value: object) -> tuple[QueueLimit, ...]:
+    if not isinstance(value, Mapping):
+        raise ThrottleConfigError(
+            f"setting throttle_queues={value!r}: expected a dict of queue name to rate")
+    out = []
+    for queue, spec in value.items():
+        where = f"setting throttle_queues[{queue!r}]"
+        if not isinstance(queue, str) or not queue:
+            raise ThrottleConfigError(f"{where}: a queue name must be a non-empty string")
+        if isinstance(spec, str):
+            spec = {"rate": spec}
+        if not isinstance(spec, Mapping) or set(spec) - {"rate", "burst"} or "rate" not in spec:
+            raise ThrottleConfigError(
+                f"{where}={spec!r}: expected a rate such as '60/m' or "
+                "{'rate': '60/m', 'burst': 5}")
+        try:
+            limit = Limit(f"queue:{queue}", parse_rate(spec["rate"]), spec.get("burst", 1))
+        except ValueError as exc:
+            raise ThrottleConfigError(f"{where}: {exc}") from exc
+        out.append(QueueLimit(queue, limit))
+    return tuple(out)
+
+
+def _default_max_countdown(app: Celery) -> float:
+    # kombu #337: with the Redis (and SQS) transport an ETA message that stays
+    # unacknowledged longer than visibility_timeout is redelivered and runs
+    # twice.  A single countdown stays at half of it; longer waits hop.
+    options = app.conf.broker_transport_options or {}
+    visibility = float(options.get("visibility_timeout", 3600))
+    return max(1.0, min(900.0, visibility / 2))
+
+
+def read_config(app: Celery) -> Config:
+    """Read and validate ``app``'s ``throttle_*`` settings (raises :class:`ThrottleConfigError`)."""
+    conf = app.conf
+    unknown = sorted(k for k in conf if str(k).startswith("throttle_") and k not in SETTINGS)
+    if unknown:
+        hint = difflib.get_close_matches(unknown[0], SETTINGS, n=1)
+        raise ThrottleConfigError(
+            f"unknown setting {unknown[0]!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else f"; known: {', '.join(SETTINGS)}"))
+
+    def get(name: str) -> Any:
+        return conf.get(name, SETTINGS[name][0])
+
+    url = get("throttle_redis_url") or conf.broker_url or ""
+    if not isinstance(url, str) or not url.startswith(_REDIS_SCHEMES):
+        scheme = url.split("://", 1)[0] if isinstance(url, str) else type(url).__name__
+        raise ThrottleConfigError(
+            "setting throttle_redis_url: a redis://, rediss:// or unix:// URL is needed "
+            f"(the broker URL's scheme is {scheme!r})")
+    on_error = get("throttle_on_error")
+    if on_error not in _POLICIES:
+        raise ThrottleConfigError(
+            f"setting throttle_on_error={on_error!r}: expected one of {', '.join(_POLICIES)}")
+    try:
+        prefix = validate_prefix(get("throttle_prefix"))
+    except ValueError as exc:
+        raise ThrottleConfigError(f"setting throttle_prefix: {exc}") from exc
+    max_countdown = _seconds("throttle_max_countdown", get("throttle_max_countdown"),
+                             allow_none=True)
+    return Config(
+        redis_url=url,
+        prefix=prefix,
+        queues=_queue_limits(get("throttle_queues")),
+        on_error=on_error,
+        max_wait=_seconds("throttle_max_wait", get("throttle_max_wait"), allow_none=True),
+        horizon=_seconds("throttle_horizon", get("throttle_horizon"), allow_none=False) or 0.0,
+        max_countdown=max_countdown or _default_max_countdown(app),
+        max_sleep=_seconds("throttle_max_sleep", get("throttle_max_sleep"),
+                           allow_none=False) or 0.0,
+        claim_grace=_seconds("throttle_claim_grace", get("throttle_claim_grace"),
+                             allow_none=True),
+    )
+

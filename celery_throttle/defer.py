@@ -1,0 +1,188 @@
+"""Making an over-limit task wait for its slot: claims, sleeps, countdowns, hops, expiry.
+
+The task is re-published under the same id, queue, routing, headers and
+options, with ``retries`` untouched, then the running copy ends with Celery's
+``Ignore`` (its message is acknowledged, no result is stored).  What it needs
+on the next arrival travels in one message header, :data:`HEADER`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import Task
+from celery.exceptions import Ignore
+
+from .errors import ThrottleStoreError, ThrottleTimeout
+from .gate import Decision, Limit, Reservation
+from .store import Runtime
+
+__all__ = ["HEADER", "WaitState", "admit"]
+
+logger = logging.getLogger("celery_throttle")
+
+#: The message header carrying a waiting task's state between hops.
+HEADER = "celery_throttle"
+
+# The store being down is reported once per this many seconds per process,
+# not once per task (hundreds of tasks may be deferred per second).
+_OUTAGE_LOG_EVERY = 30.0
+_last_outage_log = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WaitState:
+    """What a deferred message carries: its booked slot, deferral count and first wait."""
+
+    slot: int | None = None  # booked start, server clock, microseconds
+    booked: int = 0  # the limits the slot is booked in (Reservation.booked)
+    deferrals: int = 0
+    since: int | None = None  # server clock (us) of the first deferral
+
+    @classmethod
+    def from_request(cls, request: Any) -> WaitState:
+        """Read the state from a task request (Celery >= 5.3 exposes custom headers)."""
+        raw = (getattr(request, "headers", None) or {}).get(HEADER)
+        if raw is None:
+            raw = getattr(request, HEADER, None)
+        if not isinstance(raw, dict):
+            return cls()
+        def num(name: str) -> int:
+            value = raw.get(name)
+            return value if isinstance(value, int) and value > 0 else 0
+
+        return cls(num("slot") or None, num("booked"), num("deferrals"), num("since") or None)
+
+    @property
+    def claim(self) -> Reservation | None:
+        """The reservation to claim on arrival, if any."""
+        return Reservation(self.slot, self.booked) if self.slot else None
+
+    def to_header(self) -> dict[str, int | None]:
+        """The header value (JSON-safe)."""
+        return {"slot": self.slot, "booked": self.booked, "deferrals": self.deferrals,
+                "since": self.since}
+
+
+def _grace(runtime: Runtime, limits: list[Limit]) -> float:
+    if runtime.config.claim_grace is not None:
+        return runtime.config.claim_grace
+    # A start up to half an interval late in its slot can add at most one
+    # start to a window (the documented jitter allowance); later, ask again.
+    return min(0.25, min(lim.rate.interval for lim in limits) / 2)
+
+
+def _seconds_to_expiry(request: Any) -> float | None:
+    expires = getattr(request, "expires", None)
+    if not expires:
+        return None
+    when = expires if isinstance(expires, dt.datetime) else dt.datetime.fromisoformat(expires)
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return (when - dt.datetime.now(dt.timezone.utc)).total_seconds()
+
+
+def admit(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
+          max_wait: float | None) -> None:
+    """Return when ``task`` may start now; otherwise re-schedule it and raise ``Ignore``.
+
+    Raises :class:`ThrottleTimeout` past ``max_wait`` and
+    :class:`ThrottleStoreError` when the store fails under ``on_error="fail"``.
+    """
+    request = task.request
+    state = WaitState.from_request(request)
+    config = runtime.config
+    # Book no slot the task could not use: past its expiry or its max_wait.
+    horizon = config.horizon
+    to_expiry = _seconds_to_expiry(request)
+    if to_expiry is not None:
+        horizon = min(horizon, max(0.0, to_expiry))
+    try:
+        decision = runtime.gate.acquire_many(
+            limits, reserve=horizon, claim=state.claim, grace=_grace(runtime, limits))
+    except redis.RedisError as exc:
+        _store_failed(task, runtime, state, exc)
+        return
+    if decision.allowed:
+        return
+    if state.slot is not None and not decision.early:
+        # Arrived after its slot's grace, or a limit it was not booked in is
+        # busy: the slot is lost (a little throughput) rather than used late
+        # (that could burst).
+        logger.info("throttle: task %s[%s] lost its slot (%.3fs ago); asking again",
+                    task.name, request.id, (decision.now - state.slot) / 1e6)
+    waited = (decision.now - state.since) / 1e6 if state.since else 0.0
+    if to_expiry is not None and decision.retry_after > to_expiry:
+        _expire(task, decision)
+    if max_wait is not None and waited + decision.retry_after > max_wait:
+        raise ThrottleTimeout(task.name, _limit_name(decision), waited + decision.retry_after,
+                              max_wait)
+    if decision.slot is not None and decision.retry_after <= config.max_sleep:
+        # Our slot is booked: a short wait is cheaper slept than re-published.
+        time.sleep(decision.retry_after)
+        return
+    if decision.slot is not None:
+        countdown = decision.retry_after
+    else:
+        # Nothing booked (the wait is beyond the horizon): come back when a
+        # slot is within reach.
+        countdown = max(decision.retry_after - horizon, config.max_sleep, 0.001)
+    booking = decision.reservation
+    new = WaitState(booking.slot if booking else None, booking.booked if booking else 0,
+                    state.deferrals + 1, state.since or decision.now)
+    _republish(task, new, min(countdown, config.max_countdown))
+    logger.info(
+        "throttle: task %s[%s] waits %.3fs for limit %r (deferral %d)",
+        task.name, request.id, decision.retry_after, _limit_name(decision), new.deferrals)
+    raise Ignore()
+
+
+def _limit_name(decision: Decision) -> str:
+    return decision.limit.name if decision.limit is not None else "(booked slot)"
+
+
+def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> None:
+    request = task.request
+    headers = {**(request.headers or {}), HEADER: state.to_header()}
+    # signature_from_request keeps id, args, queue/routing, priority, links,
+    # chain, expires, time limits and `retries` (so max_retries is untouched).
+    task.signature_from_request(request, countdown=countdown, headers=headers).apply_async()
+
+
+def _expire(task: Task[Any, Any], decision: Decision) -> None:
+    request = task.request
+    logger.info("throttle: task %s[%s] expires before its slot (%.3fs away); not run",
+                task.name, request.id, decision.retry_after)
+    task.backend.mark_as_revoked(str(request.id), "expired", request=request)
+    raise Ignore()
+
+
+def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
+                  exc: redis.RedisError) -> None:
+    global _last_outage_log
+    policy = runtime.config.on_error
+    now = time.monotonic()
+    if now - _last_outage_log >= _OUTAGE_LOG_EVERY:
+        _last_outage_log = now
+        # The exception's text names host and port, never the password.
+        logger.warning("throttle: store unavailable (%s: %s); policy %r",
+                       type(exc).__name__, exc, policy)
+    if policy == "allow":
+        return
+    if policy == "fail":
+        raise ThrottleStoreError(f"throttle store unavailable for task {task.name!r}: "
+                                 f"{type(exc).__name__}") from exc
+    # "defer": never run unthrottled, never lost; back off 1, 2, 4 ... 30 s
+    # with jitter so that a fleet of waiting tasks does not return in step.
+    backoff = min(30.0, 2.0 ** min(state.deferrals, 5)) * random.uniform(0.5, 1.0)
+    new = WaitState(state.slot, state.booked, state.deferrals + 1, state.since)
+    _republish(task, new, backoff)
+    logger.info("throttle: task %s[%s] re-scheduled in %.1fs: store unavailable (deferral %d)",
+                task.name, task.request.id, backoff, new.deferrals)
+    raise Ignore()

@@ -1,0 +1,238 @@
+"""How Celery is hooked: ``@throttled`` and the call-path hook that gates a task.
+
+The gate sits in the task's call path (its ``run``), not in a signal handler:
+Celery logs and swallows exceptions raised by signal receivers, so a receiver
+cannot stop a task from running.  Direct calls (``task(...)``) and eager mode
+(``task_always_eager``, ``task.apply()``) bypass the gate.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from celery import Task
+from celery import _state as celery_state
+from celery.local import PromiseProxy, Proxy
+
+from .defer import admit
+from .gate import Limit, _positive_int
+from .keys import validate_name
+from .rates import Rate, parse_rate
+from .store import runtime_for
+
+__all__ = ["Throttle", "ensure_gated", "throttled"]
+
+T = TypeVar("T")
+ArgFn = Callable[..., Any]
+
+_SPECS_ATTR = "__throttle_specs__"
+_ORIGINAL_RUN = "__throttle_run__"
+# Shared tasks get one task object per app; the specs follow them by name.
+_shared_specs: dict[str, list[Throttle]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Throttle:
+    """One ``@throttled`` limit of a task (validated at definition time)."""
+
+    rate: Rate
+    burst: int = 1
+    key: str | ArgFn | None = None
+    name: str | None = None
+    cost: int | ArgFn = 1
+    max_wait: float | None = None
+    signature: inspect.Signature | None = field(default=None, compare=False, repr=False)
+
+    def limit(self, task_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Limit:
+        """The limit for one call, with its key value and cost computed from the arguments."""
+        name = self.name or task_name
+        key = None
+        if callable(self.key):
+            key = self.key(*args, **kwargs)
+        elif self.key is not None:
+            assert self.signature is not None
+            try:
+                bound = self.signature.bind_partial(*args, **kwargs)
+            except TypeError as exc:
+                raise ValueError(f"task {task_name!r}: cannot bind arguments: {exc}") from exc
+            if self.key not in bound.arguments:
+                raise ValueError(f"task {task_name!r}: key argument {self.key!r} was not passed")
+            key = bound.arguments[self.key]
+        if key is None and self.key is not None:
+            raise ValueError(f"task {task_name!r}: key argument {self.key!r} is None")
+        cost = self.cost(*args, **kwargs) if callable(self.cost) else self.cost
+        if isinstance(cost, bool) or not isinstance(cost, int) or not 1 <= cost <= self.burst:
+            raise ValueError(
+                f"task {task_name!r}: cost {cost!r} of limit {name!r} must be an integer "
+                f"from 1 to the burst ({self.burst})")
+        try:
+            return Limit(name, self.rate, self.burst, key, cost)
+        except TypeError as exc:  # a key value of an unsupported type
+            raise TypeError(f"task {task_name!r}, limit {name!r}: {exc}") from None
+
+
+def throttled(
+    rate: str | Rate,
+    *,
+    burst: int = 1,
+    key: str | ArgFn | None = None,
+    name: str | None = None,
+    cost: int | ArgFn = 1,
+    max_wait: float | None = None,
+) -> Callable[[T], T]:
+    """Limit every start of the decorated task, across all workers.
+
+    Stack it *above* ``@app.task(...)`` or ``@shared_task(...)``; stacked
+    ``@throttled`` limits are passed together, all or nothing.
+
+    * ``key``: an argument name, or a callable taking the task's arguments,
+      whose value selects one bucket per value (tenant, API key).
+    * ``name``: the bucket's name; tasks with the same name share it
+      (default: the task's name).
+    * ``cost``: units per start, an int or a callable taking the task's arguments.
+    * ``max_wait``: seconds the task may wait in total before it fails with
+      :class:`~celery_throttle.ThrottleTimeout` (overrides ``throttle_max_wait``).
+    """
+
+    def decorate(task: T) -> T:
+        label, fun, bind = _describe(task)
+        try:
+            spec = _build_spec(rate, burst, key, name, cost, max_wait, fun, bind)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"@throttled on task {label}: {exc}") from None
+        if isinstance(task, Task):
+            _attach(task, spec)
+        elif isinstance(task, PromiseProxy) and not task.__evaluated__():
+            task.__then__(lambda: _attach(task._get_current_object(), spec))
+        else:  # a shared_task proxy: one task object per app
+            real = task._get_current_object()  # type: ignore[attr-defined]
+            _shared_specs.setdefault(real.name, []).append(spec)
+            _attach(real, spec)
+            for app in celery_state._get_active_apps():  # type: ignore[attr-defined]
+                if app.finalized and real.name in app._tasks:
+                    other = app._tasks[real.name]
+                    if other is not real:
+                        _attach(other, spec)
+        return task
+
+    return decorate
+
+
+def _describe(task: object) -> tuple[str, Callable[..., Any] | None, bool]:
+    """A label for errors, the task's function and whether it is bound, without evaluating."""
+    if isinstance(task, Task):
+        return repr(task.name), task.run, False  # task.run is already bound when bind=True
+    if isinstance(task, PromiseProxy) and not task.__evaluated__():
+        try:
+            # The proxy holds (fun,) and the task options until first use.
+            fun = object.__getattribute__(task, "_Proxy__args")[0]
+            opts = object.__getattribute__(task, "_Proxy__kwargs")
+            return f"{fun.__module__}.{fun.__qualname__}", fun, bool(opts.get("bind"))
+        except (AttributeError, IndexError):
+            return "(lazy task)", None, False
+    if isinstance(task, Proxy):
+        real = task._get_current_object()
+        return repr(real.name), real.run, False
+    raise TypeError(
+        f"@throttled must decorate a Celery task (put it above @app.task), got {task!r}")
+
+
+def _build_spec(rate: object, burst: object, key: object, name: object, cost: object,
+                max_wait: object, fun: Callable[..., Any] | None, bind: bool) -> Throttle:
+    parsed = parse_rate(rate)
+    _positive_int("burst", burst)
+    assert isinstance(burst, int)
+    if name is not None:
+        validate_name(name)
+    if not callable(cost):
+        _positive_int("cost", cost)
+        if cost > burst:  # type: ignore[operator]
+            raise ValueError(f"cost {cost} exceeds burst {burst}: it could never pass")
+    if max_wait is not None and (
+        isinstance(max_wait, bool) or not isinstance(max_wait, int | float) or max_wait < 0
+    ):
+        raise ValueError(f"invalid max_wait {max_wait!r}: expected seconds >= 0 or None")
+    signature = None
+    if isinstance(key, str):
+        if fun is None:
+            raise ValueError(f"key {key!r}: the task's function cannot be inspected")
+        signature = inspect.signature(fun)
+        params = list(signature.parameters.values())
+        if bind and params:
+            params = params[1:]
+            signature = signature.replace(parameters=params)
+        if key not in signature.parameters and not any(
+            p.kind is p.VAR_KEYWORD for p in params
+        ):
+            raise ValueError(f"key {key!r} is not an argument of the task "
+                             f"(arguments: {', '.join(signature.parameters) or 'none'})")
+    elif key is not None and not callable(key):
+        raise ValueError(f"invalid key {key!r}: expected an argument name or a callable")
+    return Throttle(parsed, burst, key, name, cost, max_wait, signature)  # type: ignore[arg-type]
+
+
+def _attach(task: Task[Any, Any], spec: Throttle) -> None:
+    specs: list[Throttle] = task.__dict__.setdefault(_SPECS_ATTR, [])
+    specs.append(spec)
+    ensure_gated(task)
+
+
+def specs_of(task: Task[Any, Any]) -> list[Throttle]:
+    """The ``@throttled`` limits of ``task`` (outermost last)."""
+    return list(task.__dict__.get(_SPECS_ATTR, ()))
+
+
+def ensure_gated(task: Task[Any, Any]) -> None:
+    """Put the gate in ``task``'s call path (idempotent).
+
+    The instance's ``run`` is replaced before the worker builds its tracers
+    (they capture ``task.run``), i.e. at import, app finalize or worker init.
+    """
+    if _ORIGINAL_RUN in task.__dict__:
+        return
+    run = task.run
+    task.__dict__[_ORIGINAL_RUN] = run
+
+    @functools.wraps(run)
+    def gated_run(*args: Any, **kwargs: Any) -> Any:
+        request = task.request
+        if request.called_directly or request.is_eager:
+            return run(*args, **kwargs)
+        specs = task.__dict__.get(_SPECS_ATTR, ())
+        runtime = runtime_for(task.app)
+        limits = [spec.limit(task.name, args, kwargs) for spec in specs]
+        queue_limit = runtime.config.queue_limit(_queue_of(request))
+        if queue_limit is not None:
+            limits.append(queue_limit)
+        if limits:
+            max_wait = next((s.max_wait for s in specs if s.max_wait is not None),
+                            runtime.config.max_wait)
+            admit(task, runtime, limits, max_wait)
+        return run(*args, **kwargs)
+
+    task.run = gated_run  # type: ignore[method-assign]
+
+
+def _queue_of(request: Any) -> str | None:
+    info = request.delivery_info or {}
+    # Celery routes to a queue through the default (direct) exchange with the
+    # queue's name as routing key; the Redis transport reports that key.
+    return info.get("routing_key") or None
+
+
+def _gate_shared(sender: Any, **_: Any) -> None:
+    for task_name, specs in _shared_specs.items():
+        task = sender._tasks.get(task_name)
+        if task is not None and _SPECS_ATTR not in task.__dict__:
+            for spec in specs:
+                _attach(task, spec)
+
+
+# Runs as every app finalizes, before the shared tasks of that app exist;
+# so it only asks to be called once they do.
+celery_state.connect_on_app_finalize(
+    lambda app: app.on_after_finalize.connect(_gate_shared, sender=app, weak=False))

@@ -1,0 +1,99 @@
+"""``install(app)``: queue limits for every task, and the worker's signal receivers.
+
+Receivers (all idempotent, all for this app only):
+
+* ``on_after_finalize`` / ``worker_init``: put the gate in every task's call
+  path (queue limits apply to undecorated tasks too).  This must happen before
+  the worker builds its tracers, which capture ``task.run``.
+* ``worker_process_init``: drop the Redis connection inherited across the
+  prefork fork and load the script in the child.
+* ``worker_ready``: load the script and log one line listing the limits in force.
+* ``worker_process_shutdown`` / ``worker_shutdown``: close the connection.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, signals
+
+from .config import read_config
+from .store import forget, runtime_for
+from .task import ensure_gated, specs_of
+
+__all__ = ["install", "limits_in_force"]
+
+logger = logging.getLogger("celery_throttle")
+
+_INSTALLED = "_celery_throttle_installed"
+
+
+def install(app: Celery) -> Celery:
+    """Enable celery_throttle on ``app``: call once where the app is made (idempotent).
+
+    Validates the ``throttle_*`` settings now (raising
+    :class:`~celery_throttle.ThrottleConfigError` naming the bad setting) and
+    again when a worker starts.
+    """
+    if getattr(app, _INSTALLED, False):
+        return app
+    setattr(app, _INSTALLED, True)
+    read_config(app)
+
+    def gate_all(**_: Any) -> None:
+        for name, task in list(app.tasks.items()):
+            if not name.startswith("celery."):  # Celery's own chord/chain helpers stay free
+                ensure_gated(task)
+
+    def on_worker_init(sender: Any = None, **_: Any) -> None:
+        if _is_ours(sender):
+            read_config(app)
+            gate_all()
+
+    def on_process_init(**_: Any) -> None:
+        # A client inherited through fork shares its socket with the parent.
+        forget(app)
+        _preload()
+
+    def on_ready(sender: Any = None, **_: Any) -> None:
+        if _is_ours(sender):
+            _preload()
+            logger.info("celery_throttle: limits in force: %s", "; ".join(limits_in_force(app))
+                        or "none")
+
+    def on_shutdown(**_: Any) -> None:
+        forget(app)
+
+    def _preload() -> None:
+        try:
+            runtime_for(app).gate.preload()
+        except Exception as exc:
+            logger.warning("celery_throttle: could not preload the gate script: %s",
+                           type(exc).__name__)
+
+    def _is_ours(sender: Any) -> bool:
+        return sender is None or getattr(sender, "app", app) is app
+
+    if getattr(app, "finalized", False):
+        gate_all()
+    else:
+        app.on_after_finalize.connect(gate_all, weak=False)
+    # weak=False: these closures would otherwise be garbage-collected at once.
+    signals.worker_init.connect(on_worker_init, weak=False)
+    signals.worker_process_init.connect(on_process_init, weak=False)
+    signals.worker_ready.connect(on_ready, weak=False)
+    signals.worker_process_shutdown.connect(on_shutdown, weak=False)
+    signals.worker_shutdown.connect(on_shutdown, weak=False)
+    return app
+
+
+def limits_in_force(app: Celery) -> list[str]:
+    """One human-readable line per limit of ``app`` (queue limits, then task limits)."""
+    config = read_config(app)
+    lines = [f"queue {q.queue}: {q.limit.rate} burst {q.limit.burst}" for q in config.queues]
+    for name, task in sorted(app.tasks.items()):
+        for spec in specs_of(task):
+            key = f" per {spec.key if isinstance(spec.key, str) else 'key'}" if spec.key else ""
+            lines.append(f"task {name}: {spec.name or name} {spec.rate} burst {spec.burst}{key}")
+    return lines

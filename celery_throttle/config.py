@@ -44,7 +44,8 @@ SETTINGS: dict[str, tuple[object, str]] = {
     "throttle_max_sleep": (0.25, "waits up to this many seconds are slept in the worker "
                            "instead of re-publishing the task"),
     "throttle_claim_grace": (None, "how late (s) a task may start in its booked slot; later "
-                             "it asks again; default: half the shortest interval, at most 0.25"),
+                             "it asks again; default: half the slot (cost x interval), "
+                             "between 0.02 and 0.25"),
 }
 
 

@@ -33,6 +33,7 @@ HEADER = "celery_throttle"
 # The store being down is reported once per this many seconds per process,
 # not once per task (hundreds of tasks may be deferred per second).
 _OUTAGE_LOG_EVERY = 30.0
+_GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _last_outage_log = 0.0
 
 
@@ -70,12 +71,21 @@ class WaitState:
                 "since": self.since}
 
 
-def _grace(runtime: Runtime, limits: list[Limit]) -> float:
+def _grace(runtime: Runtime, limits: list[Limit], state: WaitState) -> float:
+    """How late a task may start in its booked slot.
+
+    Up to half the slot's length (cost x interval of the limits it is booked
+    in), a late start can add at most one start to a window: the documented
+    jitter allowance.  The floor keeps claims possible at high rates, where
+    Celery's own ETA jitter (a few ms) exceeds the interval; without it a task
+    would lose every slot and never start.  The cap bounds the wait for slow
+    limits, where a 250 ms late start is harmless.
+    """
     if runtime.config.claim_grace is not None:
         return runtime.config.claim_grace
-    # A start up to half an interval late in its slot can add at most one
-    # start to a window (the documented jitter allowance); later, ask again.
-    return min(0.25, min(lim.rate.interval for lim in limits) / 2)
+    booked = [lim for i, lim in enumerate(limits) if state.booked >> i & 1] or limits
+    longest = max(lim.cost * lim.rate.interval for lim in booked)
+    return min(_GRACE_CAP, max(_GRACE_FLOOR, longest / 2))
 
 
 def _seconds_to_expiry(request: Any) -> float | None:
@@ -102,7 +112,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
         # The task starts now: its booked slot is spent.  Celery's retry() and
         # any re-publish copy request.headers, and a copy still carrying the
         # claim could be honoured a second time within the grace.
-        spent = WaitState(deferrals=state.deferrals).to_header()
+        spent = {**WaitState(deferrals=state.deferrals).to_header(), "started_slot": state.slot}
         request.headers = {**(request.headers or {}), HEADER: spent}
 
 
@@ -117,7 +127,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
         horizon = min(horizon, max(0.0, to_expiry))
     try:
         decision = runtime.gate.acquire_many(
-            limits, reserve=horizon, claim=state.claim, grace=_grace(runtime, limits))
+            limits, reserve=horizon, claim=state.claim, grace=_grace(runtime, limits, state))
     except redis.RedisError as exc:
         _store_failed(task, runtime, state, exc)
         return

@@ -47,7 +47,8 @@ def record(task: Task[Any, Any], **extra: Any) -> None:
     header = (task.request.headers or {}).get(HEADER) or {}
     _records.rpush(RECORDS_KEY, json.dumps({
         "t": now, "task": task.name, "id": task.request.id, "retries": task.request.retries,
-        "deferrals": header.get("deferrals", 0), "slot": header.get("slot"), "pid": os.getpid(),
+        "deferrals": header.get("deferrals", 0), "slot": header.get("started_slot"),
+        "pid": os.getpid(),
         "host": task.request.hostname, **extra,
     }))
 

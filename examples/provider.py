@@ -20,10 +20,11 @@ import json
 import math
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["MockProvider"]
+__all__ = ["MockProvider", "RemoteProvider"]
 
 
 class MockProvider:
@@ -130,6 +131,25 @@ class MockProvider:
                 self._reply(200, {"summary": prompt[:20], "usage": {"total_tokens": tokens}})
 
         return Handler
+
+
+class RemoteProvider:
+    """A running provider reached over HTTP (docker-compose): the same reset/stats calls."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def reset(self) -> None:
+        """Forget every request seen so far."""
+        request = urllib.request.Request(f"{self.url}/reset", data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and timestamps of accepted and refused requests."""
+        with urllib.request.urlopen(f"{self.url}/stats", timeout=10) as response:
+            data: dict[str, Any] = json.load(response)
+            return data
 
 
 def main() -> None:

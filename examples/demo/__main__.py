@@ -24,7 +24,7 @@ from typing import Any
 
 from celery_throttle import parse_rate
 from celery_throttle.testing import redis_server, workers
-from examples.provider import MockProvider
+from examples.provider import MockProvider, RemoteProvider
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,8 +65,8 @@ def _base(url: str) -> str:
     return head if tail.isdigit() and head.count("/") >= 2 else url.rstrip("/")
 
 
-def run_one(label: str, task: Any, provider: MockProvider, n: int, timeout: float,
-            limit: float) -> Run:
+def run_one(label: str, task: Any, provider: MockProvider | RemoteProvider, n: int,
+            timeout: float, limit: float) -> Run:
     """Send ``n`` tasks, show progress until all are done (bounded), collect the figures."""
     from tqdm import tqdm
 
@@ -79,10 +79,10 @@ def run_one(label: str, task: Any, provider: MockProvider, n: int, timeout: floa
         done = 0
         while done < n and time.monotonic() < deadline:
             time.sleep(0.25)
-            accepted = len(provider.accepted)
-            bar.set_postfix({"429s": len(provider.refused)})
-            bar.update(accepted - done)
-            done = accepted
+            now = provider.stats()
+            bar.set_postfix({"429s": len(now["refused"])})
+            bar.update(len(now["accepted"]) - done)
+            done = len(now["accepted"])
     # The last provider call may still be writing its result: a short, bounded wait.
     settle = time.monotonic() + 3.0
     while time.monotonic() < settle and not all(r.ready() for r in results):
@@ -93,7 +93,7 @@ def run_one(label: str, task: Any, provider: MockProvider, n: int, timeout: floa
     if len(values) < n:
         finished = time.time()  # stopped by the timeout: the run took at least this long
     return Run(label, started, finished, stats["accepted"], stats["refused"], values,
-               provider.limit / provider.window, n, limit)
+               stats["limit"] / stats["window"], n, limit)
 
 
 def print_table(runs: list[Run]) -> None:
@@ -140,10 +140,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "demo-output"))
     parser.add_argument("--timeout", type=float, default=45.0,
                         help="seconds a run may take before the demo moves on")
+    parser.add_argument("--external", action="store_true",
+                        help="use the Redis, provider and workers named by DEMO_REDIS and "
+                        "DEMO_PROVIDER (docker-compose) instead of starting them")
     args = parser.parse_args(argv)
     out = Path(args.out)
     limit = parse_rate(args.rate).per_second
     out.mkdir(parents=True, exist_ok=True)
+    runs = run_external(args, limit) if args.external else run_embedded(args, limit)
+    print()
+    print_table(runs)
+    chart = out / "demo.png"
+    draw_chart(runs, chart)
+    print(f"\nchart: {chart}")
+    # The demo fails only if our contender did not finish everything in time.
+    return 0 if len(runs[0].results) == args.tasks else 1
+
+
+def _contenders(demo: Any, provider: MockProvider | RemoteProvider, args: argparse.Namespace,
+                limit: float) -> list[Run]:
+    runs = [
+        run_one("celery_throttle", demo.summarize_throttled, provider, args.tasks,
+                args.timeout, limit),
+        run_one("celery rate_limit", demo.summarize_rate_limited, provider, args.tasks,
+                args.timeout, limit),
+    ]
+    demo.app.control.purge()  # what a stopped run left in the queue
+    demo.app.close()
+    return runs
+
+
+def run_external(args: argparse.Namespace, limit: float) -> list[Run]:
+    """Against servers and workers started elsewhere (docker-compose)."""
+    from examples.demo import app as demo
+
+    print(f"redis {demo.REDIS}, provider {demo.PROVIDER}, limit {demo.RATE}")
+    deadline = time.monotonic() + 120  # containers start in any order: wait for the workers
+    while not demo.app.control.ping(timeout=1.0):
+        if time.monotonic() > deadline:
+            raise SystemExit("no worker answered a ping within 120 s")
+    return _contenders(demo, RemoteProvider(demo.PROVIDER), args, limit)
+
+
+def run_embedded(args: argparse.Namespace, limit: float) -> list[Run]:
+    """Start Redis, the provider and two worker nodes here; stop them all afterwards."""
     provider = MockProvider(limit=10, window=1.0).start()
     try:
         with redis_server() as url:
@@ -156,23 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"limit {args.rate} for both runs, 2 worker nodes x 4 processes")
             with workers("examples.demo.app", ("node1", "node2"), concurrency=4, env=env,
                          cwd=ROOT):
-                runs = [
-                    run_one("celery_throttle", demo.summarize_throttled, provider, args.tasks,
-                            args.timeout, limit),
-                    run_one("celery rate_limit", demo.summarize_rate_limited, provider,
-                            args.tasks, args.timeout, limit),
-                ]
-                demo.app.control.purge()  # what a stopped run left in the queue
-            demo.app.close()
+                return _contenders(demo, provider, args, limit)
     finally:
         provider.stop()
-    print()
-    print_table(runs)
-    chart = out / "demo.png"
-    draw_chart(runs, chart)
-    print(f"\nchart: {chart}")
-    # The demo fails only if our contender did not finish everything in time.
-    return 0 if len(runs[0].results) == args.tasks else 1
 
 
 if __name__ == "__main__":

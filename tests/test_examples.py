@@ -71,6 +71,7 @@ def test_remote_provider_reads_a_real_provider() -> None:
             call()
         assert refused.value.code == 429
         assert refused.value.headers["Retry-After"] == "60"
+        refused.value.close()
         stats = remote.stats()
         assert (len(stats["accepted"]), len(stats["refused"])) == (2, 1)
         remote.reset()

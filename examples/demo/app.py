@@ -41,6 +41,7 @@ def call_provider(task: Task[Any, Any], prompt: str) -> dict[str, Any]:
         with urllib.request.urlopen(request, timeout=10) as response:
             body = json.load(response)
     except urllib.error.HTTPError as exc:
+        exc.close()
         if exc.code != 429:
             raise
         wait = float(exc.headers.get("Retry-After-Ms") or 1000) / 1000

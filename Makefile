@@ -28,7 +28,7 @@ test: lint
 	$(BIN)/pytest
 
 bench: $(VENV)/.installed-test
-	$(BIN)/python -m benchmarks.gate_latency
+	$(BIN)/python -m benchmarks.gate_latency | tee BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis demo-output

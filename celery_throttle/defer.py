@@ -125,6 +125,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
     to_expiry = _seconds_to_expiry(request)
     if to_expiry is not None:
         horizon = min(horizon, max(0.0, to_expiry))
+    if max_wait is not None:
+        horizon = min(horizon, max_wait)
     try:
         decision = runtime.gate.acquire_many(
             limits, reserve=horizon, claim=state.claim, grace=_grace(runtime, limits, state))
@@ -143,8 +145,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
     if to_expiry is not None and decision.retry_after > to_expiry:
         _expire(task, decision)
     if max_wait is not None and waited + decision.retry_after > max_wait:
-        raise ThrottleTimeout(task.name, _limit_name(decision), waited + decision.retry_after,
-                              max_wait)
+        raise ThrottleTimeout.exceeded(task.name, _limit_name(decision),
+                                       waited + decision.retry_after, max_wait)
     if decision.slot is not None and decision.retry_after <= config.max_sleep:
         # Our slot is booked: a short wait is cheaper slept than re-published.
         time.sleep(decision.retry_after)

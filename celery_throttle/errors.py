@@ -14,6 +14,9 @@ naming the value, at definition time.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 __all__ = ["ThrottleConfigError", "ThrottleError", "ThrottleStoreError", "ThrottleTimeout"]
 
 
@@ -22,21 +25,34 @@ class ThrottleError(Exception):
 
 
 class ThrottleTimeout(ThrottleError):
-    """A task's start would come later than its ``max_wait`` allows."""
+    """A task's start would come later than its ``max_wait`` allows.
 
-    def __init__(self, task_name: str, limit_name: str, waited: float, max_wait: float) -> None:
+    Constructible from its message alone: Celery's JSON result backend
+    re-creates an exception as ``cls(*args)``.
+    """
+
+    def __init__(self, message: str, *, task_name: str = "", limit_name: str = "",
+                 waited: float = 0.0, max_wait: float = 0.0) -> None:
+        super().__init__(message)
         self.task_name = task_name
         self.limit_name = limit_name
         self.waited = waited
         self.max_wait = max_wait
-        super().__init__(
-            f"task {task_name!r} would wait {waited:.3f}s for limit {limit_name!r}, "
-            f"past its max_wait of {max_wait:.3f}s"
-        )
 
-    def __reduce__(self) -> tuple[type[ThrottleTimeout], tuple[str, str, float, float]]:
-        # Results backends pickle or re-create exceptions from their args.
-        return (type(self), (self.task_name, self.limit_name, self.waited, self.max_wait))
+    @classmethod
+    def exceeded(cls, task_name: str, limit_name: str, waited: float,
+                 max_wait: float) -> ThrottleTimeout:
+        """The error for ``task_name`` that would wait ``waited`` s for ``limit_name``."""
+        return cls(
+            f"task {task_name!r} would wait {waited:.3f}s for limit {limit_name!r}, "
+            f"past its max_wait of {max_wait:.3f}s",
+            task_name=task_name, limit_name=limit_name, waited=waited, max_wait=max_wait)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickle keeps the details too (the default would keep only the message).
+        return (functools.partial(type(self), task_name=self.task_name,
+                                  limit_name=self.limit_name, waited=self.waited,
+                                  max_wait=self.max_wait), self.args)
 
 
 class ThrottleStoreError(ThrottleError):

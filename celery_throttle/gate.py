@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import redis
 
-from .keys import bucket_key, validate_name, validate_prefix
+from .keys import bucket_key, key_digest, validate_name, validate_prefix
 from .rates import US_PER_SECOND, Rate, parse_rate
 
 __all__ = ["Decision", "Gate", "Limit", "Reservation"]
@@ -58,6 +58,8 @@ class Limit:
         object.__setattr__(self, "rate", parse_rate(self.rate))
         _positive_int("burst", self.burst)
         _positive_int("cost", self.cost)
+        if self.key is not None:
+            key_digest(self.key)  # a TypeError naming the type, now rather than at the call
         if self.cost > self.burst:
             raise ValueError(
                 f"cost {self.cost} exceeds burst {self.burst} of limit {self.name!r}: "
@@ -193,8 +195,9 @@ class Gate:
             claim.booked if claim is not None else 0,
         )
         keys = [_key_bytes(self.prefix, lim.name, lim.key) for lim in limits]
-        args = [_head_arg(*head)]
-        args += [_limit_arg(lim.rate.interval_us, lim.burst, lim.cost) for lim in limits]
+        args = list(_head_args(*head))
+        for lim in limits:
+            args += _limit_args(lim.rate.interval_us, lim.burst, lim.cost)
         reply = self._script(keys=keys, args=args)
         if reply == _ALLOWED:  # the hot path replies with a bare integer
             return _ADMITTED
@@ -222,19 +225,19 @@ class Gate:
 # The arguments of a limit and a bucket's key are encoded once, not per call:
 # with redis-py's pure-Python encoder that is a good part of a decision's cost.
 @functools.lru_cache(maxsize=1024)
-def _limit_arg(interval_us: int, burst: int, cost: int) -> bytes:
-    return f"{interval_us} {burst} {cost}".encode()
+def _limit_args(interval_us: int, burst: int, cost: int) -> tuple[bytes, bytes, bytes]:
+    return (str(interval_us).encode(), str(burst).encode(), str(cost).encode())
 
 
-def _head_arg(now: int, horizon: int, claim: int, grace: int, mask: int) -> bytes:
+def _head_args(now: int, horizon: int, claim: int, grace: int, mask: int) -> tuple[bytes, ...]:
     if now == 0 and claim == 0 and mask == 0:  # most calls: cache the few distinct ones
         return _plain_head(horizon, grace)
-    return f"{now} {horizon} {claim} {grace} {mask}".encode()
+    return tuple(str(v).encode() for v in (now, horizon, claim, grace, mask))
 
 
 @functools.lru_cache(maxsize=256)
-def _plain_head(horizon: int, grace: int) -> bytes:
-    return f"0 {horizon} 0 {grace} 0".encode()
+def _plain_head(horizon: int, grace: int) -> tuple[bytes, ...]:
+    return (b"0", str(horizon).encode(), b"0", str(grace).encode(), b"0")
 
 
 @functools.lru_cache(maxsize=65536)

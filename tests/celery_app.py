@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery, Task, shared_task
+from celery import Celery, Task, current_task, shared_task
 
 import celery_throttle
 from celery_throttle import HEADER, throttled
@@ -36,6 +36,8 @@ if os.environ.get("CT_MAX_SLEEP"):
     app.conf.throttle_max_sleep = float(os.environ["CT_MAX_SLEEP"])
 if os.environ.get("CT_GRACE"):
     app.conf.throttle_claim_grace = float(os.environ["CT_GRACE"])
+if os.environ.get("CT_MAX_COUNTDOWN"):
+    app.conf.throttle_max_countdown = float(os.environ["CT_MAX_COUNTDOWN"])
 celery_throttle.install(app)
 
 _records = redis.Redis.from_url(f"{REDIS}/13")
@@ -45,11 +47,12 @@ def record(task: Task[Any, Any], **extra: Any) -> None:
     """Append this start to the records list (time first: that is what is judged)."""
     now = time.time()
     header = (task.request.headers or {}).get(HEADER) or {}
+    queue = (task.request.delivery_info or {}).get("routing_key")
     _records.rpush(RECORDS_KEY, json.dumps({
         "t": now, "task": task.name, "id": task.request.id, "retries": task.request.retries,
         "deferrals": header.get("deferrals", 0), "slot": header.get("started_slot"),
         "pid": os.getpid(),
-        "host": task.request.hostname, **extra,
+        "host": task.request.hostname, "queue": queue, **extra,
     }))
 
 
@@ -120,9 +123,25 @@ def undecorated(self: Task[Any, Any], i: int) -> int:
 
 
 @throttled("10/s")
-@shared_task(bind=True)
-def shared_one(self: Task[Any, Any], i: int) -> int:
-    """A shared_task under @throttled."""
+@shared_task
+def shared_one(i: int) -> int:
+    """A shared_task (not bound) under @throttled."""
+    record(current_task, i=i)
+    return i
+
+
+@throttled("1/s", max_wait=1.5)
+@app.task(bind=True)
+def impatient(self: Task[Any, Any], i: int) -> int:
+    """Fails with ThrottleTimeout rather than wait more than 1.5 s."""
+    record(self, i=i)
+    return i
+
+
+@throttled("1/2s", name="hops")
+@app.task(bind=True)
+def long_wait(self: Task[Any, Any], i: int) -> int:
+    """Waits several seconds; with a 1 s max countdown that takes several hops."""
     record(self, i=i)
     return i
 

@@ -184,3 +184,37 @@ class _Recorder:
 
     def apply_async(self) -> None:
         self.sink.append(self.options)
+
+
+def test_key_and_cost_from_positional_or_keyword_arguments(app: Celery) -> None:
+    """The key argument is found whether passed by position or by name; cost likewise."""
+
+    @throttled("5/s", key="tenant", cost=lambda tenant, doc: len(doc), burst=10)
+    @app.task(bind=True, shared=False)
+    def job(self: Task[Any, Any], tenant: str, doc: str) -> None: ...
+
+    (spec,) = specs_of(app.tasks[job.name])
+    by_position = spec.limit(job.name, ("acme", "abc"), {})
+    by_name = spec.limit(job.name, (), {"doc": "abc", "tenant": "acme"})
+    assert (by_position.key, by_position.cost) == ("acme", 3)
+    assert by_position == by_name
+    with pytest.raises(ValueError, match="key argument 'tenant' is None"):
+        spec.limit(job.name, (None, "abc"), {})
+    with pytest.raises(ValueError, match="cost 11 of limit"):
+        spec.limit(job.name, ("acme", "x" * 11), {})
+    with pytest.raises(TypeError, match="type float"):
+        spec.limit(job.name, (1.5, "abc"), {})
+
+
+def test_throttle_timeout_survives_json_and_pickle() -> None:
+    """ThrottleTimeout re-creates from its message (Celery's JSON backend) and pickles whole."""
+    import pickle
+
+    from celery_throttle import ThrottleTimeout
+
+    exc = ThrottleTimeout.exceeded("app.job", "openai", 12.5, 10.0)
+    assert str(ThrottleTimeout(*exc.args)) == str(exc)
+    again = pickle.loads(pickle.dumps(exc))
+    assert (again.task_name, again.limit_name, again.waited, again.max_wait) == (
+        "app.job", "openai", 12.5, 10.0)
+    assert "would wait 12.500s for limit 'openai', past its max_wait of 10.000s" in str(again)

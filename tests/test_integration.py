@@ -130,6 +130,8 @@ def test_queue_limit_applies_to_undecorated_task(
     times = [r["t"] for r in rows]
     check_window_bound(times, rate=10, burst=1, period=1.0)
     assert (len(times) - 1) / (times[-1] - times[0]) >= 0.9 * 10
+    assert {r["queue"] for r in rows} == {"ext"}  # deferred copies went back to their queue
+    assert max(r["deferrals"] for r in rows) >= 1
 
 
 def test_stacked_limit_waiting_does_not_consume_sibling_limit(
@@ -159,8 +161,10 @@ def test_retry_budget_untouched_and_expiry_honoured(
     with cluster(redis_base, ("w1",)):
         plain = [capp.no_retries.delay(i) for i in range(15)]  # up to ~3 s of waiting
         expiring = [capp.expiring.apply_async((i,), expires=2.0) for i in range(12)]
+        impatient = [capp.impatient.delay(i) for i in range(5)]
         sent = time.time()
         states = wait_results(plain + expiring, timeout=30)
+        late = wait_results(impatient, timeout=10)
         time.sleep(0.5)
         rows = read_records(records, expect=0, timeout=0)
     assert states[:15] == ["SUCCESS"] * 15
@@ -170,6 +174,13 @@ def test_retry_budget_untouched_and_expiry_honoured(
     assert all(r["t"] <= sent + 2.0 + 0.05 for r in ran)
     assert 3 <= len(ran) <= 6  # 2/s for 2 s, plus the burst at t=0
     assert states[15:].count("REVOKED") == 12 - len(ran)
+    # max_wait=1.5 at 1/s: starts at 0, 1 and 2 s pass (waits <= 1.5 s after the first
+    # deferral is not required); the rest fail with ThrottleTimeout, none run late.
+    assert late.count("SUCCESS") + late.count("FAILURE") == 5
+    assert 2 <= late.count("SUCCESS") <= 3
+    failed = [r for r in impatient if r.state == "FAILURE"]
+    assert all(type(r.result).__name__ == "ThrottleTimeout" for r in failed)
+    assert len([r for r in rows if r["task"].endswith("impatient")]) == late.count("SUCCESS")
 
 
 @pytest.mark.parametrize("pool", ["threads", "solo"])
@@ -202,3 +213,16 @@ def test_user_retry_does_not_reuse_a_spent_slot(
         assert wait_results(results, timeout=20) == ["SUCCESS"] * 20
     assert len(rows) == 40  # each task: one start, one retry
     check_window_bound([r["t"] for r in rows], rate=5, burst=1, period=1.0)
+
+
+def test_long_waits_hop_within_max_countdown(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """With a 1 s max countdown, 4 s waits take several hops and keep the bound."""
+    with cluster(redis_base, ("w1",), env={"CT_MAX_COUNTDOWN": "1"}):
+        results = [capp.long_wait.delay(i) for i in range(3)]  # starts at 0, 2 and 4 s
+        assert wait_results(results, timeout=30) == ["SUCCESS"] * 3
+        rows = read_records(records, expect=3, timeout=5)
+    times = [r["t"] for r in rows]
+    check_window_bound(times, rate=0.5, burst=1, period=2.0)
+    assert max(r["deferrals"] for r in rows) >= 4  # the 4 s wait: at least 4 hops of <= 1 s

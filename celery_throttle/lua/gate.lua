@@ -13,27 +13,25 @@ written.  This script is the only copy of the algorithm.
 
 KEYS[i]   the bucket of limit i (all share one hash tag; see keys.py)
 
-ARGV[1]   five integers separated by spaces (one argument: redis-py's packing
-          of each argument costs more than this script's whole run):
-  now       microseconds; 0 = use this server's TIME
-  horizon   reservation horizon, microseconds; -1 = never reserve.
-            When denied and the wait is <= horizon, the earliest common slot S
-            is booked and returned, so N waiting jobs get N distinct, evenly
-            spaced start times instead of returning all at once.  A limit is
-            booked at S only if it would otherwise be free for at most one
-            start of its own before S (the limits that force S always are):
-            GCRA keeps one TAT per bucket and cannot hold a hole, so booking a
-            limit free long before S would block its other users until S.
-            The others are charged when the slot is claimed.
-  claim     the slot S (microseconds) this caller booked earlier, or 0
-  grace     microseconds: a claim is honoured from S up to S + grace; later it
-            is void and a fresh decision is made (a late start in an old slot
-            would crowd a newer window and break the bound)
-  mask      bit i-1 set where the claimed slot is booked in limit i; the other
-            limits are charged when the claim is honoured; 0 without a claim
-ARGV[1+i] for limit i = 1..n: "T B c", integers separated by spaces: interval T
-          (microseconds >= 1), burst B (>= 1), cost c (1 <= c <= B; checked by
-          the caller)
+ARGV[1]   now, microseconds; 0 = use this server's TIME
+ARGV[2]   reservation horizon, microseconds; -1 = never reserve.
+          When denied and the wait is <= horizon, the earliest common slot S is
+          booked and returned, so N waiting jobs get N distinct, evenly spaced
+          start times instead of returning all at once.  A limit is booked at
+          S only if it would otherwise be free for at most one start of its
+          own before S (the limits that force S always are): GCRA keeps one
+          TAT per bucket and cannot hold a hole, so booking a limit free long
+          before S would block its other users until S.  The others are
+          charged when the slot is claimed.
+ARGV[3]   claim: the slot S (microseconds) this caller booked earlier, or 0
+ARGV[4]   claim grace, microseconds: a claim is honoured from S up to S + grace;
+          later it is void and a fresh decision is made (a late start in an
+          old slot would crowd a newer window and break the bound)
+ARGV[5]   claim mask: bit i-1 set where the claimed slot is booked in limit i;
+          the other limits are charged when the claim is honoured; 0 without
+ARGV[3+3i .. 5+3i] for limit i = 1..n (ARGV[6], ARGV[7], ARGV[8] for i = 1):
+          interval T (microseconds >= 1), burst B (>= 1), cost c (1 <= c <= B;
+          checked by the caller)
 
 Reply: 1 when simply allowed (charged now); otherwise
        { status, wait_us, blocking, slot_us, now_us, mask } (integers only)
@@ -47,34 +45,24 @@ Reply: 1 when simply allowed (charged now); otherwise
   mask     with status 2, the limits the slot is booked in (bit i-1 = limit i)
 ]]
 
-local function ints(s)
-  local out = {}
-  for v in string.gmatch(s, '%S+') do
-    out[#out + 1] = tonumber(v)
-  end
-  return out
-end
-
-local head = ints(ARGV[1])
-local now, horizon, claim, grace, mask = head[1], head[2], head[3], head[4], head[5]
+local now = tonumber(ARGV[1])
 if now <= 0 then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
+local horizon = tonumber(ARGV[2])
+local claim = tonumber(ARGV[3])
+local grace = tonumber(ARGV[4])
+local mask = tonumber(ARGV[5])
 local n = #KEYS
 
 local function booked_in(m, i)
   return math.floor(m / 2 ^ (i - 1)) % 2 == 1
 end
 
-local params = {}
-for i = 1, n do
-  params[i] = ints(ARGV[1 + i])
-end
-
 local function limit(i)
-  local p = params[i]
-  return p[1], p[2], p[3]
+  local base = 5 + 3 * i
+  return tonumber(ARGV[base - 2]), tonumber(ARGV[base - 1]), tonumber(ARGV[base])
 end
 
 -- Read every bucket once; wait[i] = how long until limit i admits its cost.

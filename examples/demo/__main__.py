@@ -52,12 +52,11 @@ class Run:
         """The table row."""
         n = max(1, len(self.results))
         deferrals = sum(r["deferrals"] for r in self.results) / n
-        retries = sum(r["retries"] for r in self.results) / n
         span = max(1e-9, self.accepted[-1] - self.accepted[0]) if len(self.accepted) > 1 else 1
         achieved = (len(self.accepted) - 1) / span if self.accepted else 0.0
         return [self.label, str(len(self.refused)), f"{self.seconds:.1f}",
                 f"{achieved / self.quota:.2f}", f"{achieved / self.limit:.2f}",
-                f"{deferrals:.2f}", f"{retries:.2f}", f"{len(self.results)}/{self.sent}"]
+                f"{deferrals:.2f}", f"{len(self.results)}/{self.sent}"]
 
 
 def _base(url: str) -> str:
@@ -98,8 +97,7 @@ def run_one(label: str, task: Any, provider: MockProvider | RemoteProvider, n: i
 
 def print_table(runs: list[Run]) -> None:
     """The summary table."""
-    head = ["run", "429s", "seconds", "quota use", "limit use", "deferrals/task",
-            "429-retries/task", "tasks done"]
+    head = ["run", "429s", "seconds", "quota use", "limit use", "deferrals/task", "tasks done"]
     rows = [head] + [r.row() for r in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     for i, row in enumerate(rows):

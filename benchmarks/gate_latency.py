@@ -119,6 +119,14 @@ def main(argv: list[str] | None = None) -> None:
         floor = client.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
         print(f"Redis CPU per decision (INFO commandstats usec_per_call): {per_call} us; "
               f"`return 1` with the same arguments: {floor} us")
+        gate50 = statistics.median(results["gate, 1 limit"])
+        floor50 = statistics.median(results["EVALSHA `return 1`, same arguments"])
+        print(f"\nReading: a decision's p50 is {gate50 / ping50:.2f}x PING (target 1.3x). "
+              f"{(floor50 - ping50) * 1e6:.0f} us of the gap is the client's cost of an "
+              f"EVALSHA with this argument shape (redis-py, pure-Python parser); of the "
+              f"{(gate50 - floor50) * 1e6:.0f} us between that floor and the gate, "
+              f"{per_call - floor:.0f} us is the script's extra Redis CPU, the rest the "
+              "gate's Python side and scheduling noise.")
 
         print("\n## First call after SCRIPT FLUSH (NOSCRIPT, reload, EVALSHA)\n")
         cold = []

@@ -20,11 +20,36 @@ import json
 import math
 import threading
 import time
+import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["MockProvider", "RemoteProvider"]
+__all__ = ["MockProvider", "RateLimited", "RemoteProvider", "summarize"]
+
+
+class RateLimited(Exception):
+    """The provider answered 429; ``retry_after`` is its Retry-After in seconds."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"429 Too Many Requests, retry after {retry_after:.3f}s")
+        self.retry_after = retry_after
+
+
+def summarize(base_url: str, prompt: str) -> dict[str, Any]:
+    """The client side: POST a prompt; raise :class:`RateLimited` on 429."""
+    request = urllib.request.Request(
+        f"{base_url}/v1/summarize", data=json.dumps({"prompt": prompt}).encode(),
+        headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body: dict[str, Any] = json.load(response)
+            return body
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        if exc.code != 429:
+            raise
+        raise RateLimited(float(exc.headers.get("Retry-After-Ms") or 1000) / 1000) from None
 
 
 class MockProvider:

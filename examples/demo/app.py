@@ -7,17 +7,15 @@ DEMO_PROVIDER (the mock provider's URL) and DEMO_RATE (e.g. "9/s").
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 from celery import Celery, Task
 
 import celery_throttle
 from celery_throttle import HEADER, throttled
+from examples import provider
 
 REDIS = os.environ.get("DEMO_REDIS", "redis://127.0.0.1:6379")
 PROVIDER = os.environ.get("DEMO_PROVIDER", "http://127.0.0.1:8080")
@@ -34,18 +32,10 @@ celery_throttle.install(app)
 
 def call_provider(task: Task[Any, Any], prompt: str) -> dict[str, Any]:
     """POST the prompt; on 429, retry after the provider's Retry-After (what users do today)."""
-    request = urllib.request.Request(
-        f"{PROVIDER}/v1/summarize", data=json.dumps({"prompt": prompt}).encode(),
-        headers={"Content-Type": "application/json"}, method="POST")
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            body = json.load(response)
-    except urllib.error.HTTPError as exc:
-        exc.close()
-        if exc.code != 429:
-            raise
-        wait = float(exc.headers.get("Retry-After-Ms") or 1000) / 1000
-        raise task.retry(countdown=wait) from None
+        body = provider.summarize(PROVIDER, prompt)
+    except provider.RateLimited as exc:
+        raise task.retry(countdown=exc.retry_after) from None
     header = (task.request.headers or {}).get(HEADER) or {}
     return {"tokens": body["usage"]["total_tokens"], "retries": task.request.retries,
             "deferrals": header.get("deferrals", 0), "finished": time.time()}

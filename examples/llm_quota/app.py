@@ -7,16 +7,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
-import urllib.request
 from typing import Any
 
 from celery import Celery, Task
 
 import celery_throttle
 from celery_throttle import throttled
+from examples import provider
 
 REDIS = os.environ.get("LLM_REDIS", "redis://127.0.0.1:6379")
 PROVIDER = os.environ.get("LLM_PROVIDER", "http://127.0.0.1:8080")
@@ -37,14 +35,8 @@ def tokens(tenant: str, prompt: str) -> int:
 @app.task(bind=True, max_retries=5)
 def summarize(self: Task[Any, Any], tenant: str, prompt: str) -> dict[str, Any]:
     """Call the provider once; a 429 here would mean the limits were wrong."""
-    request = urllib.request.Request(
-        f"{PROVIDER}/v1/summarize", data=json.dumps({"prompt": prompt}).encode(),
-        headers={"Content-Type": "application/json"}, method="POST")
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            body = json.load(response)
-    except urllib.error.HTTPError as exc:
-        if exc.code == 429:
-            raise self.retry(countdown=1.0) from None
-        raise
+        body = provider.summarize(PROVIDER, prompt)
+    except provider.RateLimited as exc:
+        raise self.retry(countdown=exc.retry_after) from None
     return {"tenant": tenant, "tokens": body["usage"]["total_tokens"]}

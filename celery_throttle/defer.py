@@ -43,6 +43,7 @@ class WaitState:
 
     slot: int | None = None  # booked start, server clock, microseconds
     booked: int = 0  # the limits the slot is booked in (Reservation.booked)
+    epoch: int = 0  # the store lifetime the slot was booked in (Reservation.epoch)
     deferrals: int = 0
     since: int | None = None  # server clock (us) of the first deferral
 
@@ -58,17 +59,18 @@ class WaitState:
             value = raw.get(name)
             return value if isinstance(value, int) and value > 0 else 0
 
-        return cls(num("slot") or None, num("booked"), num("deferrals"), num("since") or None)
+        return cls(num("slot") or None, num("booked"), num("epoch"), num("deferrals"),
+                   num("since") or None)
 
     @property
     def claim(self) -> Reservation | None:
         """The reservation to claim on arrival, if any."""
-        return Reservation(self.slot, self.booked) if self.slot else None
+        return Reservation(self.slot, self.booked, self.epoch) if self.slot else None
 
     def to_header(self) -> dict[str, int | None]:
         """The header value (JSON-safe)."""
-        return {"slot": self.slot, "booked": self.booked, "deferrals": self.deferrals,
-                "since": self.since}
+        return {"slot": self.slot, "booked": self.booked, "epoch": self.epoch,
+                "deferrals": self.deferrals, "since": self.since}
 
 
 def _grace(runtime: Runtime, limits: list[Limit], state: WaitState) -> float:
@@ -159,7 +161,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
         countdown = max(decision.retry_after - horizon, config.max_sleep, 0.001)
     booking = decision.reservation
     new = WaitState(booking.slot if booking else None, booking.booked if booking else 0,
-                    state.deferrals + 1, state.since or decision.now)
+                    booking.epoch if booking else 0, state.deferrals + 1,
+                    state.since or decision.now)
     _republish(task, new, min(countdown, config.max_countdown))
     logger.info(
         "throttle: task %s[%s] waits %.3fs for limit %r (deferral %d)",
@@ -205,7 +208,7 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     # "defer": never run unthrottled, never lost; back off 1, 2, 4 ... 30 s
     # with jitter so that a fleet of waiting tasks does not return in step.
     backoff = min(30.0, 2.0 ** min(state.deferrals, 5)) * random.uniform(0.5, 1.0)
-    new = WaitState(state.slot, state.booked, state.deferrals + 1, state.since)
+    new = WaitState(state.slot, state.booked, state.epoch, state.deferrals + 1, state.since)
     _republish(task, new, backoff)
     logger.info("throttle: task %s[%s] re-scheduled in %.1fs: store unavailable (deferral %d)",
                 task.name, task.request.id, backoff, new.deferrals)

@@ -72,11 +72,14 @@ class Reservation:
     """A booked start: ``slot`` (server clock, microseconds) and the limits it is booked in.
 
     ``booked`` has bit ``i`` set for ``limits[i]`` of the call that booked it;
-    the other limits are charged when the reservation is claimed.
+    the other limits are charged when the reservation is claimed.  ``epoch``
+    identifies the store's lifetime: after a Redis restart or flush the
+    buckets are empty and older reservations are void.
     """
 
     slot: int
     booked: int
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,18 +196,20 @@ class Gate:
             claim.slot if claim is not None else 0,
             _to_us(grace),
             claim.booked if claim is not None else 0,
+            claim.epoch if claim is not None else 0,
         )
         keys = [_key_bytes(self.prefix, lim.name, lim.key) for lim in limits]
+        keys.append(_epoch_key(self.prefix))
         args = list(_head_args(*head))
         for lim in limits:
             args += _limit_args(lim.rate.interval_us, lim.burst, lim.cost)
         reply = self._script(keys=keys, args=args)
         if reply == _ALLOWED:  # the hot path replies with a bare integer
             return _ADMITTED
-        status, wait_us, blocking, slot_us, now_us, mask = reply
+        status, wait_us, blocking, slot_us, now_us, mask, epoch = reply
         blocked = limits[blocking - 1] if blocking else None
         retry_after = wait_us / US_PER_SECOND
-        booking = Reservation(slot_us, mask) if slot_us else None
+        booking = Reservation(slot_us, mask, epoch) if slot_us else None
         if status == _ALLOWED:
             return Decision(True, 0.0, None, booking, now_us)
         if status == _EARLY:
@@ -229,15 +234,21 @@ def _limit_args(interval_us: int, burst: int, cost: int) -> tuple[bytes, bytes, 
     return (str(interval_us).encode(), str(burst).encode(), str(cost).encode())
 
 
-def _head_args(now: int, horizon: int, claim: int, grace: int, mask: int) -> tuple[bytes, ...]:
-    if now == 0 and claim == 0 and mask == 0:  # most calls: cache the few distinct ones
+def _head_args(now: int, horizon: int, claim: int, grace: int, mask: int,
+               epoch: int) -> tuple[bytes, ...]:
+    if now == 0 and claim == 0:  # most calls: cache the few distinct ones
         return _plain_head(horizon, grace)
-    return tuple(str(v).encode() for v in (now, horizon, claim, grace, mask))
+    return tuple(str(v).encode() for v in (now, horizon, claim, grace, mask, epoch))
 
 
 @functools.lru_cache(maxsize=256)
 def _plain_head(horizon: int, grace: int) -> tuple[bytes, ...]:
-    return (b"0", str(horizon).encode(), b"0", str(grace).encode(), b"0")
+    return (b"0", str(horizon).encode(), b"0", str(grace).encode(), b"0", b"0")
+
+
+@functools.lru_cache(maxsize=64)
+def _epoch_key(prefix: str) -> bytes:
+    return f"{{{prefix}}}:epoch".encode()
 
 
 @functools.lru_cache(maxsize=65536)

@@ -30,6 +30,7 @@ __all__ = [
     "free_port",
     "max_in_window",
     "redis_server",
+    "server_url",
     "workers",
 ]
 
@@ -116,6 +117,12 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def server_url(url: str) -> str:
+    """``url`` without a database number, so that callers can pick their own databases."""
+    head, _, tail = url.rstrip("/").rpartition("/")
+    return head if tail.isdigit() and head.count("/") >= 2 else url.rstrip("/")
 
 
 @contextlib.contextmanager

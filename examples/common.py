@@ -7,16 +7,10 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from celery_throttle.testing import redis_server, workers
+from celery_throttle.testing import redis_server, server_url, workers
 from examples.provider import MockProvider
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def redis_base(url: str) -> str:
-    """``url`` without a database number (each example picks its own databases)."""
-    head, _, tail = url.rstrip("/").rpartition("/")
-    return head if tail.isdigit() and head.count("/") >= 2 else url.rstrip("/")
 
 
 @contextlib.contextmanager
@@ -31,7 +25,7 @@ def stack(app: str, *, nodes: tuple[str, ...] = ("node1", "node2"), concurrency:
     provider = MockProvider(limit=10, window=1.0).start()
     try:
         with redis_server() as url:
-            env = {f"{env_prefix}_REDIS": redis_base(url),
+            env = {f"{env_prefix}_REDIS": server_url(url),
                    f"{env_prefix}_PROVIDER": provider.url, "PYTHONPATH": str(ROOT),
                    **(extra_env or {})}
             os.environ.update(env)

@@ -25,7 +25,7 @@ RECORDS_KEY = "records"
 
 app = Celery("ct_tests", broker=f"{REDIS}/10", backend=f"{REDIS}/12")
 app.conf.update(
-    throttle_redis_url=f"{REDIS}/11",
+    throttle_redis_url=os.environ.get("CT_STORE") or f"{REDIS}/11",
     throttle_prefix=os.environ.get("CT_PREFIX", "throttle"),
     throttle_queues={"ext": "10/s", "bursty": {"rate": "10/s", "burst": 3}},
     broker_connection_retry_on_startup=True,
@@ -36,6 +36,8 @@ if os.environ.get("CT_MAX_SLEEP"):
     app.conf.throttle_max_sleep = float(os.environ["CT_MAX_SLEEP"])
 if os.environ.get("CT_GRACE"):
     app.conf.throttle_claim_grace = float(os.environ["CT_GRACE"])
+if os.environ.get("CT_ON_ERROR"):
+    app.conf.throttle_on_error = os.environ["CT_ON_ERROR"]
 if os.environ.get("CT_MAX_COUNTDOWN"):
     app.conf.throttle_max_countdown = float(os.environ["CT_MAX_COUNTDOWN"])
 celery_throttle.install(app)

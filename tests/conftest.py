@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 import uuid
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import redis
 
 from celery_throttle import Gate
-from celery_throttle.testing import redis_server
+from celery_throttle.testing import redis_server, server_url
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +40,29 @@ def prefix() -> str:
 def gate(client: redis.Redis, prefix: str) -> Gate:
     """A gate on the server clock with this test's own prefix."""
     return Gate(client, prefix=prefix)
+
+
+@pytest.fixture(scope="session")
+def redis_base(redis_url: str) -> str:
+    """The server URL without a database number (the test app picks dbs 10-13)."""
+    return server_url(redis_url)
+
+
+@pytest.fixture(scope="session")
+def capp(redis_base: str) -> Iterator[ModuleType]:
+    """The test app module, imported in this (producer) process against the test server."""
+    os.environ["CT_REDIS"] = redis_base  # read once, when the module is first imported
+    module = importlib.import_module("tests.celery_app")
+    assert module.REDIS == redis_base
+    yield module
+    module.app.close()
+
+
+@pytest.fixture
+def records(redis_base: str, capp: ModuleType) -> Iterator[redis.Redis]:
+    """Flushed broker, store, results and records databases; the records client."""
+    for db in (10, 11, 12, 13):
+        redis.Redis.from_url(f"{redis_base}/{db}").flushdb()
+    client = redis.Redis.from_url(f"{redis_base}/13")
+    yield client
+    client.close()

@@ -318,7 +318,7 @@ def test_reservation_books_only_the_limit_that_forces_the_slot(
     assert cgate.acquire_many([own, shared]).allowed
     held = cgate.acquire_many([own, shared], reserve=10)
     assert held.reserved
-    assert held.reservation == Reservation(T0 + 1_000_000, booked=0b01)
+    assert held.reservation == Reservation(T0 + 1_000_000, booked=0b01, epoch=T0)
     clock.us += 100_000
     assert cgate.acquire_many([shared]).allowed  # not blocked until the held task's slot
     clock.us = T0 + 1_000_000
@@ -333,7 +333,7 @@ def test_claim_with_busy_unbooked_limit_decides_afresh(cgate: Gate, clock: StepC
     shared = Limit("shared", parse_rate("2/s"))
     cgate.acquire_many([own])
     held = cgate.acquire_many([own, shared], reserve=10)
-    assert held.reservation == Reservation(T0 + 1_000_000, booked=0b01)
+    assert held.reservation == Reservation(T0 + 1_000_000, booked=0b01, epoch=T0)
     clock.us = T0 + 999_000
     assert cgate.acquire_many([shared]).allowed  # shared now busy until T0 + 1.499 s
     clock.us = T0 + 1_000_000
@@ -354,3 +354,36 @@ def test_limits_free_within_one_start_are_booked_too(cgate: Gate) -> None:
     assert d.slot == T0 + 125_000
     assert d.reservation is not None
     assert d.reservation.booked == 0b11
+
+
+def test_claims_void_after_store_restart(cgate: Gate, client: redis.Redis, prefix: str,
+                                         clock: StepClock) -> None:
+    """After a restart (every key gone) an old booking is void: no double start beside fresh."""
+    lim = Limit("r", parse_rate("10/s"))
+    cgate.acquire_many([lim])
+    held = cgate.acquire_many([lim], reserve=10)
+    assert held.reservation is not None
+    for key in client.scan_iter(match=f"{{{prefix}}}:*"):  # what a restart or FLUSHDB does
+        client.delete(key)
+    clock.us = held.reservation.slot - 50_000
+    assert cgate.acquire_many([lim]).allowed  # the empty bucket admits a fresh start
+    fresh = cgate.acquire_many([lim], reserve=10)  # and books past the old slot
+    assert fresh.slot == held.reservation.slot + 50_000
+    clock.us = held.reservation.slot
+    late = cgate.acquire_many([lim], claim=held.reservation, grace=0.02, reserve=10)
+    assert not late.allowed  # the pre-restart booking no longer counts (a new epoch)
+    assert late.slot == held.reservation.slot + 150_000
+
+
+def test_claim_void_when_its_bucket_was_evicted(cgate: Gate, client: redis.Redis,
+                                                clock: StepClock) -> None:
+    """A booking whose bucket key vanished (eviction, reset) is void; a fresh decision follows."""
+    lim = Limit("e", parse_rate("10/s"))
+    cgate.acquire_many([lim])
+    held = cgate.acquire_many([lim], reserve=10)
+    assert held.reservation is not None
+    cgate.reset(lim)
+    clock.us = held.reservation.slot
+    again = cgate.acquire_many([lim], claim=held.reservation, grace=0.02)
+    assert again.allowed  # the bucket is empty: a fresh decision admits it, and charges it
+    assert not cgate.acquire_many([lim]).allowed

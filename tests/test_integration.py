@@ -5,71 +5,16 @@ Judged only from the start times the tasks record and from the result backend.
 
 from __future__ import annotations
 
-import importlib
-import math
-import os
 import time
 from collections import Counter
-from collections.abc import Iterator
 from types import ModuleType
-from typing import Any
 
 import pytest
 import redis
 
-from celery_throttle.testing import max_in_window
-
-from .workers import cluster, logs, read_records
+from .workers import check_window_bound, cluster, logs, read_records, wait_results
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def redis_base(redis_url: str) -> str:
-    """The server URL without a database number (the app picks dbs 10-13)."""
-    head, _, tail = redis_url.rstrip("/").rpartition("/")
-    return head if tail.isdigit() and head.count("/") >= 2 else redis_url.rstrip("/")
-
-
-@pytest.fixture(scope="module")
-def capp(redis_base: str) -> Iterator[ModuleType]:
-    """The test app module, imported in this (producer) process against the test server."""
-    os.environ["CT_REDIS"] = redis_base  # read once, when the module is first imported
-    module = importlib.import_module("tests.celery_app")
-    assert module.REDIS == redis_base
-    yield module
-    module.app.close()
-
-
-@pytest.fixture
-def records(redis_base: str, capp: ModuleType) -> Iterator[redis.Redis]:
-    """Flushed broker, store, results and records databases; the records client."""
-    for db in (10, 11, 12, 13):
-        redis.Redis.from_url(f"{redis_base}/{db}").flushdb()
-    client = redis.Redis.from_url(f"{redis_base}/13")
-    yield client
-    client.close()
-
-
-def wait_results(results: list[Any], timeout: float) -> list[str]:
-    """Poll (bounded) until every AsyncResult is ready; return their states."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(r.ready() for r in results):
-        time.sleep(0.2)
-    return [r.state for r in results]
-
-
-def check_window_bound(
-    times: list[float], rate: float, burst: int, period: float
-) -> dict[float, int]:
-    """Assert no window from a quarter period to five periods exceeds B-1+ceil(w*rate)+1."""
-    worst = {}
-    for w in (period / 4, period / 2, period, 2 * period, 5 * period):
-        allowed = burst - 1 + math.ceil(w * rate - 1e-9) + 1  # +1: scheduling jitter
-        seen = max_in_window(times, w)
-        worst[w] = seen
-        assert seen <= allowed, f"{seen} starts in a {w}s window, bound {allowed}"
-    return worst
 
 
 def test_backlog_two_prefork_nodes_keeps_bound_and_rate(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import redis
 
-from celery_throttle.testing import WorkerProcess, workers
+from celery_throttle.testing import WorkerProcess, max_in_window, workers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,3 +40,24 @@ def read_records(client: redis.Redis, *, expect: int, timeout: float) -> list[di
         time.sleep(0.1)
     rows = [json.loads(r) for r in client.lrange("records", 0, -1)]
     return sorted(rows, key=lambda r: r["t"])
+
+
+def wait_results(results: list[Any], timeout: float) -> list[str]:
+    """Poll (bounded) until every AsyncResult is ready; return their states."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(r.ready() for r in results):
+        time.sleep(0.2)
+    return [r.state for r in results]
+
+
+def check_window_bound(
+    times: list[float], rate: float, burst: int, period: float
+) -> dict[float, int]:
+    """Assert no window from a quarter period to five periods exceeds B-1+ceil(w*rate)+1."""
+    worst = {}
+    for w in (period / 4, period / 2, period, 2 * period, 5 * period):
+        allowed = burst - 1 + math.ceil(w * rate - 1e-9) + 1  # +1: scheduling jitter
+        seen = max_in_window(times, w)
+        worst[w] = seen
+        assert seen <= allowed, f"{seen} starts in a {w}s window, bound {allowed}"
+    return worst

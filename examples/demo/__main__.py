@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from celery_throttle import parse_rate
-from celery_throttle.testing import redis_server, workers
+from celery_throttle.testing import redis_server, server_url, workers
 from examples.provider import MockProvider, RemoteProvider
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,11 +57,6 @@ class Run:
         return [self.label, str(len(self.refused)), f"{self.seconds:.1f}",
                 f"{achieved / self.quota:.2f}", f"{achieved / self.limit:.2f}",
                 f"{deferrals:.2f}", f"{len(self.results)}/{self.sent}"]
-
-
-def _base(url: str) -> str:
-    head, _, tail = url.rstrip("/").rpartition("/")
-    return head if tail.isdigit() and head.count("/") >= 2 else url.rstrip("/")
 
 
 def run_one(label: str, task: Any, provider: MockProvider | RemoteProvider, n: int,
@@ -185,12 +180,12 @@ def run_embedded(args: argparse.Namespace, limit: float) -> list[Run]:
     provider = MockProvider(limit=10, window=1.0).start()
     try:
         with redis_server() as url:
-            env = {"DEMO_REDIS": _base(url), "DEMO_PROVIDER": provider.url,
+            env = {"DEMO_REDIS": server_url(url), "DEMO_PROVIDER": provider.url,
                    "DEMO_RATE": args.rate, "PYTHONPATH": str(ROOT)}
             os.environ.update(env)
             from examples.demo import app as demo
 
-            print(f"redis {_base(url)}, provider {provider.url} (quota 10 per 1 s), "
+            print(f"redis {server_url(url)}, provider {provider.url} (quota 10 per 1 s), "
                   f"limit {args.rate} for both runs, 2 worker nodes x 4 processes")
             with workers("examples.demo.app", ("node1", "node2"), concurrency=4, env=env,
                          cwd=ROOT):

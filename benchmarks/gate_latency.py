@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> None:
         two = [Limit("fast", parse_rate("1000000/s"), burst=1000),
                Limit("tenant", parse_rate("1000000/s"), burst=1000, key="acme")]
         trivial = client.register_script("return 1")
-        trivial_args = ([gate.key_of(fast[0])],
-                        [b"0", b"-1", b"0", b"0", b"0", b"1", b"1000", b"1"])
+        trivial_args = ([gate.key_of(fast[0]), f"{{{prefix}}}:epoch"],
+                        [b"0", b"-1", b"0", b"0", b"0", b"0", b"1", b"1000", b"1"])
         ops: dict[str, Callable[[], object]] = {
             "PING": client.ping,
             "INCR": lambda: client.incr(counter),

@@ -12,7 +12,7 @@ import redis
 
 from celery_throttle.testing import RedisServer
 
-from .workers import check_window_bound, cluster, read_records, wait_results
+from .workers import check_window_bound, cluster, logs, read_records, wait_results
 
 pytestmark = pytest.mark.integration
 
@@ -67,3 +67,25 @@ def test_script_flush_mid_run_fails_nothing(
     assert states == ["SUCCESS"] * 60
     assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)
     check_window_bound([r["t"] for r in rows], rate=20, burst=1, period=1.0)
+
+
+@pytest.mark.parametrize("policy", ["allow", "fail"])
+def test_store_down_policies_in_real_workers(
+    capp: ModuleType, records: redis.Redis, redis_base: str, store: RedisServer, policy: str
+) -> None:
+    """Store unreachable: 'allow' runs every task with a WARNING, 'fail' fails each visibly."""
+    store.kill()
+    url = f"redis://:hunter2@127.0.0.1:{store.port}/0"  # a password that must not leak
+    with cluster(redis_base, ("w1",), env={"CT_STORE": url, "CT_ON_ERROR": policy}) as nodes:
+        results = [capp.steady.delay(i) for i in range(10)]
+        states = wait_results(results, timeout=30)
+        text = logs(nodes)
+    assert "store unavailable" in text
+    assert "hunter2" not in text
+    if policy == "allow":
+        assert states == ["SUCCESS"] * 10
+        assert " WARNING" in text or "WARNING/" in text
+    else:
+        assert states == ["FAILURE"] * 10
+        assert {type(r.result).__name__ for r in results} == {"ThrottleStoreError"}
+        assert records.llen("records") == 0  # no task body ran

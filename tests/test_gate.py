@@ -387,3 +387,36 @@ def test_claim_void_when_its_bucket_was_evicted(cgate: Gate, client: redis.Redis
     again = cgate.acquire_many([lim], claim=held.reservation, grace=0.02)
     assert again.allowed  # the bucket is empty: a fresh decision admits it, and charges it
     assert not cgate.acquire_many([lim]).allowed
+
+
+key_values = st.one_of(
+    st.text(max_size=50), st.binary(max_size=50), st.integers(), st.uuids(),
+    st.text(max_size=20).map(lambda s: s * 500 + "x"),  # up to 10 kB
+    st.from_regex(r"\{[a-z]{0,5}\}", fullmatch=True),
+)
+
+
+def _identity(value: object) -> tuple[str, object]:
+    """What makes two key values the same: type family and content (UUIDs as their string)."""
+    if isinstance(value, uuid.UUID | str):
+        return ("s", str(value))
+    return ("b", value) if isinstance(value, bytes) else ("i", value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(key_values, min_size=2, max_size=20))
+def test_key_values_never_collide_and_never_move_the_slot(values: list[object]) -> None:
+    """Hostile key values map to distinct, bounded keys in the prefix's one cluster slot."""
+    keys = {bucket_key("throttle", "llm", v) for v in values}
+    assert len(keys) == len({_identity(v) for v in values})
+    assert {key_slot(k.encode()) for k in keys} == {key_slot(b"{throttle}")}
+    assert all(len(k) <= len("{throttle}:llm:k:") + 22 for k in keys)
+
+
+@given(value=st.one_of(st.none(), st.booleans(), st.floats(), st.lists(st.integers())))
+def test_unsupported_key_values_raise_type_error_without_the_value(value: object) -> None:
+    """None, bools, floats, lists: a TypeError naming the type, never echoing the value."""
+    with pytest.raises(TypeError) as info:
+        key_digest(value)
+    assert str(info.value) == (f"invalid key value of type {type(value).__name__}: "
+                               "expected str, bytes, int or uuid.UUID")

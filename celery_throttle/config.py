@@ -41,7 +41,7 @@ SETTINGS: dict[str, tuple[object, str]] = {
                          "return when a slot comes within reach"),
     "throttle_max_countdown": (None, "longest single countdown (s); default: half the broker's "
                                "visibility_timeout (Redis/SQS), at most 900"),
-    "throttle_max_sleep": (0.25, "waits up to this many seconds are slept in the worker "
+    "throttle_max_sleep": (0.5, "waits up to this many seconds are slept in the worker "
                            "instead of re-publishing the task"),
     "throttle_claim_grace": (None, "how late (s) a task may start in its booked slot; later "
                              "it asks again; default: half the slot (cost x interval), "
@@ -68,7 +68,7 @@ class Config:
     max_wait: float | None = None
     horizon: float = 3600.0
     max_countdown: float = 900.0
-    max_sleep: float = 0.25
+    max_sleep: float = 0.5
     claim_grace: float | None = None
 
     def queue_limit(self, queue: str | None) -> Limit | None:

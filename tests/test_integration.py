@@ -17,11 +17,22 @@ from .workers import check_window_bound, cluster, logs, read_records, wait_resul
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.parametrize(
+    ("max_sleep", "min_share"),
+    [
+        (None, 0.9),  # the default (0.5 s): near slots are slept for
+        # Every wait re-published: this measures the deferral path.  Its slots
+        # lost during intake cost 3-12 % here (see the README), hence 0.85.
+        ("0.1", 0.85),
+    ],
+)
 def test_backlog_two_prefork_nodes_keeps_bound_and_rate(
-    capp: ModuleType, records: redis.Redis, redis_base: str
+    capp: ModuleType, records: redis.Redis, redis_base: str, max_sleep: str | None,
+    min_share: float,
 ) -> None:
-    """200 tasks at 20/s on two prefork nodes: bound held, >= 90% rate, each run once, SUCCESS."""
-    with cluster(redis_base, ("w1", "w2")) as nodes:
+    """200 tasks at 20/s on two prefork nodes: bound held, rate kept, each run once, SUCCESS."""
+    env = {"CT_MAX_SLEEP": max_sleep} if max_sleep else {}
+    with cluster(redis_base, ("w1", "w2"), env=env) as nodes:
         results = [capp.steady.delay(i) for i in range(200)]
         rows = read_records(records, expect=200, timeout=60)
         states = wait_results(results, timeout=30)
@@ -34,10 +45,11 @@ def test_backlog_two_prefork_nodes_keeps_bound_and_rate(
     deferrals = sum(r["deferrals"] for r in rows) / len(rows)
     # Lateness of starts in a booked slot (none when every wait was slept in-process).
     late = sorted(r["t"] - r["slot"] / 1e6 for r in rows if r["slot"]) or [float("nan")]
-    print(f"\nbacklog: throughput {throughput:.2f}/s of 20/s, worst windows {worst}, "
+    print(f"\nbacklog (max_sleep {max_sleep or 'default'}): throughput {throughput:.2f}/s "
+          f"of 20/s, worst windows {worst}, "
           f"deferrals/task {deferrals:.2f}, start lateness p50 {late[len(late) // 2]:.4f}s "
           f"max {late[-1]:.4f}s")
-    assert throughput >= 0.9 * 20
+    assert throughput >= min_share * 20
     assert deferrals <= 1.1
     assert {r["host"].split("@")[0] for r in rows} == {"w1", "w2"}
     assert "limits in force" in text

@@ -34,6 +34,7 @@ HEADER = "celery_throttle"
 # not once per task (hundreds of tasks may be deferred per second).
 _OUTAGE_LOG_EVERY = 30.0
 _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
+_MAX_SLEEPS = 3
 _last_outage_log = 0.0
 
 
@@ -73,7 +74,7 @@ class WaitState:
                 "deferrals": self.deferrals, "since": self.since}
 
 
-def _grace(runtime: Runtime, limits: list[Limit], state: WaitState) -> float:
+def _grace(runtime: Runtime, limits: list[Limit], booked_mask: int) -> float:
     """How late a task may start in its booked slot.
 
     Up to half the slot's length (cost x interval of the limits it is booked
@@ -85,7 +86,7 @@ def _grace(runtime: Runtime, limits: list[Limit], state: WaitState) -> float:
     """
     if runtime.config.claim_grace is not None:
         return runtime.config.claim_grace
-    booked = [lim for i, lim in enumerate(limits) if state.booked >> i & 1] or limits
+    booked = [lim for i, lim in enumerate(limits) if booked_mask >> i & 1] or limits
     longest = max(lim.cost * lim.rate.interval for lim in booked)
     return min(_GRACE_CAP, max(_GRACE_FLOOR, longest / 2))
 
@@ -129,30 +130,38 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
         horizon = min(horizon, max(0.0, to_expiry))
     if max_wait is not None:
         horizon = min(horizon, max_wait)
-    try:
-        decision = runtime.gate.acquire_many(
-            limits, reserve=horizon, claim=state.claim, grace=_grace(runtime, limits, state))
-    except redis.RedisError as exc:
-        _store_failed(task, runtime, state, exc)
-        return
-    if decision.allowed:
-        return
-    if state.slot is not None and not decision.early:
-        # Arrived after its slot's grace, or a limit it was not booked in is
-        # busy: the slot is lost (a little throughput) rather than used late
-        # (that could burst).
-        logger.info("throttle: task %s[%s] lost its slot (%.3fs ago); asking again",
-                    task.name, request.id, (decision.now - state.slot) / 1e6)
-    waited = (decision.now - state.since) / 1e6 if state.since else 0.0
-    if to_expiry is not None and decision.retry_after > to_expiry:
-        _expire(task, decision)
-    if max_wait is not None and waited + decision.retry_after > max_wait:
-        raise ThrottleTimeout.exceeded(task.name, _limit_name(decision),
-                                       waited + decision.retry_after, max_wait)
-    if decision.slot is not None and decision.retry_after <= config.max_sleep:
+    claim = state.claim
+    # A short wait is slept, then the booked slot claimed: the claim is what
+    # charges the limits the slot is not booked in.  Bounded: if the slot is
+    # lost again and again, the task is re-published instead.
+    for attempt in range(_MAX_SLEEPS):
+        booked = claim.booked if claim is not None else 0
+        try:
+            decision = runtime.gate.acquire_many(
+                limits, reserve=horizon, claim=claim, grace=_grace(runtime, limits, booked))
+        except redis.RedisError as exc:
+            _store_failed(task, runtime, state, exc)
+            return
+        if decision.allowed:
+            return
+        if claim is not None and not decision.early:
+            # Arrived after its slot's grace, or a limit it was not booked in
+            # is busy: the slot is lost (a little throughput) rather than used
+            # late (that could burst).
+            logger.info("throttle: task %s[%s] lost its slot (%.3fs ago); asking again",
+                        task.name, request.id, (decision.now - claim.slot) / 1e6)
+        waited = (decision.now - state.since) / 1e6 if state.since else 0.0
+        if to_expiry is not None and decision.retry_after > to_expiry:
+            _expire(task, decision)
+        if max_wait is not None and waited + decision.retry_after > max_wait:
+            raise ThrottleTimeout.exceeded(task.name, _limit_name(decision),
+                                           waited + decision.retry_after, max_wait)
+        if (decision.reservation is None or decision.retry_after > config.max_sleep
+                or attempt == _MAX_SLEEPS - 1):
+            break
         # Our slot is booked: a short wait is cheaper slept than re-published.
         time.sleep(decision.retry_after)
-        return
+        claim = decision.reservation
     if decision.slot is not None:
         countdown = decision.retry_after
     else:

@@ -25,8 +25,8 @@ __all__ = ["Decision", "Gate", "Limit", "Reservation"]
 
 _SCRIPT = importlib.resources.files(__package__).joinpath("lua/gate.lua").read_text("utf-8")
 
-# Reply status codes of gate.lua.
-_DENIED, _ALLOWED, _RESERVED, _EARLY = 0, 1, 2, 3
+# Reply status codes of gate.lua (0 denied and 2 reserved are told apart by the booking).
+_ALLOWED, _EARLY = 1, 3
 _NEVER = -1
 # The booked-limits mask travels as an integer (exact in a Lua double).
 _MAX_LIMITS = 50

@@ -57,19 +57,19 @@ class QueueLimit:
     limit: Limit
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    """The settings of one app, validated."""
+    """The settings of one app, validated (defaults live in :data:`SETTINGS` only)."""
 
     redis_url: str = field(repr=False)  # may carry a password
-    prefix: str = "throttle"
-    queues: tuple[QueueLimit, ...] = ()
-    on_error: str = "defer"
-    max_wait: float | None = None
-    horizon: float = 3600.0
-    max_countdown: float = 900.0
-    max_sleep: float = 0.5
-    claim_grace: float | None = None
+    prefix: str
+    queues: tuple[QueueLimit, ...]
+    on_error: str
+    max_wait: float | None
+    horizon: float
+    max_countdown: float
+    max_sleep: float
+    claim_grace: float | None
 
     def queue_limit(self, queue: str | None) -> Limit | None:
         """The limit of ``queue``, if it has one."""

@@ -15,7 +15,6 @@ of margin per window absorbs that (see the README's "Semantics").
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -23,10 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from celery_throttle import parse_rate
-from celery_throttle.testing import redis_server, server_url, workers
+from examples.common import ROOT, stack
 from examples.provider import MockProvider, RemoteProvider
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -177,21 +174,13 @@ def run_external(args: argparse.Namespace, limit: float) -> list[Run]:
 
 def run_embedded(args: argparse.Namespace, limit: float) -> list[Run]:
     """Start Redis, the provider and two worker nodes here; stop them all afterwards."""
-    provider = MockProvider(limit=10, window=1.0).start()
-    try:
-        with redis_server() as url:
-            env = {"DEMO_REDIS": server_url(url), "DEMO_PROVIDER": provider.url,
-                   "DEMO_RATE": args.rate, "PYTHONPATH": str(ROOT)}
-            os.environ.update(env)
-            from examples.demo import app as demo
+    with stack("examples.demo.app", env_prefix="DEMO",
+               extra_env={"DEMO_RATE": args.rate}) as provider:
+        from examples.demo import app as demo
 
-            print(f"redis {server_url(url)}, provider {provider.url} (quota 10 per 1 s), "
-                  f"limit {args.rate} for both runs, 2 worker nodes x 4 processes")
-            with workers("examples.demo.app", ("node1", "node2"), concurrency=4, env=env,
-                         cwd=ROOT):
-                return _contenders(demo, provider, args, limit)
-    finally:
-        provider.stop()
+        print(f"redis {demo.REDIS}, provider {provider.url} (quota 10 per 1 s), "
+              f"limit {args.rate} for both runs, 2 worker nodes x 4 processes")
+        return _contenders(demo, provider, args, limit)
 
 
 if __name__ == "__main__":

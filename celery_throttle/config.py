@@ -70,6 +70,9 @@ class Config:
     max_countdown: float
     max_sleep: float
     claim_grace: float | None
+    # Not a throttle_* setting: the broker's, read for max_countdown and for
+    # how long a duplicate copy of an acks_late message can still turn up.
+    visibility_timeout: float
 
     def queue_limit(self, queue: str | None) -> Limit | None:
         """The limit of ``queue``, if it has one."""
@@ -116,12 +119,15 @@ def _queue_limits(value: object) -> tuple[QueueLimit, ...]:
     return tuple(out)
 
 
-def _default_max_countdown(app: Celery) -> float:
+def _visibility_timeout(app: Celery) -> float:
+    options = app.conf.broker_transport_options or {}
+    return float(options.get("visibility_timeout", 3600))  # kombu's Redis/SQS default
+
+
+def _default_max_countdown(visibility: float) -> float:
     # kombu #337: with the Redis (and SQS) transport an ETA message that stays
     # unacknowledged longer than visibility_timeout is redelivered and runs
     # twice.  A single countdown stays at half of it; longer waits hop.
-    options = app.conf.broker_transport_options or {}
-    visibility = float(options.get("visibility_timeout", 3600))
     return max(1.0, min(900.0, visibility / 2))
 
 
@@ -154,6 +160,7 @@ def read_config(app: Celery) -> Config:
         raise ThrottleConfigError(f"setting throttle_prefix: {exc}") from exc
     max_countdown = _seconds("throttle_max_countdown", get("throttle_max_countdown"),
                              allow_none=True)
+    visibility = _visibility_timeout(app)
     return Config(
         redis_url=url,
         prefix=prefix,
@@ -161,10 +168,11 @@ def read_config(app: Celery) -> Config:
         on_error=on_error,
         max_wait=_seconds("throttle_max_wait", get("throttle_max_wait"), allow_none=True),
         horizon=_seconds("throttle_horizon", get("throttle_horizon"), allow_none=False) or 0.0,
-        max_countdown=max_countdown or _default_max_countdown(app),
+        max_countdown=max_countdown or _default_max_countdown(visibility),
         max_sleep=_seconds("throttle_max_sleep", get("throttle_max_sleep"),
                            allow_none=False) or 0.0,
         claim_grace=_seconds("throttle_claim_grace", get("throttle_claim_grace"),
                              allow_none=True),
+        visibility_timeout=visibility,
     )
 

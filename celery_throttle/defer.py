@@ -4,13 +4,25 @@ The task is re-published under the same id, queue, routing, headers and
 options, with ``retries`` untouched, then the running copy ends with Celery's
 ``Ignore`` (its message is acknowledged, no result is stored).  What it needs
 on the next arrival travels in one message header, :data:`HEADER`.
+
+With ``acks_late`` the old message is acknowledged only after the new one is
+published: a node that dies in between leaves both, and the broker redelivers
+the old one.  So every re-published message carries a fresh copy id and the
+id of the copy that published it, and for an ``acks_late`` task a pointer in
+Redis names the one copy that may go on (``lua/copies.lua``): moved to the
+successor after each re-publish, and to "started" when a copy starts.  A
+copy the pointer does not name is dropped, so exactly one of the two runs.
+The copy that started may still run again if its node dies mid-run: that is
+``acks_late``'s at-least-once, untouched.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import importlib.resources
 import logging
 import random
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +33,7 @@ from celery.exceptions import Ignore
 
 from .errors import ThrottleStoreError, ThrottleTimeout
 from .gate import Decision, Limit, Reservation
+from .keys import key_digest
 from .store import Runtime
 
 __all__ = ["HEADER", "WaitState", "admit"]
@@ -36,6 +49,7 @@ _OUTAGE_LOG_EVERY = 30.0
 _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _MAX_SLEEPS = 3
 _last_outage_log = 0.0
+_COPIES = importlib.resources.files(__package__).joinpath("lua/copies.lua").read_text("utf-8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,8 @@ class WaitState:
     epoch: int = 0  # the store lifetime the slot was booked in (Reservation.epoch)
     deferrals: int = 0
     since: int | None = None  # server clock (us) of the first deferral
+    copy: str = ""  # set by every re-publish: tells a duplicate from a redelivery
+    prev: str = ""  # the copy that published this one ("-": the user's message)
 
     @classmethod
     def from_request(cls, request: Any) -> WaitState:
@@ -60,18 +76,23 @@ class WaitState:
             value = raw.get(name)
             return value if isinstance(value, int) and value > 0 else 0
 
+        def text(name: str) -> str:
+            value = raw.get(name)
+            return value if isinstance(value, str) and len(value) <= 32 else ""
+
         return cls(num("slot") or None, num("booked"), num("epoch"), num("deferrals"),
-                   num("since") or None)
+                   num("since") or None, text("copy"), text("prev"))
 
     @property
     def claim(self) -> Reservation | None:
         """The reservation to claim on arrival, if any."""
         return Reservation(self.slot, self.booked, self.epoch) if self.slot else None
 
-    def to_header(self) -> dict[str, int | None]:
+    def to_header(self) -> dict[str, int | str | None]:
         """The header value (JSON-safe)."""
         return {"slot": self.slot, "booked": self.booked, "epoch": self.epoch,
-                "deferrals": self.deferrals, "since": self.since}
+                "deferrals": self.deferrals, "since": self.since, "copy": self.copy,
+                "prev": self.prev}
 
 
 def _grace(runtime: Runtime, limits: list[Limit], booked_mask: int) -> float:
@@ -102,21 +123,35 @@ def _seconds_to_expiry(request: Any) -> float | None:
 
 
 def admit(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
-          max_wait: float | None) -> None:
+          max_wait: float | None) -> WaitState | None:
     """Return when ``task`` may start now; otherwise re-schedule it and raise ``Ignore``.
 
-    Raises :class:`ThrottleTimeout` past ``max_wait`` and
+    For an acks_late task, returns the state to hand to :func:`finished` when
+    the run ends.  Raises :class:`ThrottleTimeout` past ``max_wait`` and
     :class:`ThrottleStoreError` when the store fails under ``on_error="fail"``.
     """
     request = task.request
     state = WaitState.from_request(request)
     _wait_for_slot(task, runtime, limits, max_wait, state)
+    started = None
+    if getattr(task, "acks_late", False):
+        if not _move_pointer(task, runtime, state, "ran:"):
+            logger.warning("throttle: task %s[%s] dropped: a stale copy (a node died while "
+                           "re-scheduling it; its newer copy goes on)", task.name, request.id)
+            raise Ignore()
+        started = state
     if state.slot is not None or state.since is not None:
         # The task starts now: its booked slot is spent.  Celery's retry() and
         # any re-publish copy request.headers, and a copy still carrying the
         # claim could be honoured a second time within the grace.
         spent = {**WaitState(deferrals=state.deferrals).to_header(), "started_slot": state.slot}
         request.headers = {**(request.headers or {}), HEADER: spent}
+    return started
+
+
+def finished(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> None:
+    """acks_late: the run of this copy ended (in any state); no other copy may run it again."""
+    _move_pointer(task, runtime, state, "done:")
 
 
 def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
@@ -171,12 +206,45 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
     booking = decision.reservation
     new = WaitState(booking.slot if booking else None, booking.booked if booking else 0,
                     booking.epoch if booking else 0, state.deferrals + 1,
-                    state.since or decision.now)
+                    state.since or decision.now, _new_copy(), state.copy or "-")
     _republish(task, new, min(countdown, config.max_countdown))
+    if getattr(task, "acks_late", False):
+        _move_pointer(task, runtime, state, new.copy)
     logger.info(
         "throttle: task %s[%s] waits %.3fs for limit %r (deferral %d)",
         task.name, request.id, decision.retry_after, _limit_name(decision), new.deferrals)
     raise Ignore()
+
+
+def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, then: str) -> bool:
+    """acks_late: may this copy go on?  If so, point the task at ``then``.
+
+    ``then`` is a successor's copy id, or "ran:"/"done:" (this copy's id is
+    appended).  One script call per start, end and re-publish of an
+    acks_late task.  The
+    pointer outlives the time a stranded copy can take to come back: the
+    broker's visibility timeout plus the longest booked wait.  With the
+    store down the answer is yes: a copy re-published meanwhile names this
+    one as its predecessor, so the pointer still lets exactly one through.
+    """
+    then_value = then + (state.copy or "-") if then.endswith(":") else then
+    request = task.request
+    mine = state.copy or "-"
+    key = f"{{{runtime.config.prefix}}}:copy:{key_digest(str(request.id))}:{request.retries}"
+    ttl_ms = int((runtime.config.visibility_timeout + runtime.config.horizon) * 1000) + 60_000
+    client = runtime.gate.client
+    script = client.register_script(_COPIES)  # no I/O: EVALSHA, reloaded on NOSCRIPT
+    try:
+        moved = script(keys=[key], args=[mine, state.prev, then_value, ttl_ms])
+    except redis.RedisError as exc:
+        if then == "ran:":
+            _store_failed(task, runtime, state, exc)
+        return True
+    return bool(moved)
+
+
+def _new_copy() -> str:
+    return secrets.token_hex(8)
 
 
 def _limit_name(decision: Decision) -> str:
@@ -217,8 +285,11 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     # "defer": never run unthrottled, never lost; back off 1, 2, 4 ... 30 s
     # with jitter so that a fleet of waiting tasks does not return in step.
     backoff = min(30.0, 2.0 ** min(state.deferrals, 5)) * random.uniform(0.5, 1.0)
-    new = WaitState(state.slot, state.booked, state.epoch, state.deferrals + 1, state.since)
+    new = WaitState(state.slot, state.booked, state.epoch, state.deferrals + 1, state.since,
+                    _new_copy(), state.copy or "-")
     _republish(task, new, backoff)
+    if getattr(task, "acks_late", False):
+        _move_pointer(task, runtime, state, new.copy)  # fails quietly: the store is down
     logger.info("throttle: task %s[%s] re-scheduled in %.1fs: store unavailable (deferral %d)",
                 task.name, task.request.id, backoff, new.deferrals)
     raise Ignore()

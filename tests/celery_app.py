@@ -4,13 +4,16 @@ Every task records its start (time, id, retries, deferrals, pid) in a Redis
 list; tests judge only from those records and from the result backend.
 Configured from the environment: CT_REDIS (server URL; broker on db 10, store
 on db 11, results on db 12, records on db 13: high numbers, since the tests
-flush them) and CT_PREFIX (the bucket prefix).
+flush them) and CT_PREFIX (the bucket prefix); the other CT_* variables below
+change one setting each, or inject a fault (a crash, a skewed clock).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -40,6 +43,15 @@ if os.environ.get("CT_ON_ERROR"):
     app.conf.throttle_on_error = os.environ["CT_ON_ERROR"]
 if os.environ.get("CT_MAX_COUNTDOWN"):
     app.conf.throttle_max_countdown = float(os.environ["CT_MAX_COUNTDOWN"])
+if os.environ.get("CT_VISIBILITY"):
+    # A short broker visibility timeout, swept every second (kombu's default
+    # sweep is every 100 s), so that stranded messages come back within a test.
+    app.conf.broker_transport_options = {
+        "visibility_timeout": float(os.environ["CT_VISIBILITY"]),
+        "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+if os.environ.get("CT_ACKS_LATE"):
+    app.conf.task_acks_late = True
+    app.conf.task_reject_on_worker_lost = True
 celery_throttle.install(app)
 
 _records = redis.Redis.from_url(f"{REDIS}/13")
@@ -156,3 +168,42 @@ def retry_once(self: Task[Any, Any], i: int) -> int:
     if self.request.retries == 0:
         raise self.retry(countdown=0.01)
     return i
+
+
+@throttled("1/s", name="patient")
+@app.task(bind=True)
+def patient(self: Task[Any, Any], i: int) -> int:
+    """Waits up to tens of seconds: longer than a short broker visibility timeout."""
+    record(self, i=i)
+    return i
+
+
+# --- Fault injection, per worker node (set only in that node's environment) ---
+
+if os.environ.get("CT_CRASH_AFTER_REPUBLISH"):
+    # The node dies (SIGKILL, whole process group) right after the first
+    # re-publish anywhere in the cluster, before the old message is
+    # acknowledged: the window in which acks_late leaves two copies.
+    import celery_throttle.defer as _defer
+
+    _republish = _defer._republish
+
+    def _republish_then_die(task: Task[Any, Any], state: Any, countdown: float) -> None:
+        _republish(task, state, countdown)
+        if _records.set("crashed", json.dumps({"t": time.time(), "id": task.request.id}),
+                        nx=True):
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    _defer._republish = _republish_then_die
+
+if os.environ.get("CT_CLOCK_OFFSET"):
+    # A node whose wall clock is off by CT_CLOCK_OFFSET seconds, where Celery
+    # reads it: the ETA computed from a countdown when publishing (app.now)
+    # and the ETA timer when receiving (kombu converts ETAs with time.time).
+    # Records keep the true time: they are what the test judges.
+    import kombu.asynchronous.timer as _timer
+
+    _offset = float(os.environ["CT_CLOCK_OFFSET"])
+    _true_now = app.now
+    app.now = lambda: _true_now() + dt.timedelta(seconds=_offset)  # type: ignore[method-assign]
+    _timer._time = lambda: time.time() + _offset  # type: ignore[attr-defined]

@@ -1,0 +1,26 @@
+-- Which copy of an acks_late task's message may go on (see defer.py).
+--
+-- KEYS[1]  the task's pointer ({prefix}:copy:<id digest>:<retries>); absent means
+--          "-", the message the user sent
+-- ARGV[1]  this copy's id ("-" for the user's message)
+-- ARGV[2]  the copy that published this one ("" for the user's message)
+-- ARGV[3]  what the pointer becomes if this copy may go on:
+--          "ran:" .. ARGV[1] when it starts, "done:" .. ARGV[1] when its run ends,
+--          the successor's id when it is re-published
+-- ARGV[4]  pointer TTL (ms)
+--
+-- A copy may go on if the pointer names it, or names it as started (its own
+-- redelivery after a crash mid-run: acks_late's at-least-once), or names the
+-- copy that published it, plain or started but not done (the pointer could
+-- not be moved: store down, or a crash between the publish and the move).
+-- Whichever of two such copies starts or moves on first takes the pointer,
+-- and the other is refused.  "done:" refuses every copy: the task ran.
+-- Returns 1 if this copy may go on, else 0.
+local current = redis.call('GET', KEYS[1]) or '-'
+local mine, prev = ARGV[1], ARGV[2]
+if current == mine or current == 'ran:' .. mine
+    or (prev ~= '' and (current == prev or current == 'ran:' .. prev)) then
+  redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
+  return 1
+end
+return 0

@@ -1,0 +1,65 @@
+"""lua/copies.lua on a real Redis: which copy of an acks_late message may go on."""
+
+from __future__ import annotations
+
+import importlib.resources
+
+import pytest
+import redis
+
+SCRIPT = importlib.resources.files("celery_throttle").joinpath("lua/copies.lua").read_text()
+
+
+@pytest.fixture
+def go(client: redis.Redis, prefix: str):  # type: ignore[no-untyped-def]
+    """go(mine, prev, then) -> bool, on this test's own pointer key."""
+    script = client.register_script(SCRIPT)
+    key = f"{{{prefix}}}:copy:task:0"
+
+    def call(mine: str, prev: str, then: str) -> bool:
+        return bool(script(keys=[key], args=[mine, prev, then, 60_000]))
+
+    return call
+
+
+def test_user_message_starts_and_its_redelivery_reruns(go) -> None:  # type: ignore[no-untyped-def]
+    """The user's message starts; its redelivery after a crash mid-run may run again."""
+    assert go("-", "", "ran:-")
+    assert go("-", "", "ran:-")
+
+
+def test_crash_after_move_drops_the_old_copy(go) -> None:  # type: ignore[no-untyped-def]
+    """X re-published Y and moved the pointer, then died before its ack: X is refused."""
+    assert go("-", "", "Y")  # X ("-") hands over to Y
+    assert not go("-", "", "ran:-")  # X redelivered
+    assert go("Y", "-", "ran:Y")
+
+
+def test_crash_before_move_lets_exactly_one_through(go) -> None:  # type: ignore[no-untyped-def]
+    """Y published, pointer not moved (crash or store down): the first to go on wins."""
+    assert go("Y", "-", "ran:Y")  # Y arrives first and starts
+    assert not go("-", "", "ran:-")  # the redelivered original is refused
+    assert go("Y", "-", "ran:Y")  # Y's own redelivery after a crash mid-run still runs
+
+
+def test_crash_before_move_original_first(go) -> None:  # type: ignore[no-untyped-def]
+    """The redelivered original gets there first and runs: the stray successor is refused."""
+    assert go("-", "", "ran:-")
+    assert go("-", "", "done:-")
+    assert not go("Y", "-", "ran:Y")
+    assert not go("-", "", "ran:-")  # nor is the original redelivered after its run ended
+
+
+def test_started_copy_redelivered_and_re_published(go) -> None:  # type: ignore[no-untyped-def]
+    """X started, died mid-run, came back and was re-published as Y (store down): Y runs."""
+    assert go("-", "", "ran:-")
+    assert go("Y", "-", "ran:Y")  # "ran:-", not "done:-": Y's predecessor did not finish
+
+
+def test_stale_lineage_is_refused(go) -> None:  # type: ignore[no-untyped-def]
+    """A copy whose predecessor is not the pointer's copy belongs to a dead branch."""
+    assert go("-", "", "Y")
+    assert go("Y", "-", "Z")
+    assert not go("W", "-", "ran:W")  # another successor of the original
+    assert not go("Y", "-", "ran:Y")  # Y again, after it handed over
+    assert go("Z", "Y", "ran:Z")

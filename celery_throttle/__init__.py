@@ -7,7 +7,7 @@ from .errors import ThrottleConfigError, ThrottleError, ThrottleStoreError, Thro
 from .gate import Decision, Gate, Limit, Reservation
 from .rates import Rate, parse_rate
 from .task import Throttle, throttled
-from .worker import install, limits_in_force
+from .worker import install, limits_in_force, store_warnings
 
 __all__ = [
     "HEADER",
@@ -24,5 +24,6 @@ __all__ = [
     "install",
     "limits_in_force",
     "parse_rate",
+    "store_warnings",
     "throttled",
 ]

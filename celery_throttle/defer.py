@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from celery import Task
+from celery import Task, signals
 from celery.exceptions import Ignore
 
 from .errors import ThrottleStoreError, ThrottleTimeout
@@ -48,6 +48,7 @@ HEADER = "celery_throttle"
 _OUTAGE_LOG_EVERY = 30.0
 _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _MAX_SLEEPS = 3
+_STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of a started copy
 _last_outage_log = 0.0
 _COPIES = importlib.resources.files(__package__).joinpath("lua/copies.lua").read_text("utf-8")
 
@@ -123,35 +124,46 @@ def _seconds_to_expiry(request: Any) -> float | None:
 
 
 def admit(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
-          max_wait: float | None) -> WaitState | None:
+          max_wait: float | None) -> None:
     """Return when ``task`` may start now; otherwise re-schedule it and raise ``Ignore``.
 
-    For an acks_late task, returns the state to hand to :func:`finished` when
-    the run ends.  Raises :class:`ThrottleTimeout` past ``max_wait`` and
+    Raises :class:`ThrottleTimeout` past ``max_wait`` and
     :class:`ThrottleStoreError` when the store fails under ``on_error="fail"``.
     """
     request = task.request
     state = WaitState.from_request(request)
     _wait_for_slot(task, runtime, limits, max_wait, state)
-    started = None
     if getattr(task, "acks_late", False):
         if not _move_pointer(task, runtime, state, "ran:"):
             logger.warning("throttle: task %s[%s] dropped: a stale copy (a node died while "
                            "re-scheduling it; its newer copy goes on)", task.name, request.id)
             raise Ignore()
-        started = state
+        setattr(request, _STARTED, (runtime, state))  # for _run_ended
     if state.slot is not None or state.since is not None:
         # The task starts now: its booked slot is spent.  Celery's retry() and
         # any re-publish copy request.headers, and a copy still carrying the
         # claim could be honoured a second time within the grace.
         spent = {**WaitState(deferrals=state.deferrals).to_header(), "started_slot": state.slot}
         request.headers = {**(request.headers or {}), HEADER: spent}
-    return started
 
 
-def finished(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> None:
-    """acks_late: the run of this copy ended (in any state); no other copy may run it again."""
-    _move_pointer(task, runtime, state, "done:")
+def _run_ended(sender: Any = None, task: Any = None, **_: Any) -> None:
+    """acks_late: this copy's run ended and its outcome is stored; no copy may run it again.
+
+    A ``task_postrun`` receiver: Celery sends it after the result is stored
+    and callbacks are sent, so a node dying before then leaves "ran:", and
+    the redelivered message runs again (acks_late's at-least-once) instead
+    of being dropped with no result.
+    """
+    request = getattr(task, "request", None)
+    started = getattr(request, _STARTED, None)
+    if isinstance(started, tuple):
+        setattr(request, _STARTED, None)
+        runtime, state = started
+        _move_pointer(task, runtime, state, "done:")
+
+
+signals.task_postrun.connect(_run_ended, weak=False)
 
 
 def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],

@@ -18,7 +18,7 @@ from celery import Task
 from celery import _state as celery_state
 from celery.local import PromiseProxy, Proxy
 
-from .defer import admit, finished
+from .defer import admit
 from .gate import Limit, _positive_int
 from .keys import validate_name
 from .rates import Rate, parse_rate
@@ -211,12 +211,7 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         if limits:
             max_wait = next((s.max_wait for s in specs if s.max_wait is not None),
                             runtime.config.max_wait)
-            started = admit(task, runtime, limits, max_wait)
-            if started is not None:  # acks_late: mark the run ended, however it ends
-                try:
-                    return run(*args, **kwargs)
-                finally:
-                    finished(task, runtime, started)
+            admit(task, runtime, limits, max_wait)
         return run(*args, **kwargs)
 
     task.run = gated_run  # type: ignore[method-assign]

@@ -89,7 +89,8 @@ class RedisServer:
                 ("127.0.0.1", self.port), timeout=0.2
             ) as sock:
                 sock.sendall(b"PING\r\n")
-                if sock.recv(16).startswith(b"+PONG"):
+                # -NOAUTH: a server started with --requirepass answers too.
+                if sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                     return self
             time.sleep(0.02)
         self.stop()

@@ -7,7 +7,8 @@ Receivers (all idempotent, all for this app only):
   the worker builds its tracers, which capture ``task.run``.
 * ``worker_process_init``: drop the Redis connection inherited across the
   prefork fork and load the script in the child.
-* ``worker_ready``: load the script and log one line listing the limits in force.
+* ``worker_ready``: load the script, log one line listing the limits in force,
+  and warn if the store may evict bucket keys (:func:`store_warnings`).
 * ``worker_process_shutdown`` / ``worker_shutdown``: close the connection.
 """
 
@@ -16,13 +17,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import redis
 from celery import Celery, signals
 
 from .config import read_config
 from .store import forget, runtime_for
 from .task import ensure_gated, specs_of
 
-__all__ = ["install", "limits_in_force"]
+__all__ = ["install", "limits_in_force", "store_warnings"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -61,6 +63,12 @@ def install(app: Celery) -> Celery:
             _preload()
             logger.info("celery_throttle: limits in force: %s", "; ".join(limits_in_force(app))
                         or "none")
+            try:
+                for warning in store_warnings(runtime_for(app).gate.client):
+                    logger.warning("celery_throttle: %s", warning)
+            except redis.RedisError as exc:
+                logger.warning("celery_throttle: store not reachable at start: %s",
+                               type(exc).__name__)
 
     def on_shutdown(**_: Any) -> None:
         forget(app)
@@ -97,3 +105,22 @@ def limits_in_force(app: Celery) -> list[str]:
             key = f" per {spec.key if isinstance(spec.key, str) else 'key'}" if spec.key else ""
             lines.append(f"task {name}: {spec.name or name} {spec.rate} burst {spec.burst}{key}")
     return lines
+
+
+def store_warnings(client: redis.Redis) -> list[str]:
+    """What about the store's configuration could break the limits (empty if nothing).
+
+    An evicted bucket forgets its recent starts and lets one extra burst
+    through; every bucket key has a TTL, so ``volatile-*`` policies evict
+    them as readily as ``allkeys-*``.  Managed Redis services often refuse
+    CONFIG GET: then nothing can be said, and nothing is.
+    """
+    try:
+        config = client.config_get("maxmemory*")
+    except redis.ResponseError:
+        return []
+    policy = str(config.get("maxmemory-policy", "noeviction"))
+    if int(config.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
+        return [f"the store may evict bucket keys (maxmemory-policy {policy}): an evicted "
+                "bucket lets one extra burst through; use noeviction or a Redis of its own"]
+    return []

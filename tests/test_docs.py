@@ -27,3 +27,15 @@ def test_readme_commands_exist_and_ci_runs_the_test_command() -> None:
     assert re.search(r"^test:", makefile, flags=re.MULTILINE)
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in ci
+
+
+def test_guarantees_table_names_only_real_tests() -> None:
+    """Every test the README's guarantees table cites exists (the table matches the tests)."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Guarantees and failure modes", 1)[1].split("\n## ", 1)[0]
+    cited = set(re.findall(r"`(test_\w+)`", table))
+    assert len(cited) >= 15
+    defined = set()
+    for path in (ROOT / "tests").glob("test_*.py"):
+        defined |= set(re.findall(r"^def (test_\w+)\(", path.read_text(), flags=re.MULTILINE))
+    assert cited <= defined, cited - defined

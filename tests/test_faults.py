@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import time
 from collections import Counter
@@ -121,16 +122,33 @@ def _crash_time(records: redis.Redis) -> float:
     return float(json.loads(raw)["t"])
 
 
-def _lost_in_transit(lost: set[str], text: str) -> None:
-    """Tasks lost when a node is SIGKILLed must never have reached it (kombu's loss, not ours).
+def _log_times(task_id: str, text: str) -> list[tuple[float, str]]:
+    """(time, line) of every log line naming ``task_id`` (Celery's local-time stamps)."""
+    out = []
+    for line in text.splitlines():
+        if task_id in line and line.startswith("["):
+            stamp = dt.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f")
+            out.append((stamp.timestamp(), line))
+    return out
 
-    kombu's Redis transport pops a message (BRPOP) and only then records it
-    as unacknowledged: a node killed in between loses that message before
-    Celery sees it (celery/celery#7950, celery/kombu#305).  A worker node has
-    one BRPOP in flight, so at most one message per killed node.
+
+def _lost_at_the_kill(lost: set[str], text: str, killed: float, *, started: int) -> None:
+    """Tasks lost with a SIGKILLed node were in its hands at the kill, never lost later.
+
+    Two ways, neither the throttle's doing: tasks the node had started
+    without acks_late (``started``: at most one per pool process), and the
+    one message per node that kombu's Redis transport had popped (BRPOP) but
+    not yet recorded as unacknowledged (celery/celery#7950, celery/kombu#305).
+    Every log line about a lost task is from before or around the kill (a
+    deferral's "ignored" line can trail its re-publish by tens of ms on a
+    busy machine; the node's stranded messages come back only after the
+    8 s visibility timeout), and none is a drop.
     """
-    assert len(lost) <= 1, lost
-    assert not [task_id for task_id in lost if task_id in text], "a received task was lost"
+    assert len(lost) <= started + 1, lost
+    for task_id in lost:
+        lines = _log_times(task_id, text)
+        assert all(t <= killed + 1.0 for t, _ in lines), lines
+        assert not [line for _, line in lines if "dropped" in line], lines
 
 
 def test_node_dies_between_republish_and_ack_acks_late(
@@ -155,8 +173,9 @@ def test_node_dies_between_republish_and_ack_acks_late(
         text = logs(survivors + doomed)
     crashed = _crash_time(records)
     runs = Counter(r["id"] for r in rows)
-    _lost_in_transit({r.id for r in results} - set(runs), text)
-    assert all(r.state == "SUCCESS" for r in results if r.id in runs)
+    _lost_at_the_kill({r.id for r in results} - set(runs), text, crashed, started=0)
+    unfinished = {r.id: r.state for r in results if r.id in runs and r.state != "SUCCESS"}
+    assert not unfinished
     # Run twice only if the first run was cut short by the kill (acks_late's
     # at-least-once): never a task the throttle was re-scheduling.
     for task_id, n in runs.items():
@@ -188,18 +207,13 @@ def test_node_killed_without_acks_late_strands_nothing_deferred(
         rows = read_records(records, expect=100, timeout=30)
         time.sleep(2.0)
         rows = read_records(records, expect=101, timeout=0)
-        text = logs(doomed)
-        received_by_doomed = {r.id for r in results if r.id in text}
-        text += logs(survivors)
+        text = logs(doomed + survivors)
     runs = Counter(r["id"] for r in rows)
     lost = {r.id for r in results} - set(runs)
-    started_lost = lost & received_by_doomed
-    print(f"\nnode killed at +2 s without acks_late: {len(lost)} of 100 lost "
-          f"({len(started_lost)} it had started), "
+    print(f"\nnode killed at +2 s without acks_late: {len(lost)} of 100 lost, "
           f"{sum(1 for r in rows if r['t'] > killed)} ran after the kill")
     assert max(runs.values()) == 1  # never twice
-    assert len(started_lost) <= 4  # at most one started task per pool process
-    _lost_in_transit(lost - started_lost, text)
+    _lost_at_the_kill(lost, text, killed, started=4)
     assert all(r.state != "SUCCESS" for r in results if r.id in lost)
     check_window_bound([r["t"] for r in rows], rate=20, burst=1, period=1.0)
 
@@ -232,7 +246,7 @@ def test_skewed_worker_clocks_keep_the_bound(
 def test_bad_key_value_fails_only_that_task(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """A None key value fails its own task with a TypeError; the worker goes on."""
+    """A None key value fails its own task with a clear ValueError; the worker goes on."""
     with cluster(redis_base, ("w1",)) as nodes:
         bad = capp.per_tenant.delay(None, 0)
         huge = capp.per_tenant.delay("x" * 10_000, 1)
@@ -241,5 +255,5 @@ def test_bad_key_value_fails_only_that_task(
         alive = nodes[0].proc.poll() is None
     assert states == ["FAILURE"] + ["SUCCESS"] * 4
     assert alive
-    assert isinstance(bad.result, TypeError)
-    assert "invalid key value of type NoneType" in str(bad.result)
+    assert isinstance(bad.result, ValueError)
+    assert "key argument 'tenant' is None" in str(bad.result)

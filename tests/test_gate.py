@@ -15,6 +15,7 @@ from redis.crc import key_slot
 
 from celery_throttle import Decision, Gate, Limit, Reservation, parse_rate
 from celery_throttle.keys import bucket_key, key_digest
+from celery_throttle.testing import max_in_window
 
 from .model import Model, ModelLimit
 
@@ -420,3 +421,31 @@ def test_unsupported_key_values_raise_type_error_without_the_value(value: object
         key_digest(value)
     assert str(info.value) == (f"invalid key value of type {type(value).__name__}: "
                                "expected str, bytes, int or uuid.UUID")
+
+
+def _greedy_run(gate: Gate, clock: StepClock, lim: Limit, *, evict: redis.Redis | None
+                ) -> list[float]:
+    """Ask every 10 ms for 3 s; with ``evict``, delete the bucket at 1.55 s. Allowed times."""
+    allowed = []
+    for step in range(300):
+        clock.us = T0 + step * 10_000
+        if evict is not None and step == 155:  # between two starts
+            evict.delete(bucket_key(gate.prefix, lim.name))  # what an eviction does
+        if gate.acquire_many([lim]).allowed:
+            allowed.append(clock())
+    return allowed
+
+
+@pytest.mark.parametrize("burst", [1, 3])
+def test_evicted_bucket_costs_at_most_one_burst(client: redis.Redis, prefix: str,
+                                                burst: int) -> None:
+    """A bucket key lost mid-run (eviction, restart, FLUSHDB) lets one burst through, no more."""
+    clock = StepClock()
+    lim = Limit("ev", parse_rate("10/s"), burst)
+    steady = _greedy_run(Gate(client, prefix=prefix + "a", clock=clock), clock, lim, evict=None)
+    clock.us = T0
+    evicted = _greedy_run(Gate(client, prefix=prefix + "b", clock=clock), clock, lim,
+                          evict=client)
+    for window in (0.25, 0.5, 1.0, 2.0):
+        assert max_in_window(evicted, window) <= max_in_window(steady, window) + burst
+    assert 1 <= len(evicted) - len(steady) <= burst  # the loss is felt, and bounded

@@ -5,6 +5,8 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from celery_throttle import Limit, Rate, parse_rate
 
@@ -59,3 +61,45 @@ def test_limit_rejects_cost_above_burst() -> None:
     """A cost above the burst could never pass: a clear error instead of waiting forever."""
     with pytest.raises(ValueError, match="cost 6 exceeds burst 5 of limit 'api'"):
         Limit("api", parse_rate("1/s"), burst=5, cost=6)
+
+
+rate_like = st.one_of(
+    st.text(max_size=20),
+    st.from_regex(r"\s*-?[0-9]{0,6}(\.[0-9]{0,4})?\s*/\s*[0-9]{0,4}[smhdx]?\s*", fullmatch=True),
+    st.integers(), st.floats(), st.none(),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=rate_like)
+def test_any_rate_value_parses_exactly_or_names_itself(value: object) -> None:
+    """Any input: a Rate whose interval is never shorter than the asked one, or a ValueError."""
+    try:
+        rate, error = parse_rate(value), ""
+    except ValueError as exc:
+        rate, error = None, str(exc)
+    if rate is None:
+        assert repr(value) in error
+        return
+    assert isinstance(value, str)
+    assert rate.count > 0
+    assert rate.period > 0
+    assert rate.interval_us >= 1
+    assert rate.interval_us * rate.count >= rate.period * 1_000_000  # rounded up: never faster
+    assert parse_rate(str(rate)).interval_us == rate.interval_us  # its text reads back the same
+
+
+@given(burst=st.one_of(st.integers(-5, 10**6), st.booleans(), st.floats(), st.text(max_size=3)),
+       cost=st.one_of(st.integers(-5, 10**6), st.booleans(), st.floats()))
+def test_any_burst_and_cost_are_valid_or_named(burst: object, cost: object) -> None:
+    """Burst and cost: integers with 1 <= cost <= burst, else a ValueError naming the value."""
+    try:
+        lim, error = Limit("api", parse_rate("1/s"), burst=burst, cost=cost), ""  # type: ignore[arg-type]
+    except ValueError as exc:
+        lim, error = None, str(exc)
+    if lim is None:
+        assert repr(burst) in error or repr(cost) in error
+        return
+    assert isinstance(lim.burst, int)
+    assert isinstance(lim.cost, int)
+    assert 1 <= lim.cost <= lim.burst

@@ -46,6 +46,8 @@ SETTINGS: dict[str, tuple[object, str]] = {
     "throttle_claim_grace": (None, "how late (s) a task may start in its booked slot; later "
                              "it asks again; default: half the slot (cost x interval), "
                              "between 0.02 and 0.25"),
+    "throttle_metrics_port": (None, "serve Prometheus /metrics on this port from each worker "
+                              "node (needs prometheus_client; see Observability); None: off"),
 }
 
 
@@ -70,6 +72,7 @@ class Config:
     max_countdown: float
     max_sleep: float
     claim_grace: float | None
+    metrics_port: int | None
     # Not a throttle_* setting: the broker's, read for max_countdown and for
     # how long a duplicate copy of an acks_late message can still turn up.
     visibility_timeout: float
@@ -174,5 +177,15 @@ def read_config(app: Celery) -> Config:
         claim_grace=_seconds("throttle_claim_grace", get("throttle_claim_grace"),
                              allow_none=True),
         visibility_timeout=visibility,
+        metrics_port=_port(get("throttle_metrics_port")),
     )
+
+
+def _port(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ThrottleConfigError(f"setting throttle_metrics_port={value!r}: expected a TCP "
+                                  "port (1-65535) or None")
+    return value
 

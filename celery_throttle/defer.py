@@ -18,8 +18,10 @@ The copy that started may still run again if its node dies mid-run: that is
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import importlib.resources
+import json
 import logging
 import random
 import secrets
@@ -31,12 +33,13 @@ import redis
 from celery import Task, signals
 from celery.exceptions import Ignore
 
+from . import metrics
 from .errors import ThrottleStoreError, ThrottleTimeout
 from .gate import Decision, Limit, Reservation
 from .keys import key_digest
 from .store import Runtime
 
-__all__ = ["HEADER", "WaitState", "admit"]
+__all__ = ["HEADER", "WaitState", "admit", "read_wait"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -64,6 +67,7 @@ class WaitState:
     since: int | None = None  # server clock (us) of the first deferral
     copy: str = ""  # set by every re-publish: tells a duplicate from a redelivery
     prev: str = ""  # the copy that published this one ("-": the user's message)
+    spacing: tuple[int, ...] = ()  # each limit's interval (us) when the slot was booked
 
     @classmethod
     def from_request(cls, request: Any) -> WaitState:
@@ -81,19 +85,36 @@ class WaitState:
             value = raw.get(name)
             return value if isinstance(value, str) and len(value) <= 32 else ""
 
+        spacing = raw.get("spacing")
+        if not (isinstance(spacing, list) and len(spacing) <= 64
+                and all(isinstance(t, int) for t in spacing)):
+            spacing = []
         return cls(num("slot") or None, num("booked"), num("epoch"), num("deferrals"),
-                   num("since") or None, text("copy"), text("prev"))
+                   num("since") or None, text("copy"), text("prev"), tuple(spacing))
 
     @property
     def claim(self) -> Reservation | None:
         """The reservation to claim on arrival, if any."""
         return Reservation(self.slot, self.booked, self.epoch) if self.slot else None
 
-    def to_header(self) -> dict[str, int | str | None]:
+    def claim_under(self, limits: list[Limit]) -> Reservation | None:
+        """The booking, unless a limit is now slower than when it was booked.
+
+        Booked slots are spaced at the old interval; honouring them after a
+        rate was lowered (workers restarted with a new rate) would run the
+        waiting tasks at the old, faster pace.  So they book again.
+        """
+        now = tuple(lim.rate.interval_us for lim in limits)
+        if len(now) != len(self.spacing) or any(
+                new > old for new, old in zip(now, self.spacing, strict=True)):
+            return None
+        return self.claim
+
+    def to_header(self) -> dict[str, int | str | list[int] | None]:
         """The header value (JSON-safe)."""
         return {"slot": self.slot, "booked": self.booked, "epoch": self.epoch,
                 "deferrals": self.deferrals, "since": self.since, "copy": self.copy,
-                "prev": self.prev}
+                "prev": self.prev, "spacing": list(self.spacing)}
 
 
 def _grace(runtime: Runtime, limits: list[Limit], booked_mask: int) -> float:
@@ -139,6 +160,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
                            "re-scheduling it; its newer copy goes on)", task.name, request.id)
             raise Ignore()
         setattr(request, _STARTED, (runtime, state))  # for _run_ended
+    metrics.admitted([lim.name for lim in limits])
     if state.slot is not None or state.since is not None:
         # The task starts now: its booked slot is spent.  Celery's retry() and
         # any re-publish copy request.headers, and a copy still carrying the
@@ -166,6 +188,13 @@ def _run_ended(sender: Any = None, task: Any = None, **_: Any) -> None:
 signals.task_postrun.connect(_run_ended, weak=False)
 
 
+def _prepare_metrics(**_: Any) -> None:
+    metrics.prepare()  # in the worker, before the pool forks: never on a task's path
+
+
+signals.worker_init.connect(_prepare_metrics, weak=False)
+
+
 def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
                    max_wait: float | None, state: WaitState) -> None:
     request = task.request
@@ -177,7 +206,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
         horizon = min(horizon, max(0.0, to_expiry))
     if max_wait is not None:
         horizon = min(horizon, max_wait)
-    claim = state.claim
+    claim = state.claim_under(limits)
     # A short wait is slept, then the booked slot claimed: the claim is what
     # charges the limits the slot is not booked in.  Bounded: if the slot is
     # lost again and again, the task is re-published instead.
@@ -187,6 +216,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
             decision = runtime.gate.acquire_many(
                 limits, reserve=horizon, claim=claim, grace=_grace(runtime, limits, booked))
         except redis.RedisError as exc:
+            metrics.store_error([lim.name for lim in limits])
             _store_failed(task, runtime, state, exc)
             return
         if decision.allowed:
@@ -218,14 +248,52 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
     booking = decision.reservation
     new = WaitState(booking.slot if booking else None, booking.booked if booking else 0,
                     booking.epoch if booking else 0, state.deferrals + 1,
-                    state.since or decision.now, _new_copy(), state.copy or "-")
+                    state.since or decision.now, _new_copy(), state.copy or "-",
+                    tuple(lim.rate.interval_us for lim in limits))
     _republish(task, new, min(countdown, config.max_countdown))
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
-    logger.info(
-        "throttle: task %s[%s] waits %.3fs for limit %r (deferral %d)",
-        task.name, request.id, decision.retry_after, _limit_name(decision), new.deferrals)
+    name = _limit_name(decision)
+    metrics.deferred(name, decision.retry_after)
+    _note_wait(task, runtime, name, decision, new)
+    logger.info("throttle: task %s[%s] waits %.3fs for limit %r (deferral %d)",
+                task.name, request.id, decision.retry_after, name, new.deferrals)
     raise Ignore()
+
+
+def _wait_key(runtime: Runtime, task_id: str) -> str:
+    return f"{{{runtime.config.prefix}}}:wait:{key_digest(task_id)}"
+
+
+def _note_wait(task: Task[Any, Any], runtime: Runtime, limit: str, decision: Decision,
+               state: WaitState) -> None:
+    """Record why and until when the task waits, for ``celery throttle why`` (best effort).
+
+    One SET per deferral, expiring a minute after the next start.
+    """
+    due = decision.now + int(decision.retry_after * 1e6)
+    note = {"task": task.name, "limit": limit, "due": due, "booked": state.slot is not None,
+            "deferrals": state.deferrals, "since": state.since}
+    ttl_ms = int((decision.retry_after + 60) * 1000)
+    # Best effort: the deferral itself is what matters; the note is for operators.
+    with contextlib.suppress(redis.RedisError):
+        runtime.gate.client.set(_wait_key(runtime, str(task.request.id)), json.dumps(note),
+                                px=ttl_ms)
+
+
+def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
+    """What the last deferral of ``task_id`` recorded, with times relative to now (or None)."""
+    pipe = runtime.gate.client.pipeline(transaction=False)
+    pipe.get(_wait_key(runtime, task_id))
+    pipe.time()
+    raw, (sec, usec) = pipe.execute()
+    if raw is None:
+        return None
+    note = json.loads(raw)
+    now = int(sec) * 1_000_000 + int(usec)
+    note["due_in_s"] = round((note["due"] - now) / 1e6, 3)
+    note["waiting_s"] = round((now - (note["since"] or now)) / 1e6, 3)
+    return dict(note)
 
 
 def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, then: str) -> bool:
@@ -298,7 +366,7 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     # with jitter so that a fleet of waiting tasks does not return in step.
     backoff = min(30.0, 2.0 ** min(state.deferrals, 5)) * random.uniform(0.5, 1.0)
     new = WaitState(state.slot, state.booked, state.epoch, state.deferrals + 1, state.since,
-                    _new_copy(), state.copy or "-")
+                    _new_copy(), state.copy or "-", state.spacing)
     _republish(task, new, backoff)
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)  # fails quietly: the store is down

@@ -115,6 +115,28 @@ class Decision:
 _ADMITTED = Decision(True, 0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class BucketState:
+    """What a bucket holds right now, read without changing it (:meth:`Gate.inspect`).
+
+    ``used``: units taken out of the burst (0 = full bucket; with bookings it
+    goes past ``burst``).  ``next_free``: seconds until one start of the
+    limit's cost would be admitted (0 = now).  ``booked_ahead``: starts booked
+    beyond what the burst holds, i.e. deferred tasks waiting in this limit
+    with a booked slot (tasks booked only in another of their limits, or
+    waiting beyond the horizon, are not counted).  ``ttl``: seconds until the
+    key expires (the bucket is full again then), 0 when absent.
+    """
+
+    limit: Limit
+    exists: bool
+    used: float
+    next_free: float
+    booked_ahead: int
+    ttl: float
+    now: int  # the clock the state was read at (microseconds)
+
+
 class Gate:
     """Atomic multi-limit GCRA decisions on one Redis client.
 
@@ -215,6 +237,25 @@ class Gate:
         if status == _EARLY:
             return Decision(False, retry_after, None, booking, now_us, early=True)
         return Decision(False, retry_after, blocked, booking, now_us)
+
+    def inspect(self, limit: Limit) -> BucketState:
+        """Read ``limit``'s bucket without charging it (for status commands and metrics)."""
+        key = self.key_of(limit)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(key)
+        pipe.pttl(key)
+        pipe.time()
+        raw, pttl, (sec, usec) = pipe.execute()
+        now = self._now_us() or int(sec) * US_PER_SECOND + int(usec)
+        interval = limit.rate.interval_us
+        tat = max(int(raw), now) if raw is not None else now
+        ahead = tat - now  # the bucket's content, in microseconds of emission
+        used = ahead / interval
+        # Same test as gate.lua: admitted when tat + c*T - B*T <= now.
+        next_free = max(0, tat + (limit.cost - limit.burst) * interval - now)
+        booked = max(0, math.ceil(used - 1e-9) - limit.burst)
+        return BucketState(limit, raw is not None, used, next_free / US_PER_SECOND, booked,
+                           max(0, int(pttl)) / 1000, now)
 
     def reset(self, limit: Limit) -> bool:
         """Forget ``limit``'s bucket (it is full again); True if it existed."""

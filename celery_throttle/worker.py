@@ -20,6 +20,7 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
+from . import metrics
 from .config import read_config
 from .store import forget, runtime_for
 from .task import ensure_gated, specs_of
@@ -63,6 +64,10 @@ def install(app: Celery) -> Celery:
             _preload()
             logger.info("celery_throttle: limits in force: %s", "; ".join(limits_in_force(app))
                         or "none")
+            port = runtime_for(app).config.metrics_port
+            if port is not None:
+                metrics.serve(app, port)
+                logger.info("celery_throttle: metrics on port %d", port)
             try:
                 for warning in store_warnings(runtime_for(app).gate.client):
                     logger.warning("celery_throttle: %s", warning)

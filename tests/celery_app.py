@@ -49,6 +49,8 @@ if os.environ.get("CT_VISIBILITY"):
     app.conf.broker_transport_options = {
         "visibility_timeout": float(os.environ["CT_VISIBILITY"]),
         "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+if os.environ.get("CT_METRICS_PORT"):
+    app.conf.throttle_metrics_port = int(os.environ["CT_METRICS_PORT"])
 if os.environ.get("CT_ACKS_LATE"):
     app.conf.task_acks_late = True
     app.conf.task_reject_on_worker_lost = True

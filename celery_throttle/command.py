@@ -1,0 +1,199 @@
+"""``celery -A proj throttle ...``: see every limit's state, why a task waits, reset a bucket.
+
+Registered as a Celery extension command (the ``celery.commands`` entry point
+in ``pyproject.toml``), so it runs with the app and settings of ``-A proj``:
+
+* ``status [NAME ...] [--key K] [--json]``: each known limit with its rate,
+  burst, fill, next free slot and the starts booked ahead (tasks waiting);
+* ``why TASK_ID [--json]``: the limit a deferred task waits for, its booked
+  slot and deferral count (recorded at each deferral, kept until the slot);
+* ``reset NAME [--key K]``: forget a bucket (it is full again).
+
+Per-key buckets are never listed (that would need a key scan, and key values
+are stored hashed): name one with ``--key`` (``--int-key`` for integer keys).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import click
+from celery import Celery
+
+from .gate import BucketState, Limit
+from .store import runtime_for
+from .task import specs_of
+
+__all__ = ["KnownLimit", "known_limits", "throttle"]
+
+
+@dataclass(frozen=True, slots=True)
+class KnownLimit:
+    """A limit the app declares: queue limits, then each task's ``@throttled`` limits."""
+
+    limit: Limit  # with no key value; cost 1 when the task's cost is computed per call
+    keyed: bool
+    used_by: tuple[str, ...]  # "queue q" or task names
+
+
+def known_limits(app: Celery) -> list[KnownLimit]:
+    """Every limit ``app`` declares, one entry per bucket name (tasks sharing a name merge)."""
+    config = runtime_for(app).config
+    found: dict[str, KnownLimit] = {}
+    for q in config.queues:
+        found[q.limit.name] = KnownLimit(q.limit, False, (f"queue {q.queue}",))
+    for task_name, task in sorted(app.tasks.items()):
+        for spec in specs_of(task):
+            name = spec.name or task_name
+            if name in found:
+                old = found[name]
+                found[name] = KnownLimit(old.limit, old.keyed, (*old.used_by, task_name))
+                continue
+            cost = spec.cost if isinstance(spec.cost, int) else 1
+            found[name] = KnownLimit(Limit(name, spec.rate, spec.burst, None, cost),
+                                     spec.key is not None, (task_name,))
+    return list(found.values())
+
+
+def _app(ctx: click.Context) -> Celery:
+    app: Celery = ctx.obj.app
+    app.loader.import_default_modules()  # the task modules, so their limits are known
+    return app
+
+
+def _key_value(key: str | None, int_key: str | None) -> object:
+    if key is not None and int_key is not None:
+        raise click.UsageError("give --key or --int-key, not both")
+    if int_key is not None:
+        try:
+            return int(int_key)
+        except ValueError:
+            raise click.BadParameter(f"{int_key!r} is not an integer",
+                                     param_hint="--int-key") from None
+    return key
+
+
+def _select(app: Celery, names: tuple[str, ...]) -> list[KnownLimit]:
+    known = known_limits(app)
+    if not names:
+        return known
+    by_name = {k.limit.name: k for k in known}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise click.BadParameter(
+            f"unknown limit {missing[0]!r}; known: {', '.join(by_name) or 'none'}",
+            param_hint="NAME")
+    return [by_name[n] for n in names]
+
+
+def _row(known: KnownLimit, state: BucketState | None, key_given: bool) -> dict[str, Any]:
+    lim = known.limit
+    row: dict[str, Any] = {
+        "limit": lim.name, "rate": str(lim.rate), "burst": lim.burst,
+        "per_key": known.keyed, "used_by": list(known.used_by),
+    }
+    if state is None:
+        row["note"] = "per key: name one with --key" if known.keyed and not key_given else ""
+        return row
+    row.update(used=round(state.used, 3), fill=round(min(state.used, lim.burst) / lim.burst, 3),
+               next_free_s=round(state.next_free, 3), booked_ahead=state.booked_ahead,
+               ttl_s=round(state.ttl, 3))
+    return row
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = ["LIMIT", "RATE", "BURST", "FILL", "NEXT FREE", "WAITING", "USED BY"]
+    body = []
+    for r in rows:
+        if "fill" in r:
+            fill, free = f"{r['fill']:.0%}", "now" if r["next_free_s"] == 0 else \
+                f"in {r['next_free_s']:.3f}s"
+            waiting = str(r["booked_ahead"])
+        else:
+            fill, free, waiting = "-", r["note"] or "-", "-"
+        body.append([r["limit"] + (" (per key)" if r["per_key"] else ""), r["rate"],
+                     str(r["burst"]), fill, free, waiting, ", ".join(r["used_by"])])
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+             for line in [head, *body]]
+    return "\n".join(lines)
+
+
+@click.group(name="throttle")
+def throttle() -> None:
+    """Inspect and reset celery_throttle limits (the app's throttle_* settings apply)."""
+
+
+@throttle.command()
+@click.argument("names", nargs=-1)
+@click.option("--key", help="a string key value of per-key limits (hashed, never stored)")
+@click.option("--int-key", help="an integer key value of per-key limits")
+@click.option("--json", "as_json", is_flag=True, help="one JSON document instead of a table")
+@click.pass_context
+def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key: str | None,
+           as_json: bool) -> None:
+    """Each limit: rate, burst, fill, next free slot, starts booked ahead (tasks waiting)."""
+    app = _app(ctx)
+    value = _key_value(key, int_key)
+    gate = runtime_for(app).gate
+    rows = []
+    for known in _select(app, names):
+        if known.keyed and value is None:
+            rows.append(_row(known, None, False))
+            continue
+        lim = known.limit
+        if known.keyed:
+            lim = Limit(lim.name, lim.rate, lim.burst, value, lim.cost)
+        rows.append(_row(known, gate.inspect(lim), value is not None))
+    if as_json:
+        click.echo(json.dumps({"limits": rows, "at": time.time()}, indent=2))
+    else:
+        click.echo(_table(rows))
+
+
+@throttle.command()
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, help="one JSON document instead of text")
+@click.pass_context
+def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """Why TASK_ID waits: its limit, booked slot and deferrals (from its last deferral)."""
+    from .defer import read_wait  # lazily: defer imports Celery's worker machinery
+
+    app = _app(ctx)
+    wait = read_wait(runtime_for(app), task_id)
+    if as_json:
+        click.echo(json.dumps({"task_id": task_id, "waiting": wait}, indent=2))
+        return
+    if wait is None:
+        click.echo(f"task {task_id}: not waiting for the throttle (no deferral recorded in "
+                   "the last wait; it may have started, or never been deferred)")
+        return
+    due = wait["due_in_s"]
+    when = f"in {due:.3f}s" if due >= 0 else f"{-due:.3f}s ago (started, or deciding again)"
+    click.echo(f"task {task_id} ({wait['task']}) waits for limit {wait['limit']!r}: "
+               f"next start {when}; deferral {wait['deferrals']}, waiting "
+               f"{wait['waiting_s']:.1f}s so far"
+               + ("; slot booked" if wait["booked"] else "; no slot booked yet (beyond the "
+                  "horizon, or the store was down)"))
+
+
+@throttle.command()
+@click.argument("name")
+@click.option("--key", help="a string key value of a per-key limit")
+@click.option("--int-key", help="an integer key value of a per-key limit")
+@click.pass_context
+def reset(ctx: click.Context, name: str, key: str | None, int_key: str | None) -> None:
+    """Forget limit NAME's bucket (for one key value with --key): it is full again."""
+    app = _app(ctx)
+    value = _key_value(key, int_key)
+    (known,) = _select(app, (name,))
+    if known.keyed and value is None:
+        raise click.UsageError(f"limit {name!r} is per key: give --key or --int-key")
+    lim = known.limit
+    gate = runtime_for(app).gate
+    existed = gate.reset(Limit(lim.name, lim.rate, lim.burst, value if known.keyed else None))
+    click.echo(f"limit {name!r}{' (that key)' if known.keyed else ''}: "
+               + ("bucket reset" if existed else "bucket was already empty"))

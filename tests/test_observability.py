@@ -1,0 +1,256 @@
+"""What an operator sees: counts per limit, `celery throttle`, log lines, rate changes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, Task
+from celery.exceptions import Ignore
+
+import celery_throttle
+from celery_throttle import Gate, Limit, metrics, parse_rate, throttled
+from celery_throttle.defer import read_wait
+from celery_throttle.store import forget, runtime_for
+from celery_throttle.testing import free_port
+
+from .test_gate import T0, StepClock
+from .workers import ROOT, cluster, read_records, wait_results
+
+
+class _Published:
+    """Stands in for a signature: records the options it would be published with."""
+
+    def __init__(self, sink: list[dict[str, Any]], options: dict[str, Any]) -> None:
+        self.sink, self.options = sink, options
+
+    def apply_async(self) -> None:
+        self.sink.append(self.options)
+
+
+@pytest.fixture
+def app(redis_url: str, prefix: str) -> Iterator[Celery]:
+    """An app on the test server with this test's own bucket prefix (never started)."""
+    a = Celery("obs", broker=f"{redis_url}/14", set_as_current=False)
+    a.conf.throttle_redis_url = redis_url
+    a.conf.throttle_prefix = prefix
+    celery_throttle.install(a)
+    yield a
+    forget(a)
+    a.close()
+
+
+def test_counts_log_line_and_wait_note_after_a_known_run(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three calls at 1/s: 1 admitted, 2 deferred (waits 1 s and 2 s), one INFO line each."""
+    published: list[dict[str, Any]] = []
+
+    @throttled("1/s", name="llm")
+    @app.task(bind=True, shared=False)
+    def job(self: Task[Any, Any]) -> str:
+        return "ran"
+
+    job.signature_from_request = lambda request, **options: _Published(published, options)  # type: ignore[method-assign,assignment]
+    metrics.reset()
+    with caplog.at_level(logging.INFO, logger="celery_throttle"):
+        for i in range(3):
+            job.push_request(id=f"task-{i}", called_directly=False, delivery_info={},
+                             headers=None)
+            try:
+                if i == 0:
+                    assert job.run() == "ran"
+                else:
+                    with pytest.raises(Ignore):
+                        job.run()
+            finally:
+                job.pop_request()
+    counts = metrics.snapshot()["llm"]
+    assert counts["admitted"] == 1
+    assert counts["deferred"] == 2
+    assert counts["wait_seconds_sum"] == pytest.approx(3.0, abs=0.05)  # 1 s + 2 s
+    assert counts["store_errors"] == 0
+    lines = [r.getMessage() for r in caplog.records if "waits" in r.getMessage()]
+    assert len(lines) == 2
+    assert re.fullmatch(r"throttle: task [\w.]*job\[task-2\] waits 1\.9\d\ds for limit 'llm' "
+                        r"\(deferral 1\)", lines[1]) or re.fullmatch(
+        r"throttle: task [\w.]*job\[task-2\] waits 2\.0\d\ds for limit 'llm' \(deferral 1\)",
+        lines[1]), lines[1]
+    note = read_wait(runtime_for(app), "task-2")
+    assert note is not None
+    assert note["limit"] == "llm"
+    assert note["booked"] is True
+    assert note["deferrals"] == 1
+    assert 1.9 < note["due_in_s"] <= 2.0
+    assert read_wait(runtime_for(app), "task-0") is None  # started at once: nothing recorded
+
+
+def test_store_errors_are_counted(app: Celery) -> None:
+    """A decision the store fails counts once per limit of the call."""
+    app.conf.throttle_redis_url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens
+    app.conf.throttle_on_error = "allow"
+    forget(app)
+
+    @throttled("1/s", name="down")
+    @app.task(bind=True, shared=False)
+    def job(self: Task[Any, Any]) -> str:
+        return "ran"
+
+    metrics.reset()
+    job.push_request(id="t", called_directly=False, delivery_info={}, headers=None)
+    try:
+        assert job.run() == "ran"
+    finally:
+        job.pop_request()
+    assert metrics.snapshot()["down"]["store_errors"] == 1
+
+
+def test_rate_change_keeps_state_and_never_bursts(client: redis.Redis, prefix: str) -> None:
+    """A limit's rate changed in code: the bucket is kept, no burst; bookings keep their slots."""
+    clock = StepClock()
+    gate = Gate(client, prefix=prefix, clock=clock)
+    old = Limit("api", parse_rate("10/s"))
+    assert gate.acquire_many([old]).allowed
+    booked = [gate.acquire_many([old], reserve=60) for _ in range(5)]  # slots 0.1 .. 0.5 s
+    assert [d.retry_after for d in booked] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+    faster = Limit("api", parse_rate("100/s"))
+    # Workers restarted with 100/s: a new task queues behind the existing
+    # bookings (the bucket's TAT, 0.6 s ahead), then the new spacing applies.
+    assert gate.inspect(faster).next_free == pytest.approx(0.6)
+    after = gate.acquire_many([faster], reserve=60)
+    assert after.retry_after == pytest.approx(0.6)
+    slower = Limit("api", parse_rate("1/s"))
+    later = gate.acquire_many([slower], reserve=60)
+    assert later.retry_after == pytest.approx(0.61)  # behind it; then 1 s apart
+    assert gate.acquire_many([slower], reserve=60).retry_after == pytest.approx(1.61)
+    # A booking claimed at its slot under the new rate is honoured if the
+    # bucket still holds it, else it re-books: never two starts in one slot.
+    clock.us = T0 + 100_000
+    claim = gate.acquire_many([slower], claim=booked[0].reservation, grace=0.02)
+    assert claim.allowed or claim.retry_after > 0
+
+
+def test_lowered_rate_voids_bookings_made_at_the_old_pace(app: Celery) -> None:
+    """Booked at 10/s, arriving after a restart at 1/s: not started at the old pace."""
+    published: list[dict[str, Any]] = []
+
+    def make(rate: str) -> Task[Any, Any]:
+        @throttled(rate, name="api")
+        @app.task(bind=True, shared=False, name=f"job_{rate.replace('/', '_per_')}")
+        def job(self: Task[Any, Any]) -> str:
+            return "ran"
+
+        job.signature_from_request = lambda request, **options: _Published(published, options)  # type: ignore[method-assign,assignment]
+        return job
+
+    def run(task: Task[Any, Any], headers: dict[str, Any] | None) -> str:
+        task.push_request(id="t", called_directly=False, delivery_info={}, headers=headers)
+        try:
+            return str(task.run())
+        finally:
+            task.pop_request()
+
+    app.conf.throttle_max_sleep = 0  # every wait re-published: each arrival is visible
+    forget(app)
+    fast, slow = make("10/s"), make("1/s")
+    assert run(fast, None) == "ran"
+    for _ in range(3):
+        with pytest.raises(Ignore):
+            run(fast, None)  # booked 0.1, 0.2 and 0.3 s after the first start
+    booked = list(published)
+    started = time.monotonic()
+    waits = []
+    for message in booked:  # workers restarted at 1/s; each copy arrives at its slot
+        time.sleep(max(0.0, message["countdown"] - (time.monotonic() - started)))
+        with pytest.raises(Ignore):  # honouring the booking would start it at the old pace
+            run(slow, message["headers"])
+        waits.append(published[-1]["countdown"])
+    # They queue behind the old bucket (0.4 s after the first start), 1 s apart.
+    assert waits == pytest.approx([0.3, 1.2, 2.1], abs=0.05)
+
+
+def _celery(args: list[str], redis_base: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CT_REDIS": redis_base, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.celery_app", "throttle",
+                           *args], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, check=False)
+
+
+@pytest.mark.integration
+def test_command_answers_why_a_task_waits_and_until_when(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """`celery throttle status/why/reset` against live workers and Redis."""
+    with cluster(redis_base, ("w1",)):
+        results = [capp.patient.delay(i) for i in range(20)]  # 1/s: a 19 s queue
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and records.llen("records") < 2:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        status = _celery(["status", "--json", "patient"], redis_base)
+        table = _celery(["status"], redis_base)
+        why = _celery(["why", results[15].id], redis_base)
+        why_json = _celery(["why", "--json", results[15].id], redis_base)
+        keyed = _celery(["status", "tests.celery_app.per_tenant", "--key", "acme"], redis_base)
+        reset = _celery(["reset", "patient"], redis_base)
+        unknown = _celery(["status", "nope"], redis_base)
+    for done in (status, table, why, why_json, keyed, reset):
+        assert done.returncode == 0, done.stderr
+    (row,) = json.loads(status.stdout)["limits"]
+    assert row["limit"] == "patient"
+    assert row["rate"] == "1/s"
+    assert 14 <= row["booked_ahead"] <= 19  # the tasks still waiting hold their bookings
+    assert 14 <= row["next_free_s"] <= 19
+    assert re.search(r"^patient\s+1/s\s+1\s+100%\s+in \d+\.\d{3}s\s+1\d\s+"
+                     r"tests.celery_app.patient$", table.stdout, flags=re.MULTILINE), table.stdout
+    assert re.search(r"^tests.celery_app.per_tenant \(per key\) .* per key: name one with --key",
+                     table.stdout, flags=re.MULTILINE), table.stdout
+    assert f"task {results[15].id} (tests.celery_app.patient) waits for limit 'patient'" \
+        in why.stdout
+    wait = json.loads(why_json.stdout)["waiting"]
+    assert 10 <= wait["due_in_s"] <= 16  # the 16th task: about 15 s after the first start
+    assert wait["booked"] is True
+    assert "per_tenant (per key)  5/s" in keyed.stdout
+    assert "bucket reset" in reset.stdout
+    assert unknown.returncode == 2
+    assert "unknown limit 'nope'" in unknown.stderr
+
+
+@pytest.mark.integration
+def test_prometheus_endpoint_counts_a_prefork_run(
+    capp: ModuleType, records: redis.Redis, redis_base: str, tmp_path: Path
+) -> None:
+    """A prefork node in multiprocess mode: /metrics adds up every child's counts."""
+    port = free_port()
+    env = {"CT_METRICS_PORT": str(port), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+           "CT_MAX_SLEEP": "0.05"}  # waits are re-published: deferrals to count
+    with cluster(redis_base, ("w1",), env=env):
+        results = [capp.steady.delay(i) for i in range(40)]  # 2 s at 20/s
+        assert wait_results(results, timeout=30) == ["SUCCESS"] * 40
+        rows = read_records(records, expect=40, timeout=5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    label = 'limit="tests.celery_app.steady"'
+
+    def value(metric: str) -> float:
+        found = re.search(rf"^{metric}\{{{label}\}} (\S+)$", text, flags=re.MULTILINE)
+        assert found, f"{metric} missing:\n{text[:3000]}"
+        return float(found.group(1))
+
+    assert value("celery_throttle_admitted_total") == 40
+    assert value("celery_throttle_deferred_total") == sum(r["deferrals"] for r in rows) > 0
+    assert value("celery_throttle_wait_seconds_count") == value("celery_throttle_deferred_total")
+    assert value("celery_throttle_fill_ratio") >= 0
+    assert "celery_throttle_next_free_seconds" in text

@@ -13,6 +13,10 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test,demo]'
 	touch $@
 
+$(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test,demo,bench]'
+	touch $@
+
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[demo]'
 	touch $@
@@ -27,8 +31,8 @@ lint: $(VENV)/.installed-test
 test: lint
 	$(BIN)/pytest
 
-bench: $(VENV)/.installed-test
-	$(BIN)/python -m benchmarks.gate_latency | tee BENCHMARKS.md
+bench: $(VENV)/.installed-bench
+	$(BIN)/python -m benchmarks
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis demo-output

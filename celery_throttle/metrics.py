@@ -62,36 +62,34 @@ def reset() -> None:
 
 def admitted(names: list[str]) -> None:
     """Tasks passed every limit in ``names``."""
-    with _lock:
-        for name in names:
-            _stats.setdefault(name, LimitStats()).admitted += 1
-    prom = _prometheus()
-    if prom is not None:
-        for name in names:
-            prom[0].labels(name).inc()
+    _count(names, "admitted", 0)
 
 
 def deferred(name: str, wait: float) -> None:
     """A task was re-scheduled by limit ``name`` to start in ``wait`` seconds."""
     with _lock:
-        stats = _stats.setdefault(name, LimitStats())
-        stats.deferred += 1
-        stats.wait_seconds_sum += wait
+        _stats.setdefault(name, LimitStats()).wait_seconds_sum += wait
+    _count([name], "deferred", 1)
     prom = _prometheus()
     if prom is not None:
-        prom[1].labels(name).inc()
         prom[2].labels(name).observe(wait)
 
 
 def store_error(names: list[str]) -> None:
     """A decision over ``names`` failed because the store did not answer."""
+    _count(names, "store_errors", 3)
+
+
+def _count(names: list[str], field: str, metric: int) -> None:
+    """Add one to ``field`` of each limit, here and in Prometheus metric number ``metric``."""
     with _lock:
         for name in names:
-            _stats.setdefault(name, LimitStats()).store_errors += 1
+            stats = _stats.setdefault(name, LimitStats())
+            setattr(stats, field, getattr(stats, field) + 1)
     prom = _prometheus()
     if prom is not None:
         for name in names:
-            prom[3].labels(name).inc()
+            prom[metric].labels(name).inc()
 
 
 def prepare() -> None:

@@ -16,6 +16,8 @@ from celery_throttle.config import read_config
 from celery_throttle.defer import HEADER, WaitState
 from celery_throttle.task import specs_of
 
+from .workers import PublishRecorder
+
 
 @pytest.fixture
 def app(redis_url: str) -> Iterator[Celery]:
@@ -148,7 +150,7 @@ def test_store_down_policies(app: Celery, caplog: pytest.LogCaptureFixture) -> N
     def job(self: Task[Any, Any]) -> str:
         return "ran"
 
-    job.signature_from_request = lambda request, **options: _Recorder(published, options)  # type: ignore[method-assign,assignment]
+    job.signature_from_request = lambda request, **options: PublishRecorder(published, options)  # type: ignore[method-assign,assignment]
     from celery_throttle.store import forget
 
     def run_with(policy: str) -> Any:
@@ -174,16 +176,6 @@ def test_store_down_policies(app: Celery, caplog: pytest.LogCaptureFixture) -> N
     assert 0.5 <= published[0]["countdown"] <= 1.0
     assert "store unavailable" in caplog.text
     assert "s3cret" not in caplog.text
-
-
-class _Recorder:
-    """Stands in for a signature: records what would be published."""
-
-    def __init__(self, sink: list[dict[str, Any]], options: dict[str, Any]) -> None:
-        self.sink, self.options = sink, options
-
-    def apply_async(self) -> None:
-        self.sink.append(self.options)
 
 
 def test_key_and_cost_from_positional_or_keyword_arguments(app: Celery) -> None:

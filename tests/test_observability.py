@@ -27,17 +27,7 @@ from celery_throttle.store import forget, runtime_for
 from celery_throttle.testing import free_port
 
 from .test_gate import T0, StepClock
-from .workers import ROOT, cluster, read_records, wait_results
-
-
-class _Published:
-    """Stands in for a signature: records the options it would be published with."""
-
-    def __init__(self, sink: list[dict[str, Any]], options: dict[str, Any]) -> None:
-        self.sink, self.options = sink, options
-
-    def apply_async(self) -> None:
-        self.sink.append(self.options)
+from .workers import ROOT, PublishRecorder, cluster, read_records, wait_results
 
 
 @pytest.fixture
@@ -63,7 +53,7 @@ def test_counts_log_line_and_wait_note_after_a_known_run(
     def job(self: Task[Any, Any]) -> str:
         return "ran"
 
-    job.signature_from_request = lambda request, **options: _Published(published, options)  # type: ignore[method-assign,assignment]
+    job.signature_from_request = lambda request, **options: PublishRecorder(published, options)  # type: ignore[method-assign,assignment]
     metrics.reset()
     with caplog.at_level(logging.INFO, logger="celery_throttle"):
         for i in range(3):
@@ -152,7 +142,7 @@ def test_lowered_rate_voids_bookings_made_at_the_old_pace(app: Celery) -> None:
         def job(self: Task[Any, Any]) -> str:
             return "ran"
 
-        job.signature_from_request = lambda request, **options: _Published(published, options)  # type: ignore[method-assign,assignment]
+        job.signature_from_request = lambda request, **options: PublishRecorder(published, options)  # type: ignore[method-assign,assignment]
         return job
 
     def run(task: Task[Any, Any], headers: dict[str, Any] | None) -> str:

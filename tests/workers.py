@@ -1,4 +1,4 @@
-"""Integration-test glue: the test app's workers and its start records."""
+"""Test glue: the test app's workers, its start records, and a publish recorder."""
 
 from __future__ import annotations
 
@@ -61,3 +61,13 @@ def check_window_bound(
         worst[w] = seen
         assert seen <= allowed, f"{seen} starts in a {w}s window, bound {allowed}"
     return worst
+
+
+class PublishRecorder:
+    """Stands in for a signature in unit tests: records what would be published."""
+
+    def __init__(self, sink: list[dict[str, Any]], options: dict[str, Any]) -> None:
+        self.sink, self.options = sink, options
+
+    def apply_async(self) -> None:
+        self.sink.append(self.options)

@@ -93,6 +93,11 @@ class WaitState:
                    num("since") or None, text("copy"), text("prev"), tuple(spacing))
 
     @property
+    def copy_id(self) -> str:
+        """This copy's id as the copy pointer knows it ("-": the message the user sent)."""
+        return self.copy or "-"
+
+    @property
     def claim(self) -> Reservation | None:
         """The reservation to claim on arrival, if any."""
         return Reservation(self.slot, self.booked, self.epoch) if self.slot else None
@@ -248,7 +253,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
     booking = decision.reservation
     new = WaitState(booking.slot if booking else None, booking.booked if booking else 0,
                     booking.epoch if booking else 0, state.deferrals + 1,
-                    state.since or decision.now, _new_copy(), state.copy or "-",
+                    state.since or decision.now, _new_copy(), state.copy_id,
                     tuple(lim.rate.interval_us for lim in limits))
     _republish(task, new, min(countdown, config.max_countdown))
     if getattr(task, "acks_late", False):
@@ -301,15 +306,15 @@ def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, then
 
     ``then`` is a successor's copy id, or "ran:"/"done:" (this copy's id is
     appended).  One script call per start, end and re-publish of an
-    acks_late task.  The
-    pointer outlives the time a stranded copy can take to come back: the
-    broker's visibility timeout plus the longest booked wait.  With the
-    store down the answer is yes: a copy re-published meanwhile names this
-    one as its predecessor, so the pointer still lets exactly one through.
+    acks_late task.  The pointer outlives the time a stranded copy can take
+    to come back: the broker's visibility timeout plus the longest booked
+    wait.  With the store down the answer is yes: a copy re-published
+    meanwhile names this one as its predecessor, so the pointer still lets
+    exactly one through.
     """
-    then_value = then + (state.copy or "-") if then.endswith(":") else then
+    mine = state.copy_id
+    then_value = then + mine if then.endswith(":") else then
     request = task.request
-    mine = state.copy or "-"
     key = f"{{{runtime.config.prefix}}}:copy:{key_digest(str(request.id))}:{request.retries}"
     ttl_ms = int((runtime.config.visibility_timeout + runtime.config.horizon) * 1000) + 60_000
     client = runtime.gate.client
@@ -366,10 +371,10 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     # with jitter so that a fleet of waiting tasks does not return in step.
     backoff = min(30.0, 2.0 ** min(state.deferrals, 5)) * random.uniform(0.5, 1.0)
     new = WaitState(state.slot, state.booked, state.epoch, state.deferrals + 1, state.since,
-                    _new_copy(), state.copy or "-", state.spacing)
+                    _new_copy(), state.copy_id, state.spacing)
+    # The copy pointer is not moved (the store is down): the new copy names
+    # this one as its predecessor, which the pointer accepts.
     _republish(task, new, backoff)
-    if getattr(task, "acks_late", False):
-        _move_pointer(task, runtime, state, new.copy)  # fails quietly: the store is down
     logger.info("throttle: task %s[%s] re-scheduled in %.1fs: store unavailable (deferral %d)",
                 task.name, task.request.id, backoff, new.deferrals)
     raise Ignore()

@@ -215,11 +215,11 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
     # A short wait is slept, then the booked slot claimed: the claim is what
     # charges the limits the slot is not booked in.  Bounded: if the slot is
     # lost again and again, the task is re-published instead.
+    grace = _grace(runtime, limits, claim.booked if claim is not None else 0)
     for attempt in range(_MAX_SLEEPS):
-        booked = claim.booked if claim is not None else 0
         try:
             decision = runtime.gate.acquire_many(
-                limits, reserve=horizon, claim=claim, grace=_grace(runtime, limits, booked))
+                limits, reserve=horizon, claim=claim, grace=grace)
         except redis.RedisError as exc:
             metrics.store_error([lim.name for lim in limits])
             _store_failed(task, runtime, state, exc)
@@ -243,6 +243,10 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
             break
         # Our slot is booked: a short wait is cheaper slept than re-published.
         time.sleep(decision.retry_after)
+        if claim is None or decision.slot != claim.slot:
+            # A new slot: its grace follows the limits it is booked in.  (An
+            # "early" answer for the same slot keeps the grace it was given.)
+            grace = _grace(runtime, limits, decision.reservation.booked)
         claim = decision.reservation
     if decision.slot is not None:
         countdown = decision.retry_after

@@ -40,9 +40,14 @@ class Model:
             if now < slot:
                 return ("early", slot - now, slot, booked)
             others = [i for i in range(len(limits)) if i not in booked]
-            if now <= slot + grace and all(starts[i] == now for i in others):
-                self._charge(now, [limits[i] for i in others])
-                return ("allowed", 0, slot, booked)
+            if now <= slot + grace:
+                busy = max([starts[i] - now for i in others], default=0)
+                if busy == 0:
+                    self._charge(now, [limits[i] for i in others])
+                    return ("allowed", 0, slot, booked)
+                if now + busy <= slot + grace:  # free within the grace: booked there too
+                    self._charge(now + busy, [limits[i] for i in others])
+                    return ("early", busy, slot, booked | frozenset(others))
         start = max(starts)
         wait = start - now
         if wait == 0:

@@ -44,7 +44,8 @@ Reply: 1 when simply allowed (charged now); otherwise
        { status, wait_us, blocking, slot_us, now_us, mask, epoch } (integers only)
   status   1 allowed (charged now, or a claim honoured), 0 denied (nothing
            written), 2 reserved (slot booked, start at slot_us), 3 early (a
-           claim for a slot still ahead; nothing written, wait wait_us)
+           claim for a slot still ahead, or one whose unbooked limits free up
+           within the grace and are now booked too: claim again after wait_us)
   wait_us  microseconds until the start may happen (0 when allowed)
   blocking the 1-based index of the limit that forced the longest wait, or 0
   slot_us  the booked or claimed slot, or 0
@@ -139,19 +140,33 @@ if claim > 0 and claim_valid() then
   end
   if now <= claim + grace then
     -- The booked limits were charged at booking; the others must admit now.
-    local ok = true
+    local busy = 0
     for i = 1, n do
-      if not booked_in(mask, i) and waits[i] > 0 then
-        ok = false
+      if not booked_in(mask, i) and waits[i] > busy then
+        busy = waits[i]
       end
     end
-    if ok then
+    if busy == 0 then
       for i = 1, n do
         if not booked_in(mask, i) then
           charge(i, now)
         end
       end
       return { 1, 0, 0, claim, now, mask, claim_epoch }
+    end
+    if now + busy <= claim + grace then
+      -- An unbooked limit frees up within the grace (a shared limit another
+      -- task just took): book it there and answer "early", so the caller
+      -- sleeps that long and claims again, rather than losing a slot of
+      -- every booked limit for a wait shorter than the grace.
+      local more = mask
+      for i = 1, n do
+        if not booked_in(mask, i) then
+          charge(i, now + busy)
+          more = more + 2 ^ (i - 1)
+        end
+      end
+      return { 3, busy, 0, claim, now, more, claim_epoch }
     end
   end
   -- Late, or an unbooked limit is busy: the old slot is lost, decide afresh.

@@ -35,7 +35,10 @@ def main() -> int:
         count = 40 if tenant == "bigco" else 4
         print(f"{tenant:8}  {count:5}  {seconds:5.1f}s")
     print(f"provider 429s: {refused}")
-    return 0 if refused == 0 and done["smallco"] < 5 and done["indie"] < 5 else 1
+    # The point: small tenants are not queued behind bigco (about 2 s against
+    # its 20 s); the margin absorbs a loaded CI machine's late starts.
+    fair = max(done["smallco"], done["indie"]) < done["bigco"] / 3
+    return 0 if refused == 0 and fair else 1
 
 
 if __name__ == "__main__":

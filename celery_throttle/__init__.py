@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from .defer import HEADER
 from .errors import ThrottleConfigError, ThrottleError, ThrottleStoreError, ThrottleTimeout
-from .gate import Decision, Gate, Limit, Reservation
+from .gate import Concurrency, Decision, Gate, Limit, Reservation
 from .rates import Rate, parse_rate
 from .task import Throttle, throttled
 from .worker import install, limits_in_force, store_warnings
 
 __all__ = [
     "HEADER",
+    "Concurrency",
     "Decision",
     "Gate",
     "Limit",

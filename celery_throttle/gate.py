@@ -21,13 +21,16 @@ import redis
 from .keys import bucket_key, key_digest, validate_name, validate_prefix
 from .rates import US_PER_SECOND, Rate, parse_rate
 
-__all__ = ["Decision", "Gate", "Limit", "Reservation"]
+__all__ = ["AnyLimit", "BucketState", "Concurrency", "Decision", "Gate", "LeaseState", "Limit",
+           "Reservation"]
 
 _SCRIPT = importlib.resources.files(__package__).joinpath("lua/gate.lua").read_text("utf-8")
 
 # Reply status codes of gate.lua (0 denied and 2 reserved are told apart by the booking).
 _ALLOWED, _EARLY = 1, 3
 _NEVER = -1
+#: A lease a heartbeat does not extend ends this long after it was taken.
+DEFAULT_LEASE = 30.0
 # The booked-limits mask travels as an integer (exact in a Lua double).
 _MAX_LIMITS = 50
 
@@ -65,6 +68,41 @@ class Limit:
                 f"cost {self.cost} exceeds burst {self.burst} of limit {self.name!r}: "
                 "it could never pass; raise the burst or split the job"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class Concurrency:
+    """At most ``slots`` holders of ``name`` (and ``key``) at once, each on a lease.
+
+    A holder (a task id) takes a slot when admitted and gives it back with
+    :meth:`Gate.release`; :meth:`Gate.extend` renews the lease while it runs.
+    A holder that never does either (its worker was killed) loses the slot
+    ``lease`` seconds after it last renewed it.
+    """
+
+    name: str
+    slots: int
+    key: object = field(default=None, repr=False)  # may be a secret: never shown
+    lease: float = DEFAULT_LEASE
+
+    def __post_init__(self) -> None:
+        validate_name(self.name)
+        _positive_int("concurrency", self.slots)
+        if self.key is not None:
+            key_digest(self.key)
+        if (isinstance(self.lease, bool) or not isinstance(self.lease, int | float)
+                or not 0.001 <= self.lease <= 86400):
+            raise ValueError(f"invalid lease {self.lease!r}: expected seconds from 0.001 "
+                             "to 86400")
+
+    @property
+    def lease_us(self) -> int:
+        """The lease in microseconds."""
+        return math.ceil(self.lease * US_PER_SECOND)
+
+
+#: Either kind of limit; :meth:`Gate.acquire_many` decides them together.
+AnyLimit = Limit | Concurrency
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +163,9 @@ class BucketState:
     beyond what the burst holds, i.e. deferred tasks waiting in this limit
     with a booked slot (tasks booked only in another of their limits, or
     waiting beyond the horizon, are not counted).  ``ttl``: seconds until the
-    key expires (the bucket is full again then), 0 when absent.
+    key expires (the bucket is full again then), 0 when absent.  ``paused``:
+    seconds until a pause set by :meth:`Gate.pause` ends (``next_free``
+    includes it).
     """
 
     limit: Limit
@@ -135,6 +175,17 @@ class BucketState:
     booked_ahead: int
     ttl: float
     now: int  # the clock the state was read at (microseconds)
+    paused: float = 0.0  # seconds until a provider's pause ends (0: not paused)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseState:
+    """What a concurrency limit holds right now (:meth:`Gate.inspect_leases`)."""
+
+    limit: Concurrency
+    held: int  # unexpired leases
+    paused: float  # seconds until a pause ends (0: not paused)
+    average_run: float  # seconds, the moving average of released runs (0: none yet)
 
 
 class Gate:
@@ -177,9 +228,10 @@ class Gate:
         """Load the script now, so the first decision is a plain EVALSHA."""
         self.client.script_load(_SCRIPT)
 
-    def key_of(self, limit: Limit) -> str:
-        """The Redis key of ``limit``'s bucket."""
-        return bucket_key(self.prefix, limit.name, limit.key)
+    def key_of(self, limit: AnyLimit) -> str:
+        """The Redis key of ``limit``'s bucket (a concurrency limit's: its leases)."""
+        return _key_bytes(self.prefix, limit.name, limit.key,
+                          isinstance(limit, Concurrency)).decode()
 
     def acquire(
         self,
@@ -195,11 +247,12 @@ class Gate:
 
     def acquire_many(
         self,
-        limits: Sequence[Limit],
+        limits: Sequence[AnyLimit],
         *,
         reserve: float | None = None,
         claim: Reservation | None = None,
         grace: float = 0.0,
+        holder: str = "",
     ) -> Decision:
         """Pass every limit in ``limits`` at once, or none of them.
 
@@ -208,10 +261,16 @@ class Gate:
         reservation from an earlier call with the same ``limits``; honoured
         from its slot until ``grace`` seconds after it, if the limits it is not
         booked in admit then (``Decision.early`` while it is still ahead);
-        otherwise void, and a fresh decision is made.
+        otherwise void, and a fresh decision is made.  ``holder``: the lease
+        owner (required with a :class:`Concurrency` limit; the same holder
+        asking again keeps its one lease).  A full concurrency limit books
+        nothing: with ``reserve`` the decision is ``reserved`` with nothing
+        booked (``Reservation.booked == 0``) at the holder's paced return time.
         """
         if not limits or len(limits) > _MAX_LIMITS:
             raise ValueError(f"acquire_many takes 1 to {_MAX_LIMITS} limits, got {len(limits)}")
+        if not holder and any(isinstance(lim, Concurrency) for lim in limits):
+            raise ValueError("a Concurrency limit needs a holder (the lease owner's id)")
         head = (
             self._now_us(),
             _NEVER if reserve is None else _to_us(reserve),
@@ -220,12 +279,8 @@ class Gate:
             claim.booked if claim is not None else 0,
             claim.epoch if claim is not None else 0,
         )
-        keys = [_key_bytes(self.prefix, lim.name, lim.key) for lim in limits]
-        keys.append(_epoch_key(self.prefix))
-        args = list(_head_args(*head))
-        for lim in limits:
-            args += _limit_args(lim.rate.interval_us, lim.burst, lim.cost)
-        reply = self._script(keys=keys, args=args)
+        args = list(_head_args(*head, holder=holder))
+        reply = self._script(keys=self._keys(limits), args=args + self._limit_args(limits))
         if reply == _ALLOWED:  # the hot path replies with a bare integer
             return _ADMITTED
         status, wait_us, blocking, slot_us, now_us, mask, epoch = reply
@@ -238,6 +293,73 @@ class Gate:
             return Decision(False, retry_after, None, booking, now_us, early=True)
         return Decision(False, retry_after, blocked, booking, now_us)
 
+    def release(self, limits: Sequence[AnyLimit], holder: str, ran_for: float = 0.0) -> int:
+        """Give back ``holder``'s leases in the concurrency limits among ``limits``.
+
+        ``ran_for`` (seconds) feeds the average run that paces waiters.
+        Returns how many leases were released (0: none held, e.g. expired).
+        """
+        return self._op(limits, "release", _to_us(ran_for), holder)
+
+    def extend(self, limits: Sequence[AnyLimit], holder: str) -> int:
+        """Renew ``holder``'s leases for another lease time (a running task's heartbeat).
+
+        A lease that expired is taken again if a slot is free.  Returns how
+        many leases are lost (all slots taken by others meanwhile): 0 is good.
+        """
+        return self._op(limits, "extend", 0, holder)
+
+    def pause(self, limits: Sequence[AnyLimit], seconds: float) -> float:
+        """Admit nothing in any of ``limits`` for ``seconds`` (a provider's ``Retry-After``).
+
+        Every worker sees it at its next decision; slots booked before the
+        pause ends are void (their tasks book again after it).  A longer
+        pause already set is kept.  Returns the seconds the pause lasts.
+        """
+        if not limits:
+            raise ValueError("pause needs at least one limit")
+        return self._op(limits, "pause", _to_us(seconds), "") / US_PER_SECOND
+
+    def settle(self, limit: Limit, actual: int) -> None:
+        """Correct ``limit``'s charge from its estimated ``cost`` to the ``actual`` units.
+
+        The bucket is charged the difference (more than estimated) or
+        refunded it (less; never past a full bucket), so the budget holds
+        over time.  ``actual`` may exceed the burst: the bucket then owes.
+        """
+        if isinstance(actual, bool) or not isinstance(actual, int) or actual < 0:
+            raise ValueError(f"invalid actual cost {actual!r} of limit {limit.name!r}: "
+                             "expected an integer >= 0")
+        if actual == limit.cost:
+            return
+        args = [*_head_args(self._now_us(), _NEVER, 0, 0, 0, 0, op=b"settle"),
+                str(limit.rate.interval_us).encode(), str(limit.burst).encode(),
+                str(actual - limit.cost).encode()]
+        self._script(keys=self._keys([limit]), args=args)
+
+    def _op(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> int:
+        args = list(_head_args(self._now_us(), _NEVER, 0, 0, 0, 0, holder=holder,
+                               op=op.encode(), op_arg=arg))
+        return int(self._script(keys=self._keys(limits), args=args + self._limit_args(limits)))
+
+    def _keys(self, limits: Sequence[AnyLimit]) -> list[bytes]:
+        keys = [_key_bytes(self.prefix, lim.name, lim.key, isinstance(lim, Concurrency))
+                for lim in limits]
+        keys.append(_epoch_key(self.prefix))
+        keys += [_meta_key(self.prefix, lim.name, lim.key) for lim in limits
+                 if isinstance(lim, Concurrency)]
+        return keys
+
+    @staticmethod
+    def _limit_args(limits: Sequence[AnyLimit]) -> list[bytes]:
+        args: list[bytes] = []
+        for lim in limits:
+            if isinstance(lim, Concurrency):
+                args += _limit_args(0, lim.slots, lim.lease_us)
+            else:
+                args += _limit_args(lim.rate.interval_us, lim.burst, lim.cost)
+        return args
+
     def inspect(self, limit: Limit) -> BucketState:
         """Read ``limit``'s bucket without charging it (for status commands and metrics)."""
         key = self.key_of(limit)
@@ -248,14 +370,28 @@ class Gate:
         raw, pttl, (sec, usec) = pipe.execute()
         now = self._now_us() or int(sec) * US_PER_SECOND + int(usec)
         interval = limit.rate.interval_us
-        tat = max(int(raw), now) if raw is not None else now
+        stored, paused = _parse_bucket(raw)
+        tat = max(stored, now)
         ahead = tat - now  # the bucket's content, in microseconds of emission
         used = ahead / interval
-        # Same test as gate.lua: admitted when tat + c*T - B*T <= now.
-        next_free = max(0, tat + (limit.cost - limit.burst) * interval - now)
+        # Same test as gate.lua: admitted when tat + c*T - B*T <= now, and not paused.
+        next_free = max(0, tat + (limit.cost - limit.burst) * interval - now, paused - now)
         booked = max(0, math.ceil(used - 1e-9) - limit.burst)
         return BucketState(limit, raw is not None, used, next_free / US_PER_SECOND, booked,
-                           max(0, int(pttl)) / 1000, now)
+                           max(0, int(pttl)) / 1000, now,
+                           max(0, paused - now) / US_PER_SECOND)
+
+    def inspect_leases(self, limit: Concurrency) -> LeaseState:
+        """Count ``limit``'s unexpired leases and read its pause, without changing them."""
+        key = self.key_of(limit)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.time()
+        pipe.hmget(_meta_key(self.prefix, limit.name, limit.key), ["pause", "run"])
+        (sec, usec), (pause, run) = pipe.execute()
+        now = self._now_us() or int(sec) * US_PER_SECOND + int(usec)
+        held = int(self.client.zcount(key, f"({now}", "+inf"))
+        return LeaseState(limit, held, max(0, int(pause or 0) - now) / US_PER_SECOND,
+                          int(run or 0) / US_PER_SECOND)
 
     def reset(self, limit: Limit) -> bool:
         """Forget ``limit``'s bucket (it is full again); True if it existed."""
@@ -275,16 +411,26 @@ def _limit_args(interval_us: int, burst: int, cost: int) -> tuple[bytes, bytes, 
     return (str(interval_us).encode(), str(burst).encode(), str(cost).encode())
 
 
-def _head_args(now: int, horizon: int, claim: int, grace: int, mask: int,
-               epoch: int) -> tuple[bytes, ...]:
-    if now == 0 and claim == 0:  # most calls: cache the few distinct ones
-        return _plain_head(horizon, grace)
-    return tuple(str(v).encode() for v in (now, horizon, claim, grace, mask, epoch))
+def _head_args(now: int, horizon: int, claim: int, grace: int, mask: int, epoch: int, *,
+               holder: str = "", op: bytes = b"a", op_arg: int = 0) -> tuple[bytes, ...]:
+    if now == 0 and claim == 0 and not holder and op == b"a":
+        return _plain_head(horizon, grace)  # most calls: cache the few distinct ones
+    return (*(str(v).encode() for v in (now, horizon, claim, grace, mask, epoch)),
+            holder.encode(), op, str(op_arg).encode())
 
 
 @functools.lru_cache(maxsize=256)
 def _plain_head(horizon: int, grace: int) -> tuple[bytes, ...]:
-    return (b"0", str(horizon).encode(), b"0", str(grace).encode(), b"0", b"0")
+    return (b"0", str(horizon).encode(), b"0", str(grace).encode(), b"0", b"0", b"", b"a",
+            b"0")
+
+
+def _parse_bucket(raw: bytes | None) -> tuple[int, int]:
+    """A rate bucket's value: ``TAT`` or ``TAT:until`` while paused (see gate.lua)."""
+    if raw is None:
+        return 0, 0
+    tat, _, paused = raw.partition(b":")
+    return int(tat), int(paused or 0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -292,16 +438,25 @@ def _epoch_key(prefix: str) -> bytes:
     return f"{{{prefix}}}:epoch".encode()
 
 
+# A concurrency limit's keys: its leases and its meta hash, next to a rate
+# bucket of the same name and key value without ever being the same key.
+_LEASES, _META = ":leases", ":meta"
+
+
 @functools.lru_cache(maxsize=65536)
-def _cached_key(prefix: str, name: str, key: object) -> bytes:
-    return bucket_key(prefix, name, key).encode()
+def _cached_key(prefix: str, name: str, key: object, leases: bool = False) -> bytes:
+    return (bucket_key(prefix, name, key) + (_LEASES if leases else "")).encode()
 
 
-def _key_bytes(prefix: str, name: str, key: object) -> bytes:
+def _key_bytes(prefix: str, name: str, key: object, leases: bool = False) -> bytes:
     try:
-        return _cached_key(prefix, name, key)
+        return _cached_key(prefix, name, key, leases)
     except TypeError:  # an unhashable key value (bytearray): hash it every time
-        return bucket_key(prefix, name, key).encode()
+        return (bucket_key(prefix, name, key) + (_LEASES if leases else "")).encode()
+
+
+def _meta_key(prefix: str, name: str, key: object) -> bytes:
+    return (bucket_key(prefix, name, key) + _META).encode()
 
 
 def _to_us(seconds: float) -> int:

@@ -11,11 +11,28 @@ and then TAT becomes max(TAT, now) + c*T.  Several buckets are decided all or
 nothing: either every bucket admits and every bucket is charged, or none is
 written.  This script is the only copy of the algorithm.
 
+Two more kinds of state share the script (issue 7):
+
+* A concurrency limit (interval 0 below) is a sorted set of leases: member
+  = the holder (a task id), score = when the lease expires.  Expired leases
+  are reclaimed here, before counting, so a killed worker's slot comes back
+  within one lease time; a running task's heartbeat extends its lease.  A
+  full concurrency limit cannot book a future slot (nobody knows when a
+  lease ends), so waiters are paced instead: the k-th waiter is told to come
+  back k x (average run / slots) from now, a GCRA over returns, rather than
+  all at once (no herd).  Its hash (the "meta" key) keeps the average run,
+  the pacing TAT and a pause.
+* A pause (a provider answered 429 with Retry-After): until then the limit
+  admits nothing and honours no slot booked before the pause ends.  A rate
+  bucket stores it in its value, "TAT:until", so the hot path still reads one
+  key; a concurrency limit stores it in its meta hash.
+
 KEYS[i]   the bucket of limit i, i = 1..n (all share one hash tag; see keys.py)
 KEYS[n+1] the prefix's epoch: set once (no TTL) when first needed.  A
           reservation carries it; a Redis restart or flush loses it, and a new
           one voids every older booking, which the emptied buckets no longer
           count (honouring them next to fresh starts would double the rate).
+KEYS[n+1+j] the meta hash of the j-th concurrency limit among the n
 
 ARGV[1]   now, microseconds; 0 = use this server's TIME
 ARGV[2]   reservation horizon, microseconds; -1 = never reserve.
@@ -36,14 +53,25 @@ ARGV[5]   claim mask: bit i-1 set where the claimed slot is booked in limit i;
 ARGV[6]   claim epoch: the epoch the claimed slot was booked in; 0 without.
           A claim is also void if a booked bucket no longer holds the slot
           (TAT < S + c*T: the key was evicted or reset).
-ARGV[4+3i .. 6+3i] for limit i = 1..n (ARGV[7], ARGV[8], ARGV[9] for i = 1):
-          interval T (microseconds >= 1), burst B (>= 1), cost c (1 <= c <= B;
-          checked by the caller)
+ARGV[7]   holder: the lease owner's id (a task id) when a concurrency limit
+          takes part, else ""
+ARGV[8]   op: "a" decide (below); "release", "extend", "pause", "settle"
+          (see the end of the script)
+ARGV[9]   op argument (microseconds): release: how long the holder ran;
+          pause: for how long; otherwise 0.  An op replies with a count:
+          leases released, leases lost (extend), limits settled, or for
+          pause the longest pause now in force (us)
+ARGV[7+3i .. 9+3i] for limit i = 1..n (ARGV[10], ARGV[11], ARGV[12] for i = 1):
+          a rate limit: interval T (microseconds >= 1), burst B (>= 1), cost c
+          (1 <= c <= B; checked by the caller); for "settle", c is the
+          correction in units (actual - charged, may be negative).
+          A concurrency limit: 0, slots N (>= 1), lease (microseconds >= 1).
 
 Reply: 1 when simply allowed (charged now); otherwise
        { status, wait_us, blocking, slot_us, now_us, mask, epoch } (integers only)
   status   1 allowed (charged now, or a claim honoured), 0 denied (nothing
-           written), 2 reserved (slot booked, start at slot_us), 3 early (a
+           written), 2 reserved (slot booked, start at slot_us; with mask 0,
+           nothing booked: a full concurrency limit's paced return time), 3 early (a
            claim for a slot still ahead, or one whose unbooked limits free up
            within the grace and are now booked too: claim again after wait_us)
   wait_us  microseconds until the start may happen (0 when allowed)
@@ -64,51 +92,177 @@ local claim = tonumber(ARGV[3])
 local grace = tonumber(ARGV[4])
 local mask = tonumber(ARGV[5])
 local claim_epoch = tonumber(ARGV[6])
-local n = #KEYS - 1
+local holder = ARGV[7]
+local op = ARGV[8]
+local op_arg = tonumber(ARGV[9])
+local HEAD = 9
+local n = (#ARGV - HEAD) / 3
 local epoch_key = KEYS[n + 1]
+-- A waiter's return is paced by the average run; before any run ended, 1 s.
+local DEFAULT_RUN = 1000000
+local META_TTL_MS = 86400000
 
 local function booked_in(m, i)
   return math.floor(m / 2 ^ (i - 1)) % 2 == 1
 end
 
 local function limit(i)
-  local base = 6 + 3 * i
+  local base = HEAD + 3 * i
   return tonumber(ARGV[base - 2]), tonumber(ARGV[base - 1]), tonumber(ARGV[base])
 end
 
--- Read every bucket once; wait[i] = how long until limit i admits its cost.
-local tats, stored, waits = {}, {}, {}
+local meta, concurrent = {}, {}
+do
+  local j = 0
+  for i = 1, n do
+    if limit(i) == 0 then
+      j = j + 1
+      meta[i], concurrent[i] = KEYS[n + 1 + j], true
+    end
+  end
+end
+
+-- A rate bucket's value: "TAT", or "TAT:until" while paused.
+local function read_rate(key)
+  local raw = redis.call('GET', key)
+  if not raw then
+    return 0, 0
+  end
+  local tat = tonumber(raw)
+  if tat then
+    return tat, 0
+  end
+  local t, p = string.match(raw, '^(%d+):(%d+)$')
+  return tonumber(t), tonumber(p)
+end
+
+-- Write a rate bucket; TTL = time until it has drained and any pause is
+-- over, so the key never expires while it holds state.
+local function write_rate(key, tat, paused)
+  local value = string.format('%d', tat) -- %d: the default format rounds 16 digits
+  local last = tat
+  if paused > now then
+    value = value .. ':' .. string.format('%d', paused)
+    last = math.max(tat, paused)
+  end
+  local ttl_ms = math.ceil((last - now) / 1000)
+  if ttl_ms < 1 then
+    ttl_ms = 1
+  end
+  redis.call('SET', key, value, 'PX', ttl_ms)
+end
+
+local function keep_at_least(key, ms)
+  if redis.call('PTTL', key) < ms then
+    redis.call('PEXPIRE', key, ms)
+  end
+end
+
+local function meta_num(i, field)
+  return tonumber(redis.call('HGET', meta[i], field) or 0)
+end
+
+-- ---------------------------------------------------------------------------
+-- Operations after the decision: leases, pauses, settlements.
+if op ~= 'a' then
+  local count = 0
+  for i = 1, n do
+    local interval, burst, cost = limit(i)
+    if op == 'release' and concurrent[i] then
+      if redis.call('ZREM', KEYS[i], holder) == 1 then
+        count = count + 1
+        if op_arg > 0 then -- average run: moves a quarter of the way per run
+          local avg = meta_num(i, 'run')
+          if avg > 0 then
+            avg = math.floor((3 * avg + op_arg) / 4)
+          else
+            avg = op_arg
+          end
+          redis.call('HSET', meta[i], 'run', string.format('%d', avg))
+          redis.call('PEXPIRE', meta[i], META_TTL_MS)
+        end
+      end
+    elseif op == 'extend' and concurrent[i] then
+      -- Keep the lease; if it expired and was reclaimed, take a free slot
+      -- again.  Counts the leases lost (all slots taken by others).
+      redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+      if redis.call('ZSCORE', KEYS[i], holder)
+          or redis.call('ZCARD', KEYS[i]) < burst then
+        redis.call('ZADD', KEYS[i], now + cost, holder)
+        keep_at_least(KEYS[i], math.ceil(cost / 1000))
+      else
+        count = count + 1
+      end
+    elseif op == 'pause' then
+      -- Returns the longest pause now in force among the limits (us).
+      local till = now + op_arg
+      if concurrent[i] then
+        till = math.max(meta_num(i, 'pause'), till)
+        redis.call('HSET', meta[i], 'pause', string.format('%d', till))
+        keep_at_least(meta[i], math.ceil((till - now) / 1000))
+      else
+        local tat, paused = read_rate(KEYS[i])
+        till = math.max(paused, till)
+        write_rate(KEYS[i], math.max(tat, now), till)
+      end
+      count = math.max(count, till - now)
+    elseif op == 'settle' and not concurrent[i] and cost ~= 0 then
+      -- The charge was an estimate: move the TAT by the difference.  A
+      -- refund never makes the bucket fuller than full.
+      local tat, paused = read_rate(KEYS[i])
+      write_rate(KEYS[i], math.max(math.max(tat, now) + cost * interval, now), paused)
+      count = count + 1
+    end
+  end
+  return count
+end
+
+-- ---------------------------------------------------------------------------
+-- The decision.  Read every limit once; wait[i] = how long until limit i
+-- admits its cost (a full concurrency limit: until its paced return).
+local tats, stored, paused, waits, full = {}, {}, {}, {}, {}
 local wait, blocking = 0, 0
 for i = 1, n do
   local interval, burst, cost = limit(i)
-  local tat = tonumber(redis.call('GET', KEYS[i]) or 0)
-  stored[i] = tat
-  if tat < now then
-    tat = now
+  if concurrent[i] then
+    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now) -- reclaim expired leases
+    paused[i] = meta_num(i, 'pause')
+    waits[i] = paused[i] - now
+    if not redis.call('ZSCORE', KEYS[i], holder)
+        and redis.call('ZCARD', KEYS[i]) >= burst then
+      full[i] = true
+      local run = meta_num(i, 'run')
+      if run == 0 then
+        run = DEFAULT_RUN
+      end
+      local back = math.max(meta_num(i, 'next'), now + math.ceil(run / burst))
+      waits[i] = math.max(waits[i], back - now)
+    end
+  else
+    local tat
+    tat, paused[i] = read_rate(KEYS[i])
+    stored[i] = tat
+    if tat < now then
+      tat = now
+    end
+    tats[i] = tat
+    waits[i] = math.max(tat + (cost - burst) * interval, paused[i]) - now
   end
-  tats[i] = tat
-  waits[i] = tat + (cost - burst) * interval - now
   if waits[i] > wait then
     wait, blocking = waits[i], i
   end
 end
 
--- Charge limit i for a start at `at`: write, then TTL = time until the
--- bucket has drained (TAT reached), so the key never expires while it holds
--- state, and idle buckets vanish on their own.
+-- Charge limit i for a start at `at`: a rate bucket's TAT moves on; a
+-- concurrency limit gets this holder's lease.
 local function charge(i, at)
   local interval, _, cost = limit(i)
-  local tat = tats[i]
-  if tat < at then
-    tat = at
+  if concurrent[i] then
+    redis.call('ZADD', KEYS[i], now + cost, holder)
+    keep_at_least(KEYS[i], math.ceil(cost / 1000))
+    return
   end
-  tat = tat + cost * interval
-  local ttl_ms = math.ceil((tat - now) / 1000)
-  if ttl_ms < 1 then
-    ttl_ms = 1
-  end
-  -- %d: Lua's default number formatting would round a 16-digit TAT.
-  redis.call('SET', KEYS[i], string.format('%d', tat), 'PX', ttl_ms)
+  write_rate(KEYS[i], math.max(tats[i], at) + cost * interval, paused[i])
 end
 
 -- Only reservations and claims need the epoch: the hot path never reads it.
@@ -127,8 +281,14 @@ local function claim_valid()
   end
   for i = 1, n do
     local interval, _, cost = limit(i)
-    if booked_in(mask, i) and stored[i] < claim + cost * interval then
-      return false
+    if booked_in(mask, i) then
+      if concurrent[i] then
+        if not redis.call('ZSCORE', KEYS[i], holder) then
+          return false
+        end
+      elseif stored[i] < claim + cost * interval or paused[i] > claim then
+        return false -- the key was evicted or reset, or a pause came after the booking
+      end
     end
   end
   return true
@@ -140,10 +300,11 @@ if claim > 0 and claim_valid() then
   end
   if now <= claim + grace then
     -- The booked limits were charged at booking; the others must admit now.
-    local busy = 0
+    local busy, stuck = 0, false
     for i = 1, n do
-      if not booked_in(mask, i) and waits[i] > busy then
-        busy = waits[i]
+      if not booked_in(mask, i) and waits[i] > 0 then
+        busy = math.max(busy, waits[i])
+        stuck = stuck or concurrent[i] == true -- a lease cannot be booked ahead
       end
     end
     if busy == 0 then
@@ -154,7 +315,7 @@ if claim > 0 and claim_valid() then
       end
       return { 1, 0, 0, claim, now, mask, claim_epoch }
     end
-    if now + busy <= claim + grace then
+    if not stuck and now + busy <= claim + grace then
       -- An unbooked limit frees up within the grace (a shared limit another
       -- task just took): book it there and answer "early", so the caller
       -- sleeps that long and claims again, rather than losing a slot of
@@ -178,6 +339,30 @@ if wait <= 0 then
     charge(i, now)
   end
   return 1 -- the hot path: a bare integer is cheaper to parse than an array
+end
+local waiting_on_lease = false
+for i = 1, n do
+  if concurrent[i] and waits[i] > 0 then
+    waiting_on_lease = true
+    if full[i] then -- the next waiter comes back one paced step later
+      local _, slots = limit(i)
+      local run = meta_num(i, 'run')
+      if run == 0 then
+        run = DEFAULT_RUN
+      end
+      local step = math.ceil(run / slots)
+      redis.call('HSET', meta[i], 'next', string.format('%d', now + waits[i] + step))
+      keep_at_least(meta[i], META_TTL_MS)
+    end
+  end
+end
+if waiting_on_lease then
+  -- Nothing is booked: rate slots held for a task that may not get its
+  -- lease then would be lost.  It comes back at its paced time and asks.
+  if horizon < 0 then
+    return { 0, wait, blocking, 0, now, 0, 0 }
+  end
+  return { 2, wait, blocking, now + wait, now, 0, epoch() }
 end
 if horizon >= 0 and wait <= horizon then
   local booked = 0

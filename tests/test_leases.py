@@ -1,0 +1,214 @@
+"""Gate level, on real Redis: concurrency leases, provider pauses and settled costs (issue 7).
+
+Every decision runs the real ``gate.lua``; the caller clock is moved
+explicitly, so lease expiry and pauses are exact without sleeping.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from celery_throttle import Concurrency, Gate, Limit, parse_rate
+
+T0 = 1_800_000_000_000_000  # microseconds
+
+
+class StepClock:
+    """A caller clock the test moves explicitly."""
+
+    def __init__(self) -> None:
+        self.us = T0
+
+    def __call__(self) -> float:
+        return self.us / 1_000_000
+
+
+@pytest.fixture
+def clock() -> StepClock:
+    """A clock starting at T0."""
+    return StepClock()
+
+
+@pytest.fixture
+def cgate(client: redis.Redis, prefix: str, clock: StepClock) -> Gate:
+    """A gate on the explicit test clock."""
+    return Gate(client, prefix=prefix, clock=clock)
+
+
+def test_at_most_n_holders_and_a_release_frees_a_slot(cgate: Gate) -> None:
+    """Two slots: a and b hold, c is refused; after a releases, c gets the slot."""
+    two = Concurrency("llm-inflight", 2)
+    assert cgate.acquire_many([two], holder="a").allowed
+    assert cgate.acquire_many([two], holder="b").allowed
+    refused = cgate.acquire_many([two], holder="c")
+    assert not refused.allowed
+    assert refused.limit == two
+    assert cgate.inspect_leases(two).held == 2
+    assert cgate.release([two], "a", ran_for=0.4) == 1
+    assert cgate.release([two], "a") == 0  # released once only
+    assert cgate.acquire_many([two], holder="c").allowed
+    assert cgate.inspect_leases(two).held == 2
+
+
+def test_the_same_holder_asking_again_keeps_one_lease(cgate: Gate) -> None:
+    """A redelivered task (same id) re-enters its own lease instead of taking a second."""
+    one = Concurrency("solo", 1)
+    assert cgate.acquire_many([one], holder="t1").allowed
+    assert cgate.acquire_many([one], holder="t1").allowed
+    assert cgate.inspect_leases(one).held == 1
+
+
+def test_an_expired_lease_is_reclaimed_by_the_next_acquire(cgate: Gate, clock: StepClock
+                                                           ) -> None:
+    """A holder that stops renewing (killed worker) loses its slot one lease time later."""
+    one = Concurrency("solo", 1, lease=5)
+    assert cgate.acquire_many([one], holder="dead").allowed
+    clock.us = T0 + 4_999_999
+    assert not cgate.acquire_many([one], holder="next").allowed
+    clock.us = T0 + 5_000_000
+    assert cgate.acquire_many([one], holder="next").allowed
+    assert cgate.extend([one], "dead") == 1  # the dead holder's lease is gone for good
+
+
+def test_a_heartbeat_keeps_the_slot_past_the_lease(cgate: Gate, clock: StepClock) -> None:
+    """Renewed every 2 s, a 5 s lease is held for 20 s; an expired one is retaken if free."""
+    one = Concurrency("solo", 1, lease=5)
+    assert cgate.acquire_many([one], holder="long").allowed
+    for _ in range(10):
+        clock.us += 2_000_000
+        assert cgate.extend([one], "long") == 0
+        assert not cgate.acquire_many([one], holder="other").allowed
+    clock.us += 6_000_000  # missed its renewals: expired, but nobody took the slot
+    assert cgate.extend([one], "long") == 0
+    assert cgate.inspect_leases(one).held == 1
+
+
+def test_concurrency_and_rate_are_all_or_nothing(cgate: Gate, clock: StepClock) -> None:
+    """A full concurrency limit charges no rate; a busy rate takes no lease."""
+    rate = Limit("rps", parse_rate("1/s"))
+    one = Concurrency("inflight", 1)
+    assert cgate.acquire_many([rate, one], holder="a").allowed
+    clock.us += 1_000_000  # the rate admits again, the slot is still held by a
+    assert not cgate.acquire_many([rate, one], holder="b").allowed
+    assert cgate.inspect(rate).next_free == 0.0  # b charged nothing
+    assert cgate.release([rate, one], "a") == 1
+    assert cgate.acquire_many([rate], holder="x").allowed  # rate now busy for 1 s
+    assert not cgate.acquire_many([rate, one], holder="b").allowed
+    assert cgate.inspect_leases(one).held == 0  # b took no lease
+
+
+def test_full_limit_paces_waiters_by_the_average_run(cgate: Gate, clock: StepClock) -> None:
+    """Waiters are told to come back one (average run / slots) apart, not all at once."""
+    two = Concurrency("pool", 2)
+    assert cgate.acquire_many([two], holder="a").allowed
+    assert cgate.release([two], "a", ran_for=0.8) == 1  # average run 0.8 s
+    assert cgate.acquire_many([two], holder="a").allowed
+    assert cgate.acquire_many([two], holder="b").allowed
+    returns = []
+    for waiter in ("w1", "w2", "w3"):
+        d = cgate.acquire_many([two], holder=waiter, reserve=60)
+        assert d.reserved and d.reservation is not None
+        assert d.reservation.booked == 0  # nothing can be booked in a lease
+        returns.append(d.slot)
+    assert returns == [T0 + 400_000, T0 + 800_000, T0 + 1_200_000]
+    assert cgate.inspect_leases(two).average_run == 0.8
+
+
+def test_pause_stops_every_caller_until_it_ends(cgate: Gate, clock: StepClock) -> None:
+    """A 3 s pause (Retry-After: 3) denies all, is visible in inspect, and ends exactly."""
+    rate = Limit("provider", parse_rate("100/s"), burst=10)
+    assert cgate.pause([rate], 3) == 3.0
+    state = cgate.inspect(rate)
+    assert state.paused == 3.0 and state.next_free == 3.0
+    d = cgate.acquire_many([rate])
+    assert not d.allowed and d.retry_after == 3.0 and d.limit == rate
+    assert cgate.pause([rate], 1) == 3.0  # a shorter pause does not cut the longer one
+    clock.us = T0 + 2_999_999
+    assert not cgate.acquire_many([rate]).allowed
+    clock.us = T0 + 3_000_000
+    assert all(cgate.acquire_many([rate]).allowed for _ in range(10))  # the burst, then
+    assert not cgate.acquire_many([rate]).allowed
+    assert cgate.inspect(rate).paused == 0.0
+
+
+def test_pause_voids_slots_booked_before_it(cgate: Gate, clock: StepClock) -> None:
+    """A task booked for 0.5 s from now may not start in a 2 s pause: it books after it."""
+    rate = Limit("provider", parse_rate("2/s"))
+    assert cgate.acquire_many([rate]).allowed
+    booked = cgate.acquire_many([rate], reserve=10)
+    assert booked.slot == T0 + 500_000
+    cgate.pause([rate], 2)
+    clock.us = T0 + 500_000
+    again = cgate.acquire_many([rate], claim=booked.reservation, grace=0.1, reserve=10)
+    assert again.reserved
+    assert again.slot == T0 + 2_000_000
+
+
+def test_pause_of_a_concurrency_limit(cgate: Gate, clock: StepClock) -> None:
+    """A paused concurrency limit with free slots admits nobody until the pause ends."""
+    four = Concurrency("inflight", 4)
+    assert cgate.pause([four], 1.5) == 1.5
+    d = cgate.acquire_many([four], holder="a", reserve=60)
+    assert d.reserved and d.retry_after == 1.5
+    assert cgate.inspect_leases(four).paused == 1.5
+    clock.us = T0 + 1_500_000
+    assert cgate.acquire_many([four], holder="a").allowed
+
+
+def test_settle_charges_or_refunds_the_difference(cgate: Gate) -> None:
+    """Estimated 100 tokens: actual 200 charges 100 more, actual 40 gives 60 back."""
+    tokens = Limit("tokens", parse_rate("1000/s"), burst=1000, cost=100)
+    assert cgate.acquire_many([tokens]).allowed
+    assert cgate.inspect(tokens).used == pytest.approx(100)
+    cgate.settle(tokens, 200)
+    assert cgate.inspect(tokens).used == pytest.approx(200)
+    cgate.settle(tokens, 40)
+    assert cgate.inspect(tokens).used == pytest.approx(140)
+    cgate.settle(tokens, 0)
+    cgate.settle(tokens, 0)
+    assert cgate.inspect(tokens).used == 0  # never fuller than full
+    cgate.settle(tokens, 3000)  # more than the burst: the bucket owes 2,900 units
+    # The next 100-unit start waits until 100 of the 1,000 fit again: 2.9 - 0.9 s.
+    assert cgate.inspect(tokens).next_free == pytest.approx(2.0)
+
+
+def test_settle_keeps_a_pause(cgate: Gate) -> None:
+    """Settling during a pause does not lift it."""
+    tokens = Limit("tokens", parse_rate("1000/s"), burst=1000, cost=100)
+    assert cgate.acquire_many([tokens]).allowed
+    cgate.pause([tokens], 2)
+    cgate.settle(tokens, 50)
+    assert cgate.inspect(tokens).paused == 2.0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "10", True])
+def test_settle_rejects_bad_actual_costs(cgate: Gate, bad: object) -> None:
+    """The error names the value."""
+    tokens = Limit("tokens", parse_rate("1000/s"), burst=1000, cost=100)
+    with pytest.raises(ValueError, match=f"invalid actual cost {bad!r}"):
+        cgate.settle(tokens, bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("slots", "lease", "match"), [
+    (0, 30, "invalid concurrency 0"), (True, 30, "invalid concurrency True"),
+    (2, 0, "invalid lease 0"), (2, "30", "invalid lease '30'")])
+def test_bad_concurrency_limits_name_the_value(slots: object, lease: object, match: str) -> None:
+    """Slots must be an int >= 1, the lease seconds in range."""
+    with pytest.raises(ValueError, match=match):
+        Concurrency("x", slots, lease=lease)  # type: ignore[arg-type]
+
+
+def test_concurrency_needs_a_holder(cgate: Gate) -> None:
+    """Without a holder id the lease could not be released: refused up front."""
+    with pytest.raises(ValueError, match="needs a holder"):
+        cgate.acquire_many([Concurrency("x", 1)])
+
+
+def test_rate_and_concurrency_of_one_name_are_separate_keys(cgate: Gate) -> None:
+    """`@throttled("5/s", concurrency=2, name="llm")` keeps both under one name."""
+    rate = Limit("llm", parse_rate("5/s"))
+    two = Concurrency("llm", 2)
+    assert cgate.key_of(rate) != cgate.key_of(two)
+    assert cgate.acquire_many([rate, two], holder="a").allowed
+    assert cgate.inspect_leases(two).held == 1

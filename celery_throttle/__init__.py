@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 from .defer import HEADER
-from .errors import ThrottleConfigError, ThrottleError, ThrottleStoreError, ThrottleTimeout
+from .errors import (
+    RateLimited,
+    ThrottleConfigError,
+    ThrottleError,
+    ThrottleStoreError,
+    ThrottleTimeout,
+    check_response,
+)
 from .gate import Concurrency, Decision, Gate, Limit, Reservation
+from .leases import settle
 from .rates import Rate, parse_rate
 from .task import Throttle, throttled
 from .worker import install, limits_in_force, store_warnings
@@ -16,15 +24,18 @@ __all__ = [
     "Gate",
     "Limit",
     "Rate",
+    "RateLimited",
     "Reservation",
     "Throttle",
     "ThrottleConfigError",
     "ThrottleError",
     "ThrottleStoreError",
     "ThrottleTimeout",
+    "check_response",
     "install",
     "limits_in_force",
     "parse_rate",
+    "settle",
     "store_warnings",
     "throttled",
 ]

@@ -15,6 +15,7 @@ are stored hashed): name one with ``--key`` (``--int-key`` for integer keys).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Any
 import click
 from celery import Celery
 
-from .gate import BucketState, Limit
+from .gate import BucketState, Concurrency, LeaseState, Limit
 from .store import runtime_for
 from .task import specs_of
 
@@ -34,7 +35,7 @@ __all__ = ["KnownLimit", "known_limits", "throttle"]
 class KnownLimit:
     """A limit the app declares: queue limits, then each task's ``@throttled`` limits."""
 
-    limit: Limit  # with no key value; cost 1 when the task's cost is computed per call
+    limit: Limit | Concurrency  # with no key value; cost 1 when computed per call
     keyed: bool
     used_by: tuple[str, ...]  # "queue q" or task names
 
@@ -45,17 +46,21 @@ def known_limits(app: Celery) -> list[KnownLimit]:
     found: dict[str, KnownLimit] = {}
     for q in config.queues:
         found[q.limit.name] = KnownLimit(q.limit, False, (f"queue {q.queue}",))
+    leases: dict[str, KnownLimit] = {}
     for task_name, task in sorted(app.tasks.items()):
         for spec in specs_of(task):
             name = spec.name or task_name
-            if name in found:
-                old = found[name]
-                found[name] = KnownLimit(old.limit, old.keyed, (*old.used_by, task_name))
-                continue
             cost = spec.cost if isinstance(spec.cost, int) else 1
-            found[name] = KnownLimit(Limit(name, spec.rate, spec.burst, None, cost),
-                                     spec.key is not None, (task_name,))
-    return list(found.values())
+            kinds: list[tuple[dict[str, KnownLimit], Limit | Concurrency]] = []
+            if spec.rate is not None:
+                kinds.append((found, Limit(name, spec.rate, spec.burst, None, cost)))
+            if spec.concurrency is not None:
+                kinds.append((leases, Concurrency(name, spec.concurrency, None, spec.lease)))
+            for table, lim in kinds:
+                old = table.get(name)
+                table[name] = (KnownLimit(old.limit, old.keyed, (*old.used_by, task_name))
+                               if old else KnownLimit(lim, spec.key is not None, (task_name,)))
+    return [*found.values(), *leases.values()]
 
 
 def _app(ctx: click.Context) -> Celery:
@@ -80,17 +85,34 @@ def _select(app: Celery, names: tuple[str, ...]) -> list[KnownLimit]:
     known = known_limits(app)
     if not names:
         return known
-    by_name = {k.limit.name: k for k in known}
+    by_name = {k.limit.name for k in known}
     missing = [n for n in names if n not in by_name]
     if missing:
         raise click.BadParameter(
-            f"unknown limit {missing[0]!r}; known: {', '.join(by_name) or 'none'}",
+            f"unknown limit {missing[0]!r}; known: {', '.join(sorted(by_name)) or 'none'}",
             param_hint="NAME")
-    return [by_name[n] for n in names]
+    return [k for k in known if k.limit.name in names]
+
+
+def _lease_row(known: KnownLimit, state: LeaseState | None, key_given: bool
+               ) -> dict[str, Any]:
+    lim = known.limit
+    assert isinstance(lim, Concurrency)
+    row: dict[str, Any] = {
+        "limit": lim.name, "concurrency": lim.slots, "lease_s": lim.lease,
+        "per_key": known.keyed, "used_by": list(known.used_by),
+    }
+    if state is None:
+        row["note"] = "per key: name one with --key" if known.keyed and not key_given else ""
+        return row
+    row.update(held=state.held, paused_s=round(state.paused, 3),
+               average_run_s=round(state.average_run, 3))
+    return row
 
 
 def _row(known: KnownLimit, state: BucketState | None, key_given: bool) -> dict[str, Any]:
     lim = known.limit
+    assert isinstance(lim, Limit)
     row: dict[str, Any] = {
         "limit": lim.name, "rate": str(lim.rate), "burst": lim.burst,
         "per_key": known.keyed, "used_by": list(known.used_by),
@@ -100,7 +122,7 @@ def _row(known: KnownLimit, state: BucketState | None, key_given: bool) -> dict[
         return row
     row.update(used=round(state.used, 3), fill=round(min(state.used, lim.burst) / lim.burst, 3),
                next_free_s=round(state.next_free, 3), booked_ahead=state.booked_ahead,
-               ttl_s=round(state.ttl, 3))
+               ttl_s=round(state.ttl, 3), paused_s=round(state.paused, 3))
     return row
 
 
@@ -108,9 +130,20 @@ def _table(rows: list[dict[str, Any]]) -> str:
     head = ["LIMIT", "RATE", "BURST", "FILL", "NEXT FREE", "WAITING", "USED BY"]
     body = []
     for r in rows:
+        if "concurrency" in r:  # a concurrency limit: slots held, in the same columns
+            if "held" in r:
+                fill = f"{r['held']}/{r['concurrency']} held"
+                free = (f"paused {r['paused_s']:.3f}s" if r["paused_s"] else
+                        "now" if r["held"] < r["concurrency"] else "when one ends")
+            else:
+                fill, free = "-", r["note"] or "-"
+            body.append([r["limit"] + (" (per key)" if r["per_key"] else ""),
+                         f"{r['concurrency']} at once", "-", fill, free, "-",
+                         ", ".join(r["used_by"])])
+            continue
         if "fill" in r:
             fill, free = f"{r['fill']:.0%}", "now" if r["next_free_s"] == 0 else \
-                f"in {r['next_free_s']:.3f}s"
+                f"in {r['next_free_s']:.3f}s" + (" (paused)" if r["paused_s"] else "")
             waiting = str(r["booked_ahead"])
         else:
             fill, free, waiting = "-", r["note"] or "-", "-"
@@ -142,9 +175,14 @@ def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key:
     rows = []
     for known in _select(app, names):
         if known.keyed and value is None:
-            rows.append(_row(known, None, False))
+            rows.append((_lease_row if isinstance(known.limit, Concurrency) else _row)(
+                known, None, False))
             continue
         lim = known.limit
+        if isinstance(lim, Concurrency):
+            lim = dataclasses.replace(lim, key=value) if known.keyed else lim
+            rows.append(_lease_row(known, gate.inspect_leases(lim), value is not None))
+            continue
         if known.keyed:
             lim = Limit(lim.name, lim.rate, lim.burst, value, lim.cost)
         rows.append(_row(known, gate.inspect(lim), value is not None))
@@ -186,14 +224,19 @@ def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
 @click.option("--int-key", help="an integer key value of a per-key limit")
 @click.pass_context
 def reset(ctx: click.Context, name: str, key: str | None, int_key: str | None) -> None:
-    """Forget limit NAME's bucket (for one key value with --key): it is full again."""
+    """Forget limit NAME's bucket (for one key value with --key): it is full again.
+
+    For a concurrency limit, every lease and its pause are dropped: running
+    tasks keep running, and new ones may start next to them.
+    """
     app = _app(ctx)
     value = _key_value(key, int_key)
-    (known,) = _select(app, (name,))
-    if known.keyed and value is None:
-        raise click.UsageError(f"limit {name!r} is per key: give --key or --int-key")
-    lim = known.limit
     gate = runtime_for(app).gate
-    existed = gate.reset(Limit(lim.name, lim.rate, lim.burst, value if known.keyed else None))
-    click.echo(f"limit {name!r}{' (that key)' if known.keyed else ''}: "
-               + ("bucket reset" if existed else "bucket was already empty"))
+    for known in _select(app, (name,)):  # its rate bucket and/or its leases
+        if known.keyed and value is None:
+            raise click.UsageError(f"limit {name!r} is per key: give --key or --int-key")
+        lim = dataclasses.replace(known.limit, key=value if known.keyed else None)
+        existed = gate.reset(lim)
+        what = "leases" if isinstance(lim, Concurrency) else "bucket"
+        click.echo(f"limit {name!r}{' (that key)' if known.keyed else ''}: "
+                   + (f"{what} reset" if existed else f"{what} already empty"))

@@ -27,19 +27,19 @@ import random
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 from celery import Task, signals
 from celery.exceptions import Ignore
 
-from . import metrics
+from . import leases, metrics
 from .errors import ThrottleStoreError, ThrottleTimeout
-from .gate import Decision, Limit, Reservation
+from .gate import AnyLimit, Concurrency, Decision, Limit, Reservation
 from .keys import key_digest
 from .store import Runtime
 
-__all__ = ["HEADER", "WaitState", "admit", "read_wait"]
+__all__ = ["HEADER", "WaitState", "admit", "defer_after_start", "leases_taken", "read_wait"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -52,6 +52,8 @@ _OUTAGE_LOG_EVERY = 30.0
 _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _MAX_SLEEPS = 3
 _STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of a started copy
+_LEASED = "_celery_throttle_leased"  # request attribute: the leases.Held of this run
+_ADMITTED = leases.ADMITTED  # request attribute: what settle() needs
 _last_outage_log = 0.0
 _COPIES = importlib.resources.files(__package__).joinpath("lua/copies.lua").read_text("utf-8")
 
@@ -102,14 +104,14 @@ class WaitState:
         """The reservation to claim on arrival, if any."""
         return Reservation(self.slot, self.booked, self.epoch) if self.slot else None
 
-    def claim_under(self, limits: list[Limit]) -> Reservation | None:
+    def claim_under(self, limits: list[AnyLimit]) -> Reservation | None:
         """The booking, unless a limit is now slower than when it was booked.
 
         Booked slots are spaced at the old interval; honouring them after a
         rate was lowered (workers restarted with a new rate) would run the
         waiting tasks at the old, faster pace.  So they book again.
         """
-        now = tuple(lim.rate.interval_us for lim in limits)
+        now = _spacing(limits)
         if len(now) != len(self.spacing) or any(
                 new > old for new, old in zip(now, self.spacing, strict=True)):
             return None
@@ -122,7 +124,12 @@ class WaitState:
                 "prev": self.prev, "spacing": list(self.spacing)}
 
 
-def _grace(runtime: Runtime, limits: list[Limit], booked_mask: int) -> float:
+def _spacing(limits: list[AnyLimit]) -> tuple[int, ...]:
+    """Each limit's interval (us; 0 for a concurrency limit), carried with a booking."""
+    return tuple(lim.rate.interval_us if isinstance(lim, Limit) else 0 for lim in limits)
+
+
+def _grace(runtime: Runtime, limits: list[AnyLimit], booked_mask: int) -> float:
     """How late a task may start in its booked slot.
 
     Up to half the slot's length (cost x interval of the limits it is booked
@@ -134,8 +141,9 @@ def _grace(runtime: Runtime, limits: list[Limit], booked_mask: int) -> float:
     """
     if runtime.config.claim_grace is not None:
         return runtime.config.claim_grace
-    booked = [lim for i, lim in enumerate(limits) if booked_mask >> i & 1] or limits
-    longest = max(lim.cost * lim.rate.interval for lim in booked)
+    rates = [(i, lim) for i, lim in enumerate(limits) if isinstance(lim, Limit)]
+    booked = [lim for i, lim in rates if booked_mask >> i & 1] or [lim for _, lim in rates]
+    longest = max((lim.cost * lim.rate.interval for lim in booked), default=0.0)
     return min(_GRACE_CAP, max(_GRACE_FLOOR, longest / 2))
 
 
@@ -149,16 +157,25 @@ def _seconds_to_expiry(request: Any) -> float | None:
     return (when - dt.datetime.now(dt.timezone.utc)).total_seconds()
 
 
-def admit(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
-          max_wait: float | None) -> None:
+def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+          max_wait: float | None, estimated: set[str] | None = None) -> None:
     """Return when ``task`` may start now; otherwise re-schedule it and raise ``Ignore``.
 
     Raises :class:`ThrottleTimeout` past ``max_wait`` and
     :class:`ThrottleStoreError` when the store fails under ``on_error="fail"``.
+    Concurrency limits are held under the task's id until its run ends
+    (``task_postrun``), renewed meanwhile by this process's heartbeat.
+    ``estimated``: names of limits whose cost the task may settle.
     """
     request = task.request
     state = WaitState.from_request(request)
-    _wait_for_slot(task, runtime, limits, max_wait, state)
+    concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
+    holder = str(request.id) if concurrent else ""
+    if _wait_for_slot(task, runtime, limits, max_wait, state, holder):
+        if concurrent:
+            # Recorded before anything else may raise: postrun gives it back.
+            setattr(request, _LEASED, leases.hold(runtime.gate, concurrent, holder))
+        setattr(request, _ADMITTED, leases.Admitted(runtime.gate, limits, estimated or set()))
     if getattr(task, "acks_late", False):
         if not _move_pointer(task, runtime, state, "ran:"):
             logger.warning("throttle: task %s[%s] dropped: a stale copy (a node died while "
@@ -200,8 +217,63 @@ def _prepare_metrics(**_: Any) -> None:
 signals.worker_init.connect(_prepare_metrics, weak=False)
 
 
-def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
-                   max_wait: float | None, state: WaitState) -> None:
+def leases_taken(task: Task[Any, Any], *, release: bool = False) -> bool:
+    """Whether the current run of ``task`` holds concurrency leases; give them back if asked."""
+    request = task.request
+    held = getattr(request, _LEASED, None)
+    if held is None:
+        return False
+    if release:
+        setattr(request, _LEASED, None)
+        leases.release(held)
+    return True
+
+
+def _release_leases(sender: Any = None, task: Any = None, **_: Any) -> None:
+    """``task_postrun``: the run ended in any state (success, failure, retry, ignore)."""
+    if task is not None and getattr(task, "request", None) is not None:
+        leases_taken(task, release=True)
+
+
+signals.task_postrun.connect(_release_leases, weak=False)
+
+
+def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+                      seconds: float) -> NoReturn:
+    """The provider refused the call (429): pause ``limits`` everywhere, re-schedule the task.
+
+    The pause is written to the gate, so every worker's next decision for
+    these limits waits it out, and slots booked before it ends are void.
+    The task comes back after ``seconds`` (in hops of at most
+    ``throttle_max_countdown``) and asks the gate again; its retries are
+    not spent.  With the store down the task is still re-scheduled.
+    """
+    request = task.request
+    started = getattr(request, _STARTED, None)
+    state = started[1] if isinstance(started, tuple) else WaitState.from_request(request)
+    setattr(request, _STARTED, None)  # this copy's run did not complete
+    names = ", ".join(sorted({lim.name for lim in limits}))
+    try:
+        seconds = max(seconds, runtime.gate.pause(limits, seconds))
+    except redis.RedisError as exc:
+        metrics.store_error([lim.name for lim in limits])
+        logger.warning("throttle: could not pause %s (%s: %s); task %s[%s] waits %.3fs anyway",
+                       names, type(exc).__name__, exc, task.name, request.id, seconds)
+    new = WaitState(None, 0, 0, state.deferrals + 1, state.since, _new_copy(), state.copy_id,
+                    _spacing(limits))
+    _republish(task, new, min(max(seconds, 0.001), runtime.config.max_countdown))
+    if getattr(task, "acks_late", False):
+        _move_pointer(task, runtime, state, new.copy)
+    metrics.deferred(limits[0].name if limits else "(provider)", seconds)
+    logger.info("throttle: task %s[%s] refused by the provider: %s paused %.3fs on every "
+                "worker; re-scheduled (deferral %d)", task.name, request.id, names, seconds,
+                new.deferrals)
+    raise Ignore()
+
+
+def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+                   max_wait: float | None, state: WaitState, holder: str) -> bool:
+    """Return True when the gate admitted the task, False when the store-down policy did."""
     request = task.request
     config = runtime.config
     # Book no slot the task could not use: past its expiry or its max_wait.
@@ -219,13 +291,13 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
     for attempt in range(_MAX_SLEEPS):
         try:
             decision = runtime.gate.acquire_many(
-                limits, reserve=horizon, claim=claim, grace=grace)
+                limits, reserve=horizon, claim=claim, grace=grace, holder=holder)
         except redis.RedisError as exc:
             metrics.store_error([lim.name for lim in limits])
             _store_failed(task, runtime, state, exc)
-            return
+            return False
         if decision.allowed:
-            return
+            return True
         if claim is not None and not decision.early:
             # Arrived after its slot's grace, or a limit it was not booked in
             # is busy: the slot is lost (a little throughput) rather than used
@@ -258,7 +330,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
     new = WaitState(booking.slot if booking else None, booking.booked if booking else 0,
                     booking.epoch if booking else 0, state.deferrals + 1,
                     state.since or decision.now, _new_copy(), state.copy_id,
-                    tuple(lim.rate.interval_us for lim in limits))
+                    _spacing(limits))
     _republish(task, new, min(countdown, config.max_countdown))
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)

@@ -6,7 +6,9 @@
     ├── ThrottleTimeout           the task waited longer than its max_wait (task fails)
     ├── ThrottleStoreError        the throttle's Redis could not be used and
     │                             throttle_on_error="fail" (task fails)
-    └── ThrottleConfigError       a bad setting, also a ValueError (install / worker start)
+    ├── ThrottleConfigError       a bad setting, also a ValueError (install / worker start)
+    └── RateLimited               raised *by a task*: the provider said 429; its
+                                  limits pause on every worker and the task waits
 
 Bad decorator or gate arguments raise plain ``ValueError`` / ``TypeError``
 naming the value, at definition time.
@@ -14,10 +16,24 @@ naming the value, at definition time.
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
+import email.utils
 import functools
-from typing import Any
+import math
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
-__all__ = ["ThrottleConfigError", "ThrottleError", "ThrottleStoreError", "ThrottleTimeout"]
+AnyLimitT = TypeVar("AnyLimitT")
+
+__all__ = ["RateLimited", "ThrottleConfigError", "ThrottleError", "ThrottleStoreError",
+           "ThrottleTimeout", "check_response"]
+
+# Retry-After may be absent or unreadable: hold off this long then.
+DEFAULT_RETRY_AFTER = 1.0
+# A Retry-After beyond this is capped (a misbehaving or hostile header must
+# not park every worker for days).
+MAX_RETRY_AFTER = 3600.0
 
 
 class ThrottleError(Exception):
@@ -61,3 +77,77 @@ class ThrottleStoreError(ThrottleError):
 
 class ThrottleConfigError(ThrottleError, ValueError):
     """A ``throttle_*`` setting has a wrong type or value, or is unknown."""
+
+
+class RateLimited(ThrottleError):
+    """Raise it in a throttled task when the provider refuses a call (HTTP 429).
+
+    The task's limits (or only those named in ``limits``) admit nothing for
+    ``retry_after`` seconds, on every worker, and this task is re-scheduled
+    to run after the pause, its retries untouched.  Its concurrency slot is
+    given back at once.
+    """
+
+    def __init__(self, retry_after: float | str | None = None, *,
+                 limits: Sequence[str] = ()) -> None:
+        message = None
+        if retry_after is None:
+            retry_after = DEFAULT_RETRY_AFTER
+        elif isinstance(retry_after, str):  # re-created from its message by a result backend
+            message, retry_after = retry_after, DEFAULT_RETRY_AFTER
+        if (isinstance(retry_after, bool) or not isinstance(retry_after, int | float)
+                or math.isnan(retry_after) or retry_after < 0):
+            raise ValueError(f"invalid retry_after {retry_after!r}: expected seconds >= 0")
+        self.retry_after = min(float(retry_after), MAX_RETRY_AFTER)
+        self.limits = tuple(limits)
+        super().__init__(message or f"provider rate limit: retry after {self.retry_after:.3f}s")
+
+    def limits_in(self, limits: Sequence[AnyLimitT]) -> list[AnyLimitT]:
+        """The limits to pause among a task's ``limits`` (all, unless some were named)."""
+        if not self.limits:
+            return list(limits)
+        chosen = [lim for lim in limits if getattr(lim, "name", None) in self.limits]
+        if not chosen:
+            known = sorted({str(getattr(lim, "name", "?")) for lim in limits})
+            raise ValueError(f"RateLimited names limits {list(self.limits)!r}, but the task's "
+                             f"limits are {known!r}")
+        return chosen
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (functools.partial(type(self), limits=self.limits), (self.retry_after,))
+
+
+def check_response(response: Any, *, limits: Sequence[str] = ()) -> None:
+    """Raise :class:`RateLimited` if ``response`` is an HTTP 429 (else do nothing).
+
+    Works with httpx, requests, aiohttp and urllib responses (``status_code``
+    or ``status``/``code``, and ``headers``).  ``Retry-After`` may be seconds
+    or an HTTP date; ``Retry-After-Ms`` / ``retry-after-ms`` (OpenAI's,
+    Anthropic's) wins when present.  Without either, 1 s.
+    """
+    status = next((getattr(response, a) for a in ("status_code", "status", "code")
+                   if isinstance(getattr(response, a, None), int)), None)
+    if status != 429:
+        return
+    raise RateLimited(retry_after_of(getattr(response, "headers", None) or {}), limits=limits)
+
+
+def retry_after_of(headers: Any) -> float:
+    """Seconds to wait from a 429's headers (``Retry-After-Ms``, ``Retry-After``), default 1 s."""
+    get = headers.get
+    millis = get("retry-after-ms") or get("Retry-After-Ms")
+    with contextlib.suppress(TypeError, ValueError):
+        if millis is not None:
+            return max(0.0, float(millis) / 1000)
+    value = get("retry-after") or get("Retry-After")
+    if value is None:
+        return DEFAULT_RETRY_AFTER
+    value = str(value).strip()
+    with contextlib.suppress(ValueError):
+        return max(0.0, float(value))
+    with contextlib.suppress(TypeError, ValueError):
+        when = email.utils.parsedate_to_datetime(value)
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=dt.timezone.utc)
+        return max(0.0, (when - dt.datetime.now(dt.timezone.utc)).total_seconds())
+    return DEFAULT_RETRY_AFTER

@@ -320,21 +320,27 @@ class Gate:
             raise ValueError("pause needs at least one limit")
         return self._op(limits, "pause", _to_us(seconds), "") / US_PER_SECOND
 
-    def settle(self, limit: Limit, actual: int) -> None:
+    def settle(self, limit: Limit, actual: int, *, charged: int | None = None) -> None:
         """Correct ``limit``'s charge from its estimated ``cost`` to the ``actual`` units.
 
         The bucket is charged the difference (more than estimated) or
         refunded it (less; never past a full bucket), so the budget holds
         over time.  ``actual`` may exceed the burst: the bucket then owes.
+        ``charged``: what was charged if not ``limit.cost`` (an earlier
+        settlement).  A refund can void the latest slot booked in the
+        bucket (its task then books again): never a start too many.
         """
-        if isinstance(actual, bool) or not isinstance(actual, int) or actual < 0:
-            raise ValueError(f"invalid actual cost {actual!r} of limit {limit.name!r}: "
-                             "expected an integer >= 0")
-        if actual == limit.cost:
+        for what, value in (("actual cost", actual), ("charged cost", charged)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"invalid {what} {value!r} of limit {limit.name!r}: "
+                                 "expected an integer >= 0")
+        diff = actual - (limit.cost if charged is None else charged)
+        if diff == 0:
             return
         args = [*_head_args(self._now_us(), _NEVER, 0, 0, 0, 0, op=b"settle"),
                 str(limit.rate.interval_us).encode(), str(limit.burst).encode(),
-                str(actual - limit.cost).encode()]
+                str(diff).encode()]
         self._script(keys=self._keys([limit]), args=args)
 
     def _op(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> int:
@@ -393,9 +399,12 @@ class Gate:
         return LeaseState(limit, held, max(0, int(pause or 0) - now) / US_PER_SECOND,
                           int(run or 0) / US_PER_SECOND)
 
-    def reset(self, limit: Limit) -> bool:
-        """Forget ``limit``'s bucket (it is full again); True if it existed."""
-        return bool(self.client.delete(self.key_of(limit)))
+    def reset(self, limit: AnyLimit) -> bool:
+        """Forget ``limit``'s bucket (full again; a concurrency limit: its leases, pause)."""
+        keys: list[str | bytes] = [self.key_of(limit)]
+        if isinstance(limit, Concurrency):
+            keys.append(_meta_key(self.prefix, limit.name, limit.key))
+        return bool(self.client.delete(*keys))
 
     def _now_us(self) -> int:
         if self.clock == "server":

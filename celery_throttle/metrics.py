@@ -138,6 +138,7 @@ class FillCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         from .command import known_limits  # lazily: the command module imports Celery's CLI
+        from .gate import Concurrency
         from .store import runtime_for
 
         fill = GaugeMetricFamily("celery_throttle_fill_ratio",
@@ -148,15 +149,22 @@ class FillCollector:
         booked = GaugeMetricFamily("celery_throttle_booked_ahead",
                                    "Starts booked beyond the burst (waiting tasks)",
                                    labels=["limit"])
+        held = GaugeMetricFamily("celery_throttle_leases_held",
+                                 "Concurrency slots held (unexpired leases)", labels=["limit"])
         gate = runtime_for(self.app).gate
         for known in known_limits(self.app):
+            lim = known.limit
             if known.keyed:
                 continue
-            state = gate.inspect(known.limit)
-            fill.add_metric([known.limit.name], state.used / known.limit.burst)
-            free.add_metric([known.limit.name], state.next_free)
-            booked.add_metric([known.limit.name], state.booked_ahead)
-        yield from (fill, free, booked)
+            if isinstance(lim, Concurrency):
+                leases = gate.inspect_leases(lim)
+                held.add_metric([lim.name], leases.held)
+                continue
+            state = gate.inspect(lim)
+            fill.add_metric([lim.name], state.used / lim.burst)
+            free.add_metric([lim.name], state.next_free)
+            booked.add_metric([lim.name], state.booked_ahead)
+        yield from (fill, free, booked, held)
 
 
 def serve(app: Celery, port: int, addr: str = "0.0.0.0") -> None:  # scraped from elsewhere

@@ -18,8 +18,9 @@ from celery import Task
 from celery import _state as celery_state
 from celery.local import PromiseProxy, Proxy
 
-from .defer import admit
-from .gate import Limit, _positive_int
+from .defer import admit, defer_after_start, leases_taken
+from .errors import RateLimited
+from .gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit, _positive_int
 from .keys import validate_name
 from .rates import Rate, parse_rate
 from .store import runtime_for
@@ -37,19 +38,40 @@ _shared_specs: dict[str, list[Throttle]] = {}
 
 @dataclass(frozen=True, slots=True)
 class Throttle:
-    """One ``@throttled`` limit of a task (validated at definition time)."""
+    """One ``@throttled`` (validated at definition time): a rate, a concurrency or both."""
 
-    rate: Rate
+    rate: Rate | None
     burst: int = 1
     key: str | ArgFn | None = None
     name: str | None = None
     cost: int | ArgFn = 1
     max_wait: float | None = None
     signature: inspect.Signature | None = field(default=None, compare=False, repr=False)
+    concurrency: int | None = None
+    lease: float = DEFAULT_LEASE
 
-    def limit(self, task_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Limit:
-        """The limit for one call, with its key value and cost computed from the arguments."""
+    @property
+    def estimated(self) -> bool:
+        """The cost is an estimate made per call (a callable), which the task may settle."""
+        return callable(self.cost)
+
+    def limits(self, task_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> list[AnyLimit]:
+        """The limits for one call: its rate limit and/or concurrency limit."""
         name = self.name or task_name
+        key = self._key_value(task_name, args, kwargs)
+        found: list[AnyLimit] = []
+        if self.rate is not None:
+            found.append(self._rate_limit(task_name, name, key, args, kwargs))
+        if self.concurrency is not None:
+            try:
+                found.append(Concurrency(name, self.concurrency, key, self.lease))
+            except TypeError as exc:  # a key value of an unsupported type
+                raise TypeError(f"task {task_name!r}, limit {name!r}: {exc}") from None
+        return found
+
+    def _key_value(self, task_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> object:
         key = None
         if callable(self.key):
             key = self.key(*args, **kwargs)
@@ -64,6 +86,11 @@ class Throttle:
             key = bound.arguments[self.key]
         if key is None and self.key is not None:
             raise ValueError(f"task {task_name!r}: key argument {self.key!r} is None")
+        return key
+
+    def _rate_limit(self, task_name: str, name: str, key: object, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Limit:
+        assert self.rate is not None
         cost = self.cost(*args, **kwargs) if callable(self.cost) else self.cost
         if isinstance(cost, bool) or not isinstance(cost, int) or not 1 <= cost <= self.burst:
             raise ValueError(
@@ -76,32 +103,45 @@ class Throttle:
 
 
 def throttled(
-    rate: str | Rate,
+    rate: str | Rate | None = None,
     *,
     burst: int = 1,
     key: str | ArgFn | None = None,
     name: str | None = None,
     cost: int | ArgFn = 1,
     max_wait: float | None = None,
+    concurrency: int | None = None,
+    lease: float = DEFAULT_LEASE,
 ) -> Callable[[T], T]:
     """Limit every start of the decorated task, across all workers.
 
     Stack it *above* ``@app.task(...)`` or ``@shared_task(...)``; stacked
     ``@throttled`` limits are passed together, all or nothing.
 
+    * ``rate``: starts per period ("10/s", "500/m"); may be left out when
+      ``concurrency`` is given.
+    * ``concurrency``: at most this many runs at once, across all workers.
+      Each run holds a lease of ``lease`` seconds, renewed while it runs and
+      given back when it ends in any state; a killed worker's lease expires.
     * ``key``: an argument name, or a callable taking the task's arguments,
       whose value selects one bucket per value (tenant, API key).
     * ``name``: the bucket's name; tasks with the same name share it
       (default: the task's name).
-    * ``cost``: units per start, an int or a callable taking the task's arguments.
+    * ``cost``: units per start, an int or a callable taking the task's
+      arguments (an estimate the task may correct with
+      :func:`celery_throttle.settle` once the true cost is known).
     * ``max_wait``: seconds the task may wait in total before it fails with
       :class:`~celery_throttle.ThrottleTimeout` (overrides ``throttle_max_wait``).
+
+    Raising :class:`~celery_throttle.RateLimited` in the task (a provider's
+    429) pauses its limits on every worker and re-schedules it, retries untouched.
     """
 
     def decorate(task: T) -> T:
         label, fun, bind = _describe(task)
         try:
-            spec = _build_spec(rate, burst, key, name, cost, max_wait, fun, bind)
+            spec = _build_spec(rate, burst, key, name, cost, max_wait, fun, bind,
+                               concurrency, lease)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"@throttled on task {label}: {exc}") from None
         if isinstance(task, Task):
@@ -142,8 +182,13 @@ def _describe(task: object) -> tuple[str, Callable[..., Any] | None, bool]:
 
 
 def _build_spec(rate: object, burst: object, key: object, name: object, cost: object,
-                max_wait: object, fun: Callable[..., Any] | None, bind: bool) -> Throttle:
-    parsed = parse_rate(rate)
+                max_wait: object, fun: Callable[..., Any] | None, bind: bool,
+                concurrency: object = None, lease: object = DEFAULT_LEASE) -> Throttle:
+    if rate is None and concurrency is None:
+        raise ValueError("give a rate, a concurrency, or both")
+    parsed = parse_rate(rate) if rate is not None else None
+    if concurrency is not None:
+        Concurrency("check", concurrency, None, lease)  # type: ignore[arg-type]
     _positive_int("burst", burst)
     assert isinstance(burst, int)
     if name is not None:
@@ -172,7 +217,8 @@ def _build_spec(rate: object, burst: object, key: object, name: object, cost: ob
                              f"(arguments: {', '.join(signature.parameters) or 'none'})")
     elif key is not None and not callable(key):
         raise ValueError(f"invalid key {key!r}: expected an argument name or a callable")
-    return Throttle(parsed, burst, key, name, cost, max_wait, signature)  # type: ignore[arg-type]
+    return Throttle(parsed, burst, key, name, cost, max_wait,  # type: ignore[arg-type]
+                    signature, concurrency, lease)  # type: ignore[arg-type]
 
 
 def _attach(task: Task[Any, Any], spec: Throttle) -> None:
@@ -204,15 +250,23 @@ def ensure_gated(task: Task[Any, Any]) -> None:
             return run(*args, **kwargs)
         specs = task.__dict__.get(_SPECS_ATTR, ())
         runtime = runtime_for(task.app)
-        limits = [spec.limit(task.name, args, kwargs) for spec in specs]
+        limits = [lim for spec in specs for lim in spec.limits(task.name, args, kwargs)]
         queue_limit = runtime.config.queue_limit(_queue_of(request))
         if queue_limit is not None:
             limits.append(queue_limit)
-        if limits:
-            max_wait = next((s.max_wait for s in specs if s.max_wait is not None),
-                            runtime.config.max_wait)
-            admit(task, runtime, limits, max_wait)
-        return run(*args, **kwargs)
+        if not limits:
+            return run(*args, **kwargs)
+        max_wait = next((s.max_wait for s in specs if s.max_wait is not None),
+                        runtime.config.max_wait)
+        estimated = {(s.name or task.name) for s in specs if s.estimated}
+        admit(task, runtime, limits, max_wait, estimated)
+        try:
+            return run(*args, **kwargs)
+        except RateLimited as exc:
+            # The provider said "not now": hold every worker off these
+            # limits, give back the leases, come back after the pause.
+            leases_taken(task, release=True)
+            defer_after_start(task, runtime, exc.limits_in(limits), exc.retry_after)
 
     task.run = gated_run  # type: ignore[method-assign]
 

@@ -108,7 +108,10 @@ def limits_in_force(app: Celery) -> list[str]:
     for name, task in sorted(app.tasks.items()):
         for spec in specs_of(task):
             key = f" per {spec.key if isinstance(spec.key, str) else 'key'}" if spec.key else ""
-            lines.append(f"task {name}: {spec.name or name} {spec.rate} burst {spec.burst}{key}")
+            what = [f"{spec.rate} burst {spec.burst}"] if spec.rate is not None else []
+            if spec.concurrency is not None:
+                what.append(f"{spec.concurrency} at once (lease {spec.lease:g}s)")
+            lines.append(f"task {name}: {spec.name or name} {', '.join(what)}{key}")
     return lines
 
 

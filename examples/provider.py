@@ -1,10 +1,18 @@
-"""A mock LLM provider: a real HTTP server on 127.0.0.1 that enforces a strict quota.
+"""A mock LLM provider: a real HTTP server on 127.0.0.1 that enforces strict quotas.
 
-At most ``limit`` requests are accepted in any sliding window of ``window``
-seconds, counted across all clients; beyond it the answer is HTTP 429 with
-``Retry-After`` (whole seconds, as HTTP has it) and ``Retry-After-Ms``.  It
-logs the time of every accepted and refused request for the demo's table and
-chart.
+Like a real LLM API it enforces up to three quotas, each counted across all
+clients, and answers HTTP 429 with ``Retry-After`` (whole seconds, as HTTP
+has it) and ``Retry-After-Ms`` beyond any of them:
+
+* at most ``limit`` requests in any sliding window of ``window`` seconds;
+* at most ``max_inflight`` requests in flight at once (None: no cap);
+* at most ``token_budget`` tokens in any sliding window of ``token_window``
+  seconds (None: no budget), a request's tokens being len(prompt) // 4,
+  known to the client only from the response's ``usage``.
+
+``hold(seconds)`` makes it refuse everything for a while, as a provider
+under load does (the test of 429 feedback).  It logs every accepted and
+refused request for the demo's table and chart.
 
     python -m examples.provider --port 8080 --limit 10 --window 1
 
@@ -36,10 +44,16 @@ class RateLimited(Exception):
         self.retry_after = retry_after
 
 
-def summarize(base_url: str, prompt: str) -> dict[str, Any]:
-    """The client side: POST a prompt; raise :class:`RateLimited` on 429."""
+def summarize(base_url: str, prompt: str, work: float | None = None) -> dict[str, Any]:
+    """The client side: POST a prompt; raise :class:`RateLimited` on 429.
+
+    ``work``: seconds the provider takes to answer (default: its latency).
+    """
+    payload: dict[str, Any] = {"prompt": prompt}
+    if work is not None:
+        payload["work"] = work
     request = urllib.request.Request(
-        f"{base_url}/v1/summarize", data=json.dumps({"prompt": prompt}).encode(),
+        f"{base_url}/v1/summarize", data=json.dumps(payload).encode(),
         headers={"Content-Type": "application/json"}, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
@@ -56,12 +70,20 @@ class MockProvider:
     """The quota-enforcing server; ``start()`` runs it on a background thread."""
 
     def __init__(self, *, limit: int = 10, window: float = 1.0, latency: float = 0.05,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+                 max_inflight: int | None = None, token_budget: int | None = None,
+                 token_window: float = 60.0, host: str = "127.0.0.1", port: int = 0) -> None:
         self.limit, self.window, self.latency = limit, window, latency
+        self.max_inflight, self.token_budget, self.token_window = (
+            max_inflight, token_budget, token_window)
         self._lock = threading.Lock()
         self._recent: collections.deque[float] = collections.deque()
+        self._tokens: collections.deque[tuple[float, int]] = collections.deque()
+        self._inflight = 0
+        self._held_until = 0.0
         self.accepted: list[float] = []
         self.refused: list[float] = []
+        self.calls: list[tuple[float, float, int]] = []  # accepted: (start, end, tokens)
+        self.most_inflight = 0
         self.server = ThreadingHTTPServer((host, port), self._handler())
         self.server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -87,21 +109,51 @@ class MockProvider:
         """Forget every request seen so far."""
         with self._lock:
             self._recent.clear()
+            self._tokens.clear()
             self.accepted.clear()
             self.refused.clear()
+            self.calls.clear()
+            self.most_inflight = 0
+            self._held_until = 0.0
 
-    def admit(self) -> float | None:
-        """Count one request: None if accepted, else the seconds until a slot frees."""
+    def hold(self, seconds: float) -> None:
+        """Refuse every request for ``seconds`` from now (429, Retry-After: the rest)."""
+        with self._lock:
+            self._held_until = time.time() + seconds
+
+    def admit(self, tokens: int = 0) -> float | None:
+        """Count one request: None if accepted, else the seconds until it could be."""
         with self._lock:
             now = time.time()
             while self._recent and self._recent[0] <= now - self.window:
                 self._recent.popleft()
-            if len(self._recent) >= self.limit:
+            while self._tokens and self._tokens[0][0] <= now - self.token_window:
+                self._tokens.popleft()
+            wait = None
+            if now < self._held_until:
+                wait = self._held_until - now
+            elif len(self._recent) >= self.limit:
+                wait = self._recent[0] + self.window - now
+            elif self.max_inflight is not None and self._inflight >= self.max_inflight:
+                wait = self.latency
+            elif self.token_budget is not None and (
+                    sum(n for _, n in self._tokens) + tokens > self.token_budget):
+                wait = self._tokens[0][0] + self.token_window - now if self._tokens else 1.0
+            if wait is not None:
                 self.refused.append(now)
-                return self._recent[0] + self.window - now
+                return wait
             self._recent.append(now)
+            self._tokens.append((now, tokens))
             self.accepted.append(now)
+            self._inflight += 1
+            self.most_inflight = max(self.most_inflight, self._inflight)
             return None
+
+    def done(self, start: float, tokens: int) -> None:
+        """An accepted request has been answered."""
+        with self._lock:
+            self._inflight -= 1
+            self.calls.append((start, time.time(), tokens))
 
     def stats(self) -> dict[str, Any]:
         """Counts and timestamps of accepted and refused requests."""
@@ -143,17 +195,23 @@ class MockProvider:
                 if self.path != "/v1/summarize":
                     self._reply(404, {"error": "not found"})
                     return
-                wait = provider.admit()
+                body = json.loads(raw or b"{}")
+                prompt = str(body.get("prompt", ""))
+                tokens = max(1, len(prompt) // 4)
+                start = time.time()
+                wait = provider.admit(tokens)
                 if wait is not None:
                     self._reply(429, {"error": "rate limit exceeded"}, {
                         "Retry-After": str(max(1, math.ceil(wait))),
                         "Retry-After-Ms": str(max(1, math.ceil(wait * 1000))),
                     })
                     return
-                prompt = str(json.loads(raw or b"{}").get("prompt", ""))
-                time.sleep(provider.latency)  # the model "thinking"
-                tokens = max(1, len(prompt) // 4)
-                self._reply(200, {"summary": prompt[:20], "usage": {"total_tokens": tokens}})
+                try:
+                    # The model "thinking"; a client may ask for longer (bounded).
+                    time.sleep(min(30.0, float(body.get("work") or provider.latency)))
+                    self._reply(200, {"summary": prompt[:20], "usage": {"total_tokens": tokens}})
+                finally:
+                    provider.done(start, tokens)
 
         return Handler
 

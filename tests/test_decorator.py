@@ -11,7 +11,7 @@ from celery import Celery, Task
 from celery.exceptions import Ignore
 
 import celery_throttle
-from celery_throttle import ThrottleConfigError, throttled
+from celery_throttle import Limit, ThrottleConfigError, throttled
 from celery_throttle.config import read_config
 from celery_throttle.defer import HEADER, WaitState
 from celery_throttle.task import specs_of
@@ -186,16 +186,17 @@ def test_key_and_cost_from_positional_or_keyword_arguments(app: Celery) -> None:
     def job(self: Task[Any, Any], tenant: str, doc: str) -> None: ...
 
     (spec,) = specs_of(app.tasks[job.name])
-    by_position = spec.limit(job.name, ("acme", "abc"), {})
-    by_name = spec.limit(job.name, (), {"doc": "abc", "tenant": "acme"})
+    (by_position,) = spec.limits(job.name, ("acme", "abc"), {})
+    (by_name,) = spec.limits(job.name, (), {"doc": "abc", "tenant": "acme"})
+    assert isinstance(by_position, Limit)
     assert (by_position.key, by_position.cost) == ("acme", 3)
     assert by_position == by_name
     with pytest.raises(ValueError, match="key argument 'tenant' is None"):
-        spec.limit(job.name, (None, "abc"), {})
+        spec.limits(job.name, (None, "abc"), {})
     with pytest.raises(ValueError, match="cost 11 of limit"):
-        spec.limit(job.name, ("acme", "x" * 11), {})
+        spec.limits(job.name, ("acme", "x" * 11), {})
     with pytest.raises(TypeError, match="type float"):
-        spec.limit(job.name, (1.5, "abc"), {})
+        spec.limits(job.name, (1.5, "abc"), {})
 
 
 def test_throttle_timeout_survives_json_and_pickle() -> None:

@@ -259,6 +259,9 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
         metrics.store_error([lim.name for lim in limits])
         logger.warning("throttle: could not pause %s (%s: %s); task %s[%s] waits %.3fs anyway",
                        names, type(exc).__name__, exc, task.name, request.id, seconds)
+    # Only now: a slot freed before the pause was written could let another
+    # call through to the provider that just refused.
+    leases_taken(task, release=True)
     new = WaitState(None, 0, 0, state.deferrals + 1, state.since, _new_copy(), state.copy_id,
                     _spacing(limits))
     _republish(task, new, min(max(seconds, 0.001), runtime.config.max_countdown))
@@ -298,7 +301,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
             return False
         if decision.allowed:
             return True
-        if claim is not None and not decision.early:
+        if claim is not None and claim.booked and not decision.early:
             # Arrived after its slot's grace, or a limit it was not booked in
             # is busy: the slot is lost (a little throughput) rather than used
             # late (that could burst).

@@ -134,7 +134,7 @@ class Decision:
 
     allowed: bool
     retry_after: float
-    limit: Limit | None = None
+    limit: AnyLimit | None = None
     reservation: Reservation | None = None
     now: int = 0
     early: bool = False

@@ -18,7 +18,7 @@ from celery import Task
 from celery import _state as celery_state
 from celery.local import PromiseProxy, Proxy
 
-from .defer import admit, defer_after_start, leases_taken
+from .defer import admit, defer_after_start
 from .errors import RateLimited
 from .gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit, _positive_int
 from .keys import validate_name
@@ -265,7 +265,6 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         except RateLimited as exc:
             # The provider said "not now": hold every worker off these
             # limits, give back the leases, come back after the pause.
-            leases_taken(task, release=True)
             defer_after_start(task, runtime, exc.limits_in(limits), exc.retry_after)
 
     task.run = gated_run  # type: ignore[method-assign]

@@ -209,9 +209,11 @@ class MockProvider:
                 try:
                     # The model "thinking"; a client may ask for longer (bounded).
                     time.sleep(min(30.0, float(body.get("work") or provider.latency)))
-                    self._reply(200, {"summary": prompt[:20], "usage": {"total_tokens": tokens}})
                 finally:
+                    # Out of flight before the answer leaves: a client that
+                    # reads it may start its next call at once.
                     provider.done(start, tokens)
+                self._reply(200, {"summary": prompt[:20], "usage": {"total_tokens": tokens}})
 
         return Handler
 

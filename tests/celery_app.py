@@ -180,6 +180,50 @@ def patient(self: Task[Any, Any], i: int) -> int:
     return i
 
 
+# --- Issue 7: concurrency leases, provider feedback, settled token costs ---
+# CT_PROVIDER: the mock provider's URL (a real HTTP server in the test process).
+# CT_LEASE: the concurrency leases' length in seconds.
+
+PROVIDER = os.environ.get("CT_PROVIDER", "http://127.0.0.1:9")
+LEASE = float(os.environ.get("CT_LEASE", "30"))
+
+
+def _estimate(prompt: str, factor: float) -> int:
+    """The token estimate charged up front: the true count times ``factor`` (0.5-2)."""
+    return max(1, round(len(prompt) // 4 * factor))
+
+
+@throttled("8/s", name="p-requests")
+@throttled(concurrency=3, name="p-inflight", lease=LEASE)
+@throttled("90/s", name="p-tokens", burst=80, cost=lambda prompt, factor, work: _estimate(
+    prompt, factor))
+@app.task(bind=True)
+def llm_call(self: Task[Any, Any], prompt: str, factor: float, work: float) -> int:
+    """A provider call under requests/s, calls in flight and tokens/s, tokens settled after."""
+    from examples import provider
+
+    record(self, factor=factor)
+    try:
+        body = provider.summarize(PROVIDER, prompt, work=work)
+    except provider.RateLimited as exc:
+        raise celery_throttle.RateLimited(exc.retry_after) from None
+    used = int(body["usage"]["total_tokens"])
+    if not os.environ.get("CT_NO_SETTLE"):  # the negative control of the settlement test
+        assert celery_throttle.settle(used)
+    _records.rpush("calls", json.dumps({"id": self.request.id, "t": time.time(),
+                                        "tokens": used, "retries": self.request.retries}))
+    return used
+
+
+@throttled(concurrency=1, name="one-slot", lease=LEASE)
+@app.task(bind=True)
+def one_slot(self: Task[Any, Any], seconds: float) -> float:
+    """Holds the only slot of its limit for ``seconds`` (bounded by the test)."""
+    record(self, seconds=seconds)
+    time.sleep(seconds)
+    return seconds
+
+
 # --- Fault injection, per worker node (set only in that node's environment) ---
 
 if os.environ.get("CT_CRASH_AFTER_REPUBLISH"):

@@ -11,7 +11,7 @@ from celery import Celery, Task
 from celery.exceptions import Ignore
 
 import celery_throttle
-from celery_throttle import Limit, ThrottleConfigError, throttled
+from celery_throttle import Concurrency, Limit, ThrottleConfigError, throttled
 from celery_throttle.config import read_config
 from celery_throttle.defer import HEADER, WaitState
 from celery_throttle.task import specs_of
@@ -52,6 +52,9 @@ def test_key_must_be_an_argument(app: Celery) -> None:
         ({"key": 3}, "invalid key 3"),
         ({"name": ""}, "invalid limit name ''"),
         ({"max_wait": -1}, "invalid max_wait -1"),
+        ({"concurrency": 0}, "invalid concurrency 0"),
+        ({"concurrency": "3"}, "invalid concurrency '3'"),
+        ({"concurrency": 2, "lease": 0}, "invalid lease 0"),
     ],
 )
 def test_bad_arguments_rejected_at_import(
@@ -62,6 +65,25 @@ def test_bad_arguments_rejected_at_import(
         @throttled("1/s", **kwargs)
         @app.task(shared=False)
         def job(a: int) -> None: ...
+
+
+def test_concurrency_alone_or_with_a_rate(app: Celery) -> None:
+    """`concurrency=` works without a rate; with one, both limits share the name."""
+
+    @throttled(concurrency=2, lease=10, key="tenant")
+    @throttled("5/s", concurrency=3, name="llm")
+    @app.task(shared=False)
+    def job(tenant: str) -> None: ...
+
+    inner, outer = specs_of(app.tasks[job.name])
+    assert [type(lim).__name__ for lim in inner.limits(job.name, ("acme",), {})] == [
+        "Limit", "Concurrency"]
+    (alone,) = outer.limits(job.name, ("acme",), {})
+    assert alone == Concurrency(job.name, 2, "acme", 10)
+    with pytest.raises(ValueError, match="give a rate, a concurrency, or both"):
+        @throttled()
+        @app.task(shared=False)
+        def nothing() -> None: ...
 
 
 def test_throttled_below_app_task_is_refused() -> None:

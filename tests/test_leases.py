@@ -1,4 +1,4 @@
-"""Gate level, on real Redis: concurrency leases, provider pauses and settled costs (issue 7).
+"""Concurrency leases, provider pauses and settled costs at the gate, on real Redis (issue 7).
 
 Every decision runs the real ``gate.lua``; the caller clock is moved
 explicitly, so lease expiry and pauses are exact without sleeping.
@@ -6,10 +6,22 @@ explicitly, so lease expiry and pauses are exact without sleeping.
 
 from __future__ import annotations
 
+import datetime as dt
+import email.utils
+import pickle
+
 import pytest
 import redis
 
-from celery_throttle import Concurrency, Gate, Limit, parse_rate
+from celery_throttle import (
+    Concurrency,
+    Gate,
+    Limit,
+    RateLimited,
+    check_response,
+    parse_rate,
+    settle,
+)
 
 T0 = 1_800_000_000_000_000  # microseconds
 
@@ -108,7 +120,8 @@ def test_full_limit_paces_waiters_by_the_average_run(cgate: Gate, clock: StepClo
     returns = []
     for waiter in ("w1", "w2", "w3"):
         d = cgate.acquire_many([two], holder=waiter, reserve=60)
-        assert d.reserved and d.reservation is not None
+        assert d.reserved
+        assert d.reservation is not None
         assert d.reservation.booked == 0  # nothing can be booked in a lease
         returns.append(d.slot)
     assert returns == [T0 + 400_000, T0 + 800_000, T0 + 1_200_000]
@@ -120,9 +133,12 @@ def test_pause_stops_every_caller_until_it_ends(cgate: Gate, clock: StepClock) -
     rate = Limit("provider", parse_rate("100/s"), burst=10)
     assert cgate.pause([rate], 3) == 3.0
     state = cgate.inspect(rate)
-    assert state.paused == 3.0 and state.next_free == 3.0
+    assert state.paused == 3.0
+    assert state.next_free == 3.0
     d = cgate.acquire_many([rate])
-    assert not d.allowed and d.retry_after == 3.0 and d.limit == rate
+    assert not d.allowed
+    assert d.retry_after == 3.0
+    assert d.limit == rate
     assert cgate.pause([rate], 1) == 3.0  # a shorter pause does not cut the longer one
     clock.us = T0 + 2_999_999
     assert not cgate.acquire_many([rate]).allowed
@@ -150,7 +166,8 @@ def test_pause_of_a_concurrency_limit(cgate: Gate, clock: StepClock) -> None:
     four = Concurrency("inflight", 4)
     assert cgate.pause([four], 1.5) == 1.5
     d = cgate.acquire_many([four], holder="a", reserve=60)
-    assert d.reserved and d.retry_after == 1.5
+    assert d.reserved
+    assert d.retry_after == 1.5
     assert cgate.inspect_leases(four).paused == 1.5
     clock.us = T0 + 1_500_000
     assert cgate.acquire_many([four], holder="a").allowed
@@ -212,3 +229,71 @@ def test_rate_and_concurrency_of_one_name_are_separate_keys(cgate: Gate) -> None
     assert cgate.key_of(rate) != cgate.key_of(two)
     assert cgate.acquire_many([rate, two], holder="a").allowed
     assert cgate.inspect_leases(two).held == 1
+
+
+# --- RateLimited and check_response: reading a provider's 429 ---
+
+
+class _Response:
+    """The shape of an httpx/requests response (status_code, headers)."""
+
+    def __init__(self, status: int, headers: dict[str, str]) -> None:
+        self.status_code = status
+        self.headers = headers
+
+
+@pytest.mark.parametrize(("headers", "seconds"), [
+    ({"Retry-After": "3"}, 3.0),
+    ({"retry-after": "0.5"}, 0.5),
+    ({"Retry-After": "3", "retry-after-ms": "2500"}, 2.5),  # the finer header wins
+    ({}, 1.0),  # no header: 1 s
+    ({"Retry-After": "soon"}, 1.0),  # unreadable: 1 s
+    ({"Retry-After": "86400000"}, 3600.0),  # capped at an hour
+])
+def test_check_response_reads_retry_after(headers: dict[str, str], seconds: float) -> None:
+    """A 429 raises RateLimited with the header's wait; anything else passes."""
+    with pytest.raises(RateLimited) as caught:
+        check_response(_Response(429, headers))
+    assert caught.value.retry_after == seconds
+    check_response(_Response(200, headers))
+    check_response(_Response(503, headers))
+
+
+def test_check_response_reads_an_http_date() -> None:
+    """Retry-After may be an HTTP date (RFC 9110)."""
+    when = email.utils.format_datetime(
+        dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=30), usegmt=True)
+    with pytest.raises(RateLimited) as caught:
+        check_response(_Response(429, {"Retry-After": when}))
+    assert 28 <= caught.value.retry_after <= 30
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), True, [3]])
+def test_rate_limited_rejects_bad_waits(bad: object) -> None:
+    """The error names the value."""
+    with pytest.raises(ValueError, match="invalid retry_after"):
+        RateLimited(bad)  # type: ignore[arg-type]
+
+
+def test_rate_limited_survives_pickle_and_json_backends() -> None:
+    """Re-created by pickle with its fields, and from its message alone (JSON backends)."""
+    exc = RateLimited(2.5, limits=["llm"])
+    again = pickle.loads(pickle.dumps(exc))
+    assert (again.retry_after, again.limits) == (2.5, ("llm",))
+    assert str(RateLimited(str(exc))) == str(exc)
+
+
+def test_rate_limited_picks_named_limits() -> None:
+    """Named limits are paused alone; naming an unknown one is an error listing the known."""
+    a, b = Limit("a", parse_rate("1/s")), Concurrency("b", 2)
+    assert RateLimited(1).limits_in([a, b]) == [a, b]
+    assert RateLimited(1, limits=["b"]).limits_in([a, b]) == [b]
+    with pytest.raises(ValueError, match=r"names limits \['c'\].*\['a', 'b'\]"):
+        RateLimited(1, limits=["c"]).limits_in([a, b])
+
+
+def test_settle_outside_a_worker_run_does_nothing() -> None:
+    """Direct calls and eager mode were never admitted: nothing to correct."""
+    assert settle(10) is False
+    with pytest.raises(ValueError, match="invalid actual cost -1"):
+        settle(-1)

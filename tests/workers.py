@@ -19,11 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @contextlib.contextmanager
 def cluster(redis_base: str, names: tuple[str, ...] = ("w1", "w2"), *, pool: str = "prefork",
-            concurrency: int = 4, env: dict[str, str] | None = None
+            concurrency: int = 4, env: dict[str, str] | None = None,
+            queues: tuple[str, ...] = ("celery", "ext", "bursty"),
             ) -> Iterator[list[WorkerProcess]]:
-    """Worker nodes of tests.celery_app on every test queue, against ``redis_base``."""
+    """Worker nodes of tests.celery_app (on every test queue by default), against ``redis_base``."""
     with workers("tests.celery_app", names, pool=pool, concurrency=concurrency,
-                 queues=("celery", "ext", "bursty"), cwd=ROOT,
+                 queues=queues, cwd=ROOT,
                  env={"CT_REDIS": redis_base, "PYTHONPATH": str(ROOT), **(env or {})}) as nodes:
         yield nodes
 

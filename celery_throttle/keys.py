@@ -1,7 +1,9 @@
 """Where state lives: bucket key names.
 
 Layout: ``{<prefix>}:<name>`` for a shared bucket and ``{<prefix>}:<name>:k:<digest>``
-for one bucket per caller-supplied key value (tenant id, API key, ...).
+for one bucket per caller-supplied key value (tenant id, API key, ...).  A
+concurrency limit of the same name and key keeps two keys beside it, the
+bucket key plus ``:leases`` and ``:meta`` (see gate.py).
 
 * The prefix is the key's *first* ``{...}`` group, i.e. its Redis Cluster hash
   tag.  One decision may span several buckets (a tenant rate, a provider rate,

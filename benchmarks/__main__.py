@@ -3,8 +3,9 @@
     python -m benchmarks [--quick]
 
 Section 1 (what the provider sees) and 2 (the gate alone) share one Redis
-server and run side by side; section 3 (scale) runs in its own process with
-its own server and workers.  Nothing here asserts: the tables are the result.
+server and run side by side; sections 3 (scale) and 4 (calls in flight) run
+in their own processes with their own servers and workers.  Nothing here
+asserts: the tables are the result.
 """
 
 from __future__ import annotations
@@ -86,6 +87,15 @@ def main(argv: list[str] | None = None) -> None:
     scale = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--n", n],
                            capture_output=True, text=True, timeout=900, cwd=ROOT, check=True)
     doc.append(scale.stdout)
+    print("section 4: calls in flight", file=sys.stderr, flush=True)
+    doc.append("## 4. Calls in flight\n")
+    doc.append("`python -m benchmarks.inflight`. Occupancy: the provider's busy time / "
+               "(4 slots x drain time). Publishes: re-publishes or retries per executed "
+               "task.\n")
+    inflight = subprocess.run([sys.executable, "-m", "benchmarks.inflight", "--n",
+                               "24" if args.quick else "48"],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
+    doc.append(inflight.stdout)
     doc.append(f"\n_Whole run: {time.monotonic() - began:.0f} s._\n")
     text = "\n".join(doc)
     (ROOT / "BENCHMARKS.md").write_text(text)

@@ -17,7 +17,8 @@ task at the same limit, RATE per second, burst 1:
   ``pyrate_redis`` (``pyrate-limiter``'s Redis bucket), retrying likewise.
 
 Configured from the environment: BENCH_REDIS (server URL; broker db 5,
-store db 6, results db 7, records db 8), BENCH_RATE and BENCH_MAX_SLEEP.
+store db 6, results db 7, records db 8), BENCH_RATE and BENCH_MAX_SLEEP;
+section 4 (calls in flight): BENCH_PROVIDER, BENCH_CALL_SECONDS, BENCH_LEASE.
 """
 
 from __future__ import annotations
@@ -216,6 +217,67 @@ def pyrate_redis(self: Task[Any, Any], i: int) -> int:
     record(self, "pyrate_redis")
     return i
 
+
+# --- Section 4: calls in flight against the mock provider (BENCH_PROVIDER) ---
+
+PROVIDER = os.environ.get("BENCH_PROVIDER", "http://127.0.0.1:9")
+INFLIGHT = 4
+CALL_SECONDS = float(os.environ.get("BENCH_CALL_SECONDS", "0.5"))
+LEASE = float(os.environ.get("BENCH_LEASE", "30"))
+
+
+def _call(task: Task[Any, Any], contender: str) -> None:
+    """Record the attempt, then call the provider (a 429 raises provider.RateLimited)."""
+    from examples import provider
+
+    header = (task.request.headers or {}).get(celery_throttle.HEADER) or {}
+    _records.rpush(f"calls:{contender}", json.dumps({
+        "t": time.time(), "id": task.request.id, "retries": task.request.retries,
+        "deferrals": header.get("deferrals", 0)}))
+    provider.summarize(PROVIDER, "x" * 40, work=CALL_SECONDS)
+    _records.rpush(f"done:{contender}", str(task.request.id))
+
+
+@throttled(concurrency=INFLIGHT, name="bench-inflight", lease=LEASE)
+@app.task(bind=True)
+def inflight_ours(self: Task[Any, Any], i: int) -> int:
+    """``@throttled(concurrency=4)``: a lease per call; a 429 would pause every worker."""
+    from examples import provider
+
+    try:
+        _call(self, "inflight_ours")
+    except provider.RateLimited as exc:
+        raise celery_throttle.RateLimited(exc.retry_after) from None
+    return i
+
+
+@app.task(bind=True, max_retries=None)
+def inflight_retry(self: Task[Any, Any], i: int) -> int:
+    """No limit: call, and on a 429 retry after the provider's Retry-After (the usual loop)."""
+    from examples import provider
+
+    try:
+        _call(self, "inflight_retry")
+    except provider.RateLimited as exc:
+        _retry(self, exc.retry_after)
+    return i
+
+
+@app.task(bind=True, max_retries=None)
+def inflight_counter(self: Task[Any, Any], i: int) -> int:
+    """A hand-written Redis semaphore (INCR, DECR in finally), retrying after 0.1 s."""
+    if _store.incr("bench:inflight") > INFLIGHT:
+        _store.decr("bench:inflight")
+        _retry(self, 0.1)
+    try:
+        _call(self, "inflight_counter")
+    finally:  # a killed worker never gets here: its slot is gone for good
+        _store.decr("bench:inflight")
+    return i
+
+
+INFLIGHT_CONTENDERS = {"inflight_ours": inflight_ours, "inflight_counter": inflight_counter,
+                       "inflight_retry": inflight_retry}
 
 CONTENDERS = {
     "ours": ours, "celery_rate_limit": celery_rate_limit,

@@ -128,6 +128,24 @@ def test_full_limit_paces_waiters_by_the_average_run(cgate: Gate, clock: StepClo
     assert cgate.inspect_leases(two).average_run == 0.8
 
 
+def test_waiters_are_paced_by_the_oldest_run_before_any_ended(cgate: Gate, clock: StepClock
+                                                               ) -> None:
+    """No run has ended yet: the step follows the holders' age, from 50 ms to 1 s / slots."""
+    two = Concurrency("pool", 2)
+    assert cgate.acquire_many([two], holder="a").allowed
+    assert cgate.acquire_many([two], holder="b").allowed
+    first = cgate.acquire_many([two], holder="w1", reserve=60)
+    assert first.slot == T0 + 25_000  # nothing known: 50 ms / 2 slots
+    clock.us = T0 + 600_000  # a and b have run 0.6 s: runs are at least that long
+    later = cgate.acquire_many([two], holder="w2", reserve=60)
+    assert later.slot == T0 + 600_000 + 300_000
+    clock.us = T0 + 5_000_000  # 5 s: the guess stops at 1 s (a freed slot stays idle less)
+    again = cgate.acquire_many([two], holder="w3", reserve=60)
+    assert again.slot == T0 + 5_000_000 + 500_000
+    assert cgate.release([two], "a") == 1  # measured on the server's side: 5 s
+    assert cgate.inspect_leases(two).average_run == 5.0
+
+
 def test_pause_stops_every_caller_until_it_ends(cgate: Gate, clock: StepClock) -> None:
     """A 3 s pause (Retry-After: 3) denies all, is visible in inspect, and ends exactly."""
     rate = Limit("provider", parse_rate("100/s"), burst=10)

@@ -19,9 +19,9 @@ Two more kinds of state share the script (issue 7):
   within one lease time; a running task's heartbeat extends its lease.  A
   full concurrency limit cannot book a future slot (nobody knows when a
   lease ends), so waiters are paced instead: the k-th waiter is told to come
-  back k x (average run / slots) from now, a GCRA over returns, rather than
+  back k x (expected run / slots) from now, a GCRA over returns, rather than
   all at once (no herd).  Its hash (the "meta" key) keeps the average run,
-  the pacing TAT and a pause.
+  each holder's start ("s:<holder>"), the pacing cursor and a pause.
 * A pause (a provider answered 429 with Retry-After): until then the limit
   admits nothing and honours no slot booked before the pause ends.  A rate
   bucket stores it in its value, "TAT:until", so the hot path still reads one
@@ -98,8 +98,8 @@ local op_arg = tonumber(ARGV[9])
 local HEAD = 9
 local n = (#ARGV - HEAD) / 3
 local epoch_key = KEYS[n + 1]
--- A waiter's return is paced by the average run; before any run ended, 1 s.
-local DEFAULT_RUN = 1000000
+-- A waiter's return is paced by the expected run: at least this long.
+local MIN_RUN, UNKNOWN_RUN = 50000, 1000000
 local META_TTL_MS = 86400000
 
 local function booked_in(m, i)
@@ -162,6 +162,45 @@ local function meta_num(i, field)
   return tonumber(redis.call('HGET', meta[i], field) or 0)
 end
 
+-- Leases past their expiry are reclaimed (their holders stopped renewing:
+-- killed), with the start times kept for them in the meta hash.
+local function reclaim(i)
+  local gone = redis.call('ZRANGEBYSCORE', KEYS[i], '-inf', now)
+  for _, h in ipairs(gone) do
+    redis.call('ZREM', KEYS[i], h)
+    redis.call('HDEL', meta[i], 's:' .. h)
+  end
+end
+
+-- How far apart waiters come back: the expected run / slots.  The expected
+-- run is the average of released runs (at least MIN_RUN).  Before any run
+-- has ended it is how long the oldest holder has been running, at least
+-- MIN_RUN and at most UNKNOWN_RUN: a short guess would bring waiters back
+-- too often, a long one would leave a freed slot idle (and a killed
+-- holder's slot idle past its lease).  Waiters share one cursor ('next'),
+-- so whatever the estimate, returns happen one step apart, never at once.
+local function step_of(i)
+  local _, slots = limit(i)
+  local run = meta_num(i, 'run')
+  if run == 0 then
+    for _, h in ipairs(redis.call('ZRANGE', KEYS[i], 0, -1)) do
+      local since = tonumber(redis.call('HGET', meta[i], 's:' .. h) or now)
+      run = math.max(run, now - since)
+    end
+    run = math.min(run, UNKNOWN_RUN)
+  end
+  return math.ceil(math.max(run, MIN_RUN) / slots)
+end
+
+-- Give holder a lease in concurrency limit i, noting when it started.
+local function take(i)
+  local _, _, lease = limit(i)
+  redis.call('ZADD', KEYS[i], now + lease, holder)
+  keep_at_least(KEYS[i], math.ceil(lease / 1000))
+  redis.call('HSETNX', meta[i], 's:' .. holder, string.format('%d', now))
+  keep_at_least(meta[i], META_TTL_MS)
+end
+
 -- ---------------------------------------------------------------------------
 -- Operations after the decision: leases, pauses, settlements.
 if op ~= 'a' then
@@ -169,14 +208,20 @@ if op ~= 'a' then
   for i = 1, n do
     local interval, burst, cost = limit(i)
     if op == 'release' and concurrent[i] then
+      local since = tonumber(redis.call('HGET', meta[i], 's:' .. holder) or 0)
+      redis.call('HDEL', meta[i], 's:' .. holder)
       if redis.call('ZREM', KEYS[i], holder) == 1 then
         count = count + 1
-        if op_arg > 0 then -- average run: moves a quarter of the way per run
+        local ran = op_arg -- the holder's own measure, else the server's
+        if ran <= 0 and since > 0 then
+          ran = now - since
+        end
+        if ran > 0 then -- average run: moves a quarter of the way per run
           local avg = meta_num(i, 'run')
           if avg > 0 then
-            avg = math.floor((3 * avg + op_arg) / 4)
+            avg = math.floor((3 * avg + ran) / 4)
           else
-            avg = op_arg
+            avg = ran
           end
           redis.call('HSET', meta[i], 'run', string.format('%d', avg))
           redis.call('PEXPIRE', meta[i], META_TTL_MS)
@@ -185,11 +230,10 @@ if op ~= 'a' then
     elseif op == 'extend' and concurrent[i] then
       -- Keep the lease; if it expired and was reclaimed, take a free slot
       -- again.  Counts the leases lost (all slots taken by others).
-      redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+      reclaim(i)
       if redis.call('ZSCORE', KEYS[i], holder)
           or redis.call('ZCARD', KEYS[i]) < burst then
-        redis.call('ZADD', KEYS[i], now + cost, holder)
-        keep_at_least(KEYS[i], math.ceil(cost / 1000))
+        take(i)
       else
         count = count + 1
       end
@@ -220,22 +264,18 @@ end
 -- ---------------------------------------------------------------------------
 -- The decision.  Read every limit once; wait[i] = how long until limit i
 -- admits its cost (a full concurrency limit: until its paced return).
-local tats, stored, paused, waits, full = {}, {}, {}, {}, {}
+local tats, stored, paused, waits, steps = {}, {}, {}, {}, {}
 local wait, blocking = 0, 0
 for i = 1, n do
   local interval, burst, cost = limit(i)
   if concurrent[i] then
-    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now) -- reclaim expired leases
+    reclaim(i)
     paused[i] = meta_num(i, 'pause')
     waits[i] = paused[i] - now
     if not redis.call('ZSCORE', KEYS[i], holder)
         and redis.call('ZCARD', KEYS[i]) >= burst then
-      full[i] = true
-      local run = meta_num(i, 'run')
-      if run == 0 then
-        run = DEFAULT_RUN
-      end
-      local back = math.max(meta_num(i, 'next'), now + math.ceil(run / burst))
+      steps[i] = step_of(i) -- full: this waiter's turn on the shared cursor
+      local back = math.max(meta_num(i, 'next'), now + steps[i])
       waits[i] = math.max(waits[i], back - now)
     end
   else
@@ -258,8 +298,7 @@ end
 local function charge(i, at)
   local interval, _, cost = limit(i)
   if concurrent[i] then
-    redis.call('ZADD', KEYS[i], now + cost, holder)
-    keep_at_least(KEYS[i], math.ceil(cost / 1000))
+    take(i)
     return
   end
   write_rate(KEYS[i], math.max(tats[i], at) + cost * interval, paused[i])
@@ -344,14 +383,8 @@ local waiting_on_lease = false
 for i = 1, n do
   if concurrent[i] and waits[i] > 0 then
     waiting_on_lease = true
-    if full[i] then -- the next waiter comes back one paced step later
-      local _, slots = limit(i)
-      local run = meta_num(i, 'run')
-      if run == 0 then
-        run = DEFAULT_RUN
-      end
-      local step = math.ceil(run / slots)
-      redis.call('HSET', meta[i], 'next', string.format('%d', now + waits[i] + step))
+    if steps[i] then -- full: the next waiter comes back one step after this one
+      redis.call('HSET', meta[i], 'next', string.format('%d', now + waits[i] + steps[i]))
       keep_at_least(meta[i], META_TTL_MS)
     end
   end

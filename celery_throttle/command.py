@@ -214,8 +214,8 @@ def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
     click.echo(f"task {task_id} ({wait['task']}) waits for limit {wait['limit']!r}: "
                f"next start {when}; deferral {wait['deferrals']}, waiting "
                f"{wait['waiting_s']:.1f}s so far"
-               + ("; slot booked" if wait["booked"] else "; no slot booked yet (beyond the "
-                  "horizon, or the store was down)"))
+               + ("; slot booked" if wait["booked"] else "; no slot booked (a concurrency "
+                  "slot is awaited, the wait is beyond the horizon, or the store was down)"))
 
 
 @throttle.command()

@@ -356,7 +356,7 @@ def _note_wait(task: Task[Any, Any], runtime: Runtime, limit: str, decision: Dec
     One SET per deferral, expiring a minute after the next start.
     """
     due = decision.now + int(decision.retry_after * 1e6)
-    note = {"task": task.name, "limit": limit, "due": due, "booked": state.slot is not None,
+    note = {"task": task.name, "limit": limit, "due": due, "booked": bool(state.booked),
             "deferrals": state.deferrals, "since": state.since}
     ttl_ms = int((decision.retry_after + 60) * 1000)
     # Best effort: the deferral itself is what matters; the note is for operators.

@@ -91,8 +91,8 @@ class Concurrency:
         if self.key is not None:
             key_digest(self.key)
         if (isinstance(self.lease, bool) or not isinstance(self.lease, int | float)
-                or not 0.001 <= self.lease <= 86400):
-            raise ValueError(f"invalid lease {self.lease!r}: expected seconds from 0.001 "
+                or not 0.1 <= self.lease <= 86400):
+            raise ValueError(f"invalid lease {self.lease!r}: expected seconds from 0.1 "
                              "to 86400")
 
     @property

@@ -106,20 +106,22 @@ local function booked_in(m, i)
   return math.floor(m / 2 ^ (i - 1)) % 2 == 1
 end
 
-local function limit(i)
-  local base = HEAD + 3 * i
-  return tonumber(ARGV[base - 2]), tonumber(ARGV[base - 1]), tonumber(ARGV[base])
-end
-
-local meta, concurrent = {}, {}
+-- Each limit's numbers, converted once (the hot path reads them twice).
+local T, B, C, meta, concurrent = {}, {}, {}, {}, {}
 do
   local j = 0
   for i = 1, n do
-    if limit(i) == 0 then
+    local base = HEAD + 3 * i
+    T[i], B[i], C[i] = tonumber(ARGV[base - 2]), tonumber(ARGV[base - 1]), tonumber(ARGV[base])
+    if T[i] == 0 then
       j = j + 1
       meta[i], concurrent[i] = KEYS[n + 1 + j], true
     end
   end
+end
+
+local function limit(i)
+  return T[i], B[i], C[i]
 end
 
 -- A rate bucket's value: "TAT", or "TAT:until" while paused.

@@ -41,6 +41,13 @@ def _positive_int(what: str, value: object) -> int:
     return value
 
 
+def _units(what: str, value: object) -> int:
+    """A settled cost: an integer >= 0 (a call may have used nothing)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"invalid {what} {value!r}: expected an integer >= 0")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Limit:
     """One bucket to pass: ``name`` (and ``key``) at ``rate`` with ``burst``, charged ``cost``.
@@ -330,12 +337,8 @@ class Gate:
         settlement).  A refund can void the latest slot booked in the
         bucket (its task then books again): never a start too many.
         """
-        for what, value in (("actual cost", actual), ("charged cost", charged)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 0):
-                raise ValueError(f"invalid {what} {value!r} of limit {limit.name!r}: "
-                                 "expected an integer >= 0")
-        diff = actual - (limit.cost if charged is None else charged)
+        diff = (_units("actual cost", actual)
+                - (limit.cost if charged is None else _units("charged cost", charged)))
         if diff == 0:
             return
         args = [*_head_args(self._now_us(), _NEVER, 0, 0, 0, 0, op=b"settle"),

@@ -14,6 +14,8 @@ import redis
 from celery_throttle import Gate
 from celery_throttle.testing import redis_server, server_url
 
+from .clock import StepClock
+
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
@@ -40,6 +42,18 @@ def prefix() -> str:
 def gate(client: redis.Redis, prefix: str) -> Gate:
     """A gate on the server clock with this test's own prefix."""
     return Gate(client, prefix=prefix)
+
+
+@pytest.fixture
+def clock() -> StepClock:
+    """A caller clock starting at T0, moved by the test."""
+    return StepClock()
+
+
+@pytest.fixture
+def cgate(client: redis.Redis, prefix: str, clock: StepClock) -> Gate:
+    """A gate on the explicit test clock."""
+    return Gate(client, prefix=prefix, clock=clock)
 
 
 @pytest.fixture(scope="session")

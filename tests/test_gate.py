@@ -17,36 +17,8 @@ from celery_throttle import Decision, Gate, Limit, Reservation, parse_rate
 from celery_throttle.keys import bucket_key, key_digest
 from celery_throttle.testing import max_in_window
 
+from .clock import T0, StepClock
 from .model import Model, ModelLimit
-
-T0 = 1_800_000_000_000_000  # an arbitrary fixed "now" in microseconds
-
-
-def at(us: int) -> float:
-    """A caller clock reading of ``us`` microseconds, exactly representable."""
-    return us / 1_000_000
-
-
-class StepClock:
-    """A caller clock the test moves explicitly (no sleeping to reach boundaries)."""
-
-    def __init__(self, us: int = T0) -> None:
-        self.us = us
-
-    def __call__(self) -> float:
-        return at(self.us)
-
-
-@pytest.fixture
-def clock() -> StepClock:
-    """A clock starting at T0."""
-    return StepClock()
-
-
-@pytest.fixture
-def cgate(client: redis.Redis, prefix: str, clock: StepClock) -> Gate:
-    """A gate on the explicit test clock."""
-    return Gate(client, prefix=prefix, clock=clock)
 
 
 def test_first_start_allowed_second_waits_one_interval(gate: Gate) -> None:

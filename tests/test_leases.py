@@ -11,7 +11,6 @@ import email.utils
 import pickle
 
 import pytest
-import redis
 
 from celery_throttle import (
     Concurrency,
@@ -23,29 +22,7 @@ from celery_throttle import (
     settle,
 )
 
-T0 = 1_800_000_000_000_000  # microseconds
-
-
-class StepClock:
-    """A caller clock the test moves explicitly."""
-
-    def __init__(self) -> None:
-        self.us = T0
-
-    def __call__(self) -> float:
-        return self.us / 1_000_000
-
-
-@pytest.fixture
-def clock() -> StepClock:
-    """A clock starting at T0."""
-    return StepClock()
-
-
-@pytest.fixture
-def cgate(client: redis.Redis, prefix: str, clock: StepClock) -> Gate:
-    """A gate on the explicit test clock."""
-    return Gate(client, prefix=prefix, clock=clock)
+from .clock import T0, StepClock
 
 
 def test_at_most_n_holders_and_a_release_frees_a_slot(cgate: Gate) -> None:

@@ -22,6 +22,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -31,15 +32,20 @@ from examples.provider import MockProvider
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(url: str, name: str, n: int, provider: MockProvider) -> dict[str, float]:
+def _fresh(url: str, provider: MockProvider, name: str, **env: str
+           ) -> tuple[Any, Any, redis.Redis, dict[str, str]]:
+    """Empty databases and provider log; the bench module, the task, the records, the env."""
     bench = importlib.import_module("benchmarks.bench_app")
-    task = bench.INFLIGHT_CONTENDERS[name]
-    records = redis.Redis.from_url(f"{url}/8")
     for db in (5, 6, 7, 8):
         redis.Redis.from_url(f"{url}/{db}").flushdb()
     provider.reset()
-    env = {"BENCH_REDIS": url, "BENCH_PROVIDER": provider.url, "PYTHONPATH": str(ROOT),
-           "BENCH_LEASE": "5"}
+    return (bench, bench.INFLIGHT_CONTENDERS[name], redis.Redis.from_url(f"{url}/8"),
+            {"BENCH_REDIS": url, "BENCH_PROVIDER": provider.url, "PYTHONPATH": str(ROOT),
+             "BENCH_LEASE": "5", **env})
+
+
+def _run(url: str, name: str, n: int, provider: MockProvider) -> dict[str, float]:
+    bench, task, records, env = _fresh(url, provider, name)
     with workers("benchmarks.bench_app", ("i1", "i2"), concurrency=4, queues=("celery",),
                  cwd=ROOT, env=env):
         t0 = time.time()
@@ -63,14 +69,7 @@ def _run(url: str, name: str, n: int, provider: MockProvider) -> dict[str, float
 
 def _crash(url: str, provider: MockProvider, name: str) -> tuple[float | None, int]:
     """Kill the node holding 4 long calls; seconds until a new call starts (None: never)."""
-    bench = importlib.import_module("benchmarks.bench_app")
-    task = bench.INFLIGHT_CONTENDERS[name]
-    records = redis.Redis.from_url(f"{url}/8")
-    for db in (5, 6, 7, 8):
-        redis.Redis.from_url(f"{url}/{db}").flushdb()
-    provider.reset()
-    env = {"BENCH_REDIS": url, "BENCH_PROVIDER": provider.url, "PYTHONPATH": str(ROOT),
-           "BENCH_CALL_SECONDS": "3", "BENCH_LEASE": "5"}
+    _, task, records, env = _fresh(url, provider, name, BENCH_CALL_SECONDS="3")
     with workers("benchmarks.bench_app", ("k1",), concurrency=4, queues=("q-kill",),
                  cwd=ROOT, env=env) as (doomed,), \
             workers("benchmarks.bench_app", ("k2",), concurrency=4, queues=("q-live",),

@@ -21,7 +21,7 @@ from celery import Celery, Task
 from celery.exceptions import Ignore
 
 import celery_throttle
-from celery_throttle import Gate, Limit, metrics, parse_rate, throttled
+from celery_throttle import Concurrency, Gate, Limit, metrics, parse_rate, throttled
 from celery_throttle.defer import read_wait
 from celery_throttle.store import forget, runtime_for
 from celery_throttle.testing import free_port
@@ -219,6 +219,29 @@ def test_command_answers_why_a_task_waits_and_until_when(
     assert "bucket reset" in reset.stdout
     assert unknown.returncode == 2
     assert "unknown limit 'nope'" in unknown.stderr
+
+
+def test_command_shows_and_resets_concurrency_leases(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """`status` lists a concurrency limit's held slots and pause; `reset` drops the leases."""
+    gate = Gate.from_url(f"{redis_base}/11")  # the test app's store and default prefix
+    one = Concurrency("one-slot", 1)
+    assert gate.acquire_many([one], holder="task-1").allowed
+    gate.pause([one], 30)
+    status = _celery(["status", "--json", "one-slot"], redis_base)
+    table = _celery(["status", "one-slot"], redis_base)
+    reset = _celery(["reset", "one-slot"], redis_base)
+    for done in (status, table, reset):
+        assert done.returncode == 0, done.stderr
+    (row,) = json.loads(status.stdout)["limits"]
+    assert (row["limit"], row["concurrency"], row["held"]) == ("one-slot", 1, 1)
+    assert 25 <= row["paused_s"] <= 30
+    assert re.search(r"^one-slot\s+1 at once\s+-\s+1/1 held\s+paused \d+\.\d{3}s\s+-\s+"
+                     r"tests.celery_app.one_slot$", table.stdout, flags=re.MULTILINE), table.stdout
+    assert "leases reset" in reset.stdout
+    assert gate.inspect_leases(one).held == 0
+    gate.client.close()
 
 
 @pytest.mark.integration

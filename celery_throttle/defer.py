@@ -39,7 +39,7 @@ from .gate import AnyLimit, Concurrency, Decision, Limit, Reservation
 from .keys import key_digest
 from .store import Runtime
 
-__all__ = ["HEADER", "WaitState", "admit", "defer_after_start", "leases_taken", "read_wait"]
+__all__ = ["HEADER", "WaitState", "admit", "defer_after_start", "read_wait"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -53,7 +53,6 @@ _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _MAX_SLEEPS = 3
 _STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of a started copy
 _LEASED = "_celery_throttle_leased"  # request attribute: the leases.Held of this run
-_ADMITTED = leases.ADMITTED  # request attribute: what settle() needs
 _last_outage_log = 0.0
 _COPIES = importlib.resources.files(__package__).joinpath("lua/copies.lua").read_text("utf-8")
 
@@ -175,7 +174,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         if concurrent:
             # Recorded before anything else may raise: postrun gives it back.
             setattr(request, _LEASED, leases.hold(runtime.gate, concurrent, holder))
-        setattr(request, _ADMITTED, leases.Admitted(runtime.gate, limits, estimated or set()))
+        setattr(request, leases.ADMITTED, leases.Admitted(runtime.gate, limits, estimated or set()))
     if getattr(task, "acks_late", False):
         if not _move_pointer(task, runtime, state, "ran:"):
             logger.warning("throttle: task %s[%s] dropped: a stale copy (a node died while "
@@ -217,22 +216,18 @@ def _prepare_metrics(**_: Any) -> None:
 signals.worker_init.connect(_prepare_metrics, weak=False)
 
 
-def leases_taken(task: Task[Any, Any], *, release: bool = False) -> bool:
-    """Whether the current run of ``task`` holds concurrency leases; give them back if asked."""
-    request = task.request
-    held = getattr(request, _LEASED, None)
-    if held is None:
-        return False
-    if release:
-        setattr(request, _LEASED, None)
+def _release_leases_of(task: Task[Any, Any]) -> None:
+    """Give back the concurrency leases the current run of ``task`` holds, once."""
+    held = getattr(task.request, _LEASED, None)
+    if held is not None:
+        setattr(task.request, _LEASED, None)
         leases.release(held)
-    return True
 
 
 def _release_leases(sender: Any = None, task: Any = None, **_: Any) -> None:
     """``task_postrun``: the run ended in any state (success, failure, retry, ignore)."""
     if task is not None and getattr(task, "request", None) is not None:
-        leases_taken(task, release=True)
+        _release_leases_of(task)
 
 
 signals.task_postrun.connect(_release_leases, weak=False)
@@ -261,7 +256,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
                        names, type(exc).__name__, exc, task.name, request.id, seconds)
     # Only now: a slot freed before the pause was written could let another
     # call through to the provider that just refused.
-    leases_taken(task, release=True)
+    _release_leases_of(task)
     new = WaitState(None, 0, 0, state.deferrals + 1, state.since, _new_copy(), state.copy_id,
                     _spacing(limits))
     _republish(task, new, min(max(seconds, 0.001), runtime.config.max_countdown))

@@ -392,13 +392,13 @@ class Gate:
 
     def inspect_leases(self, limit: Concurrency) -> LeaseState:
         """Count ``limit``'s unexpired leases and read its pause, without changing them."""
-        key = self.key_of(limit)
         pipe = self.client.pipeline(transaction=False)
         pipe.time()
         pipe.hmget(_meta_key(self.prefix, limit.name, limit.key), ["pause", "run"])
-        (sec, usec), (pause, run) = pipe.execute()
+        pipe.zrange(self.key_of(limit), 0, -1, withscores=True)  # at most `slots` leases
+        (sec, usec), (pause, run), leases = pipe.execute()
         now = self._now_us() or int(sec) * US_PER_SECOND + int(usec)
-        held = int(self.client.zcount(key, f"({now}", "+inf"))
+        held = sum(1 for _, expiry in leases if expiry > now)  # one round trip, not two
         return LeaseState(limit, held, max(0, int(pause or 0) - now) / US_PER_SECOND,
                           int(run or 0) / US_PER_SECOND)
 

@@ -23,13 +23,16 @@ from examples.provider import MockProvider
 
 from .workers import cluster, read_records, wait_results
 
-# The provider's quotas: 10 requests per second, 3 calls in flight and 330
+# The provider's quotas: 10 requests per second, 3 calls in flight and 350
 # tokens per 2 s window (a "tokens per minute" budget, scaled down so that a
 # run takes seconds).  The task's limits (tests/celery_app.py): 8/s, 3 at once,
 # 90 tokens/s with a burst of 80 (the largest estimate: 40 tokens x 2), whose
 # worst case in 2 s is 80 + 180 = 260 tokens charged plus at most 3 calls in
-# flight under-estimated by half (3 x 20 tokens): 320 <= 330.
-TOKEN_WINDOW, TOKEN_BUDGET = 2.0, 330
+# flight under-estimated by half (3 x 20 tokens): 320, in our starts' time.
+# The provider counts on its own clock, after each request's trip: 30 tokens
+# of margin for that jitter (a 330 budget saw one 429 in ~10 runs on a loaded
+# CI box, worst accepted window 314).
+TOKEN_WINDOW, TOKEN_BUDGET = 2.0, 350
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ URLs, certificates and credentials travel as redis-py expects.
 from __future__ import annotations
 
 import contextlib
+import selectors
 import socket
 import ssl
 import threading
@@ -51,19 +52,32 @@ class TLSProxy:
                 continue
             upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
             self.sockets += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            threading.Thread(target=self._relay, args=(client, upstream), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while not self.stopping.is_set():
-                try:
-                    data = src.recv(65536)
-                except TimeoutError:
-                    continue
-                if not data:
-                    break
-                dst.sendall(data)
-        for sock in (src, dst):
-            with contextlib.suppress(OSError):
-                sock.close()
+    def _relay(self, client: ssl.SSLSocket, upstream: socket.socket) -> None:
+        """Both directions in one thread: an SSL socket must not be read and written
+        from two threads at once (a thread per direction closed connections now and
+        then under load: "Connection closed by server" in a CI run)."""
+        selector = selectors.DefaultSelector()
+        selector.register(client, selectors.EVENT_READ)
+        selector.register(upstream, selectors.EVENT_READ)
+        try:
+            with contextlib.suppress(OSError), selector:
+                while not self.stopping.is_set():
+                    ready = [key.fileobj for key, _ in selector.select(timeout=0.2)]
+                    if client.pending() and client not in ready:
+                        ready.append(client)  # decrypted bytes the selector cannot see
+                    for src in ready:
+                        assert isinstance(src, socket.socket)
+                        dst = upstream if src is client else client
+                        try:
+                            data = src.recv(65536)
+                        except (ssl.SSLWantReadError, TimeoutError):
+                            continue
+                        if not data:
+                            return
+                        dst.sendall(data)
+        finally:
+            for sock in (client, upstream):
+                with contextlib.suppress(OSError):
+                    sock.close()

@@ -186,10 +186,17 @@ def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key:
         if known.keyed:
             lim = Limit(lim.name, lim.rate, lim.burst, value, lim.cost)
         rows.append(_row(known, gate.inspect(lim), value is not None))
+    room = runtime_for(app).room.state()
     if as_json:
-        click.echo(json.dumps({"limits": rows, "at": time.time()}, indent=2))
-    else:
-        click.echo(_table(rows))
+        click.echo(json.dumps({"limits": rows, "waiting_room": dataclasses.asdict(room),
+                               "at": time.time()}, indent=2))
+        return
+    click.echo(_table(rows))
+    if room.parked or room.releasing or runtime_for(app).config.waiting_room:
+        nxt = (f"; next release in {room.next_release:.3f}s"
+               if room.next_release is not None else "")
+        click.echo(f"waiting room: {room.parked} parked, {room.releasing} released and on "
+                   f"their way{nxt}")
 
 
 @throttle.command()

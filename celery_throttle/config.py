@@ -37,8 +37,9 @@ SETTINGS: dict[str, tuple[object, str]] = {
                           "with backoff), 'allow' (run unthrottled, WARNING) or 'fail'"),
     "throttle_max_wait": (None, "seconds a task may wait in total before it fails with "
                           "ThrottleTimeout; None: no limit"),
-    "throttle_horizon": (3600.0, "how far ahead (s) a slot may be booked; later waits "
-                         "return when a slot comes within reach"),
+    "throttle_horizon": (None, "how far ahead (s) a slot may be booked; later waits "
+                         "return when a slot comes within reach; default: 3600, or 604800 "
+                         "(7 days) with the waiting room"),
     "throttle_max_countdown": (None, "longest single countdown (s); default: half the broker's "
                                "visibility_timeout (Redis/SQS), at most 900"),
     "throttle_max_sleep": (0.5, "waits up to this many seconds are slept in the worker "
@@ -46,6 +47,14 @@ SETTINGS: dict[str, tuple[object, str]] = {
     "throttle_claim_grace": (None, "how late (s) a task may start in its booked slot; later "
                              "it asks again; default: half the slot (cost x interval), "
                              "between 0.02 and 0.25"),
+    "throttle_waiting_room": (False, "park tasks that wait longer than throttle_max_sleep in "
+                              "Redis (released to their queue just before their slot) "
+                              "instead of re-publishing them with a countdown"),
+    "throttle_release_lead": (0.05, "the waiting room releases a task this many seconds before "
+                              "its slot, to cover the broker trip (it sleeps the rest)"),
+    "throttle_release_timeout": (60.0, "a released task that has not reached a worker after "
+                                 "this many seconds is released again (only the first copy "
+                                 "to arrive runs)"),
     "throttle_metrics_port": (None, "serve Prometheus /metrics on this port from each worker "
                               "node (needs prometheus_client; see Observability); None: off"),
 }
@@ -73,6 +82,9 @@ class Config:
     max_sleep: float
     claim_grace: float | None
     metrics_port: int | None
+    waiting_room: bool
+    release_lead: float
+    release_timeout: float
     # Not a throttle_* setting: the broker's, read for max_countdown and for
     # how long a duplicate copy of an acks_late message can still turn up.
     visibility_timeout: float
@@ -164,13 +176,14 @@ def read_config(app: Celery) -> Config:
     max_countdown = _seconds("throttle_max_countdown", get("throttle_max_countdown"),
                              allow_none=True)
     visibility = _visibility_timeout(app)
+    waiting_room = _flag("throttle_waiting_room", get("throttle_waiting_room"))
     return Config(
         redis_url=url,
         prefix=prefix,
         queues=_queue_limits(get("throttle_queues")),
         on_error=on_error,
         max_wait=_seconds("throttle_max_wait", get("throttle_max_wait"), allow_none=True),
-        horizon=_seconds("throttle_horizon", get("throttle_horizon"), allow_none=False) or 0.0,
+        horizon=_horizon(get("throttle_horizon"), waiting_room),
         max_countdown=max_countdown or _default_max_countdown(visibility),
         max_sleep=_seconds("throttle_max_sleep", get("throttle_max_sleep"),
                            allow_none=False) or 0.0,
@@ -178,7 +191,36 @@ def read_config(app: Celery) -> Config:
                              allow_none=True),
         visibility_timeout=visibility,
         metrics_port=_port(get("throttle_metrics_port")),
+        waiting_room=waiting_room,
+        release_lead=_seconds("throttle_release_lead", get("throttle_release_lead"),
+                              allow_none=False) or 0.0,
+        release_timeout=_at_least_one("throttle_release_timeout",
+                                      get("throttle_release_timeout")),
     )
+
+
+def _at_least_one(name: str, value: object) -> float:
+    seconds = _seconds(name, value, allow_none=False) or 0.0
+    if seconds < 1:
+        raise ThrottleConfigError(f"setting {name}={value!r}: expected seconds >= 1")
+    return seconds
+
+
+def _horizon(value: object, waiting_room: bool) -> float:
+    # A booking held by a countdown is an ETA message in some worker's
+    # memory: an hour's worth at most.  A parked task costs only its bytes
+    # in Redis, and a backlog deeper than an hour of the limit (50,000 at
+    # 300/m is 2.8 h) must still book slots, or the tasks beyond the horizon
+    # would come back again and again to ask.
+    if value is None:
+        return 604_800.0 if waiting_room else 3600.0
+    return _seconds("throttle_horizon", value, allow_none=False) or 0.0
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ThrottleConfigError(f"setting {name}={value!r}: expected True or False")
+    return value
 
 
 def _port(value: object) -> int | None:

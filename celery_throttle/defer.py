@@ -23,10 +23,11 @@ import datetime as dt
 import importlib.resources
 import json
 import logging
+import math
 import random
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 import redis
@@ -34,10 +35,12 @@ from celery import Task, signals
 from celery.exceptions import Ignore
 
 from . import leases, metrics
+from .envelope import capture
 from .errors import ThrottleStoreError, ThrottleTimeout
 from .gate import AnyLimit, Concurrency, Decision, Limit, Reservation
-from .keys import key_digest
-from .store import Runtime
+from .keys import key_digest, task_key
+from .releaser import queue_of
+from .store import INSTALLED, Runtime
 
 __all__ = ["HEADER", "WaitState", "admit", "defer_after_start", "read_wait"]
 
@@ -69,6 +72,9 @@ class WaitState:
     copy: str = ""  # set by every re-publish: tells a duplicate from a redelivery
     prev: str = ""  # the copy that published this one ("-": the user's message)
     spacing: tuple[int, ...] = ()  # each limit's interval (us) when the slot was booked
+    entry: str = ""  # the waiting-room entry this copy was released from (waiting_room.py)
+    token: str = ""  # the release that published this copy (set by the releaser)
+    room: int = 0  # the store's epoch when it was released (set by the releaser)
 
     @classmethod
     def from_request(cls, request: Any) -> WaitState:
@@ -82,16 +88,18 @@ class WaitState:
             value = raw.get(name)
             return value if isinstance(value, int) and value > 0 else 0
 
-        def text(name: str) -> str:
+        def text(name: str, longest: int = 32) -> str:
             value = raw.get(name)
-            return value if isinstance(value, str) and len(value) <= 32 else ""
+            return value if isinstance(value, str) and len(value) <= longest else ""
 
         spacing = raw.get("spacing")
         if not (isinstance(spacing, list) and len(spacing) <= 64
                 and all(isinstance(t, int) for t in spacing)):
             spacing = []
-        return cls(num("slot") or None, num("booked"), num("epoch"), num("deferrals"),
-                   num("since") or None, text("copy"), text("prev"), tuple(spacing))
+        return cls(slot=num("slot") or None, booked=num("booked"), epoch=num("epoch"),
+                   deferrals=num("deferrals"), since=num("since") or None, copy=text("copy"),
+                   prev=text("prev"), spacing=tuple(spacing), entry=text("entry", 64),
+                   token=text("token", 40), room=num("room"))
 
     @property
     def copy_id(self) -> str:
@@ -118,9 +126,13 @@ class WaitState:
 
     def to_header(self) -> dict[str, int | str | list[int] | None]:
         """The header value (JSON-safe)."""
-        return {"slot": self.slot, "booked": self.booked, "epoch": self.epoch,
-                "deferrals": self.deferrals, "since": self.since, "copy": self.copy,
-                "prev": self.prev, "spacing": list(self.spacing)}
+        header: dict[str, int | str | list[int] | None] = {
+            "slot": self.slot, "booked": self.booked, "epoch": self.epoch,
+            "deferrals": self.deferrals, "since": self.since, "copy": self.copy,
+            "prev": self.prev, "spacing": list(self.spacing)}
+        if self.entry:
+            header.update(entry=self.entry, token=self.token, room=self.room)
+        return header
 
 
 def _spacing(limits: list[AnyLimit]) -> tuple[int, ...]:
@@ -168,9 +180,23 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     """
     request = task.request
     state = WaitState.from_request(request)
+    released = bool(state.entry)
+    if released:
+        if not _first_arrival(task, runtime, state):
+            logger.info("throttle: task %s[%s] dropped: a second copy released from the "
+                        "waiting room (the first one goes on)", task.name, request.id)
+            raise Ignore()
+        # The entry is taken: a copy made from here on is a new one, and goes
+        # to the task's queue, not the lane it came by (retry() and parking
+        # again take the routing from delivery_info).
+        state = replace(state, entry="", token="", room=0)
+        info: dict[str, Any] = dict(request.delivery_info or {})
+        if info.get("routing_key"):
+            info["routing_key"] = queue_of(str(info["routing_key"]))
+            request.delivery_info = info  # type: ignore[assignment]
     concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
     holder = str(request.id) if concurrent else ""
-    if _wait_for_slot(task, runtime, limits, max_wait, state, holder):
+    if _wait_for_slot(task, runtime, limits, max_wait, state, holder, released):
         if concurrent:
             # Recorded before anything else may raise: postrun gives it back.
             setattr(request, _LEASED, leases.hold(runtime.gate, concurrent, holder))
@@ -257,9 +283,10 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     # Only now: a slot freed before the pause was written could let another
     # call through to the provider that just refused.
     _release_leases_of(task)
-    new = WaitState(None, 0, 0, state.deferrals + 1, state.since, _new_copy(), state.copy_id,
-                    _spacing(limits))
-    _republish(task, new, min(max(seconds, 0.001), runtime.config.max_countdown))
+    new = WaitState(deferrals=state.deferrals + 1, since=state.since, copy=_new_copy(),
+                    prev=state.copy_id, spacing=_spacing(limits))
+    if not _park(task, runtime, new, delay_us=math.ceil(max(seconds, 0.0) * 1e6)):
+        _republish(task, new, min(max(seconds, 0.001), runtime.config.max_countdown))
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
     metrics.deferred(limits[0].name if limits else "(provider)", seconds)
@@ -270,7 +297,8 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
 
 
 def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
-                   max_wait: float | None, state: WaitState, holder: str) -> bool:
+                   max_wait: float | None, state: WaitState, holder: str,
+                   released: bool = False) -> bool:
     """Return True when the gate admitted the task, False when the store-down policy did."""
     request = task.request
     config = runtime.config
@@ -284,8 +312,13 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     claim = state.claim_under(limits)
     # A short wait is slept, then the booked slot claimed: the claim is what
     # charges the limits the slot is not booked in.  Bounded: if the slot is
-    # lost again and again, the task is re-published instead.
+    # lost again and again, the task waits outside the worker instead.
     grace = _grace(runtime, limits, claim.booked if claim is not None else 0)
+    # A copy released from the waiting room arrives up to the release lead
+    # early: it sleeps that, whatever throttle_max_sleep says (parking it
+    # again for less would loop).
+    max_sleep = max(config.max_sleep, config.release_lead + 0.1) if released \
+        else config.max_sleep
     for attempt in range(_MAX_SLEEPS):
         try:
             decision = runtime.gate.acquire_many(
@@ -308,7 +341,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         if max_wait is not None and waited + decision.retry_after > max_wait:
             raise ThrottleTimeout.exceeded(task.name, _limit_name(decision),
                                            waited + decision.retry_after, max_wait)
-        if (decision.reservation is None or decision.retry_after > config.max_sleep
+        if (decision.reservation is None or decision.retry_after > max_sleep
                 or attempt == _MAX_SLEEPS - 1):
             break
         # Our slot is booked: a short wait is cheaper slept than re-published.
@@ -325,39 +358,97 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         # slot is within reach.
         countdown = max(decision.retry_after - horizon, config.max_sleep, 0.001)
     booking = decision.reservation
-    new = WaitState(booking.slot if booking else None, booking.booked if booking else 0,
-                    booking.epoch if booking else 0, state.deferrals + 1,
-                    state.since or decision.now, _new_copy(), state.copy_id,
-                    _spacing(limits))
-    _republish(task, new, min(countdown, config.max_countdown))
+    new = WaitState(slot=booking.slot if booking else None,
+                    booked=booking.booked if booking else 0,
+                    epoch=booking.epoch if booking else 0, deferrals=state.deferrals + 1,
+                    since=state.since or decision.now, copy=_new_copy(), prev=state.copy_id,
+                    spacing=_spacing(limits))
+    name = _limit_name(decision)
+    note = _wait_note(task, name, decision, new)
+    # Released a lead before the slot, on the server clock the slot is on.
+    release_at = decision.now + math.ceil(countdown * 1e6) - math.ceil(config.release_lead * 1e6)
+    parked = _park(task, runtime, new, at_us=max(release_at, 1), note=note)
+    if not parked:
+        _republish(task, new, min(countdown, config.max_countdown))
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
-    name = _limit_name(decision)
     metrics.deferred(name, decision.retry_after)
-    _note_wait(task, runtime, name, decision, new)
-    logger.info("throttle: task %s[%s] waits %.3fs for limit %r (deferral %d)",
-                task.name, request.id, decision.retry_after, name, new.deferrals)
+    if not parked:
+        _note_wait(task, runtime, note, decision.retry_after)
+    logger.info("throttle: task %s[%s] waits %.3fs for limit %r (deferral %d%s)",
+                task.name, request.id, decision.retry_after, name, new.deferrals,
+                ", parked" if parked else "")
     raise Ignore()
 
 
 def _wait_key(runtime: Runtime, task_id: str) -> str:
-    return f"{{{runtime.config.prefix}}}:wait:{key_digest(task_id)}"
+    return task_key(runtime.config.prefix, "wait", task_id)
 
 
-def _note_wait(task: Task[Any, Any], runtime: Runtime, limit: str, decision: Decision,
-               state: WaitState) -> None:
-    """Record why and until when the task waits, for ``celery throttle why`` (best effort).
+# A wait note is kept this long after the start it announces.
+_NOTE_AFTER_MS = 60_000
 
-    One SET per deferral, expiring a minute after the next start.
-    """
+
+def _wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitState) -> str:
+    """Why and until when the task waits, for ``celery throttle why`` (JSON)."""
     due = decision.now + int(decision.retry_after * 1e6)
-    note = {"task": task.name, "limit": limit, "due": due, "booked": bool(state.booked),
-            "deferrals": state.deferrals, "since": state.since}
-    ttl_ms = int((decision.retry_after + 60) * 1000)
+    return json.dumps({"task": task.name, "limit": limit, "due": due,
+                       "booked": bool(state.booked), "deferrals": state.deferrals,
+                       "since": state.since})
+
+
+def _note_wait(task: Task[Any, Any], runtime: Runtime, note: str, wait: float) -> None:
+    """Record ``note`` (best effort): one SET per re-publish, expiring a minute after the start.
+
+    (A parked task's note is written by the script that parks it.)
+    """
+    ttl_ms = int(wait * 1000) + _NOTE_AFTER_MS
     # Best effort: the deferral itself is what matters; the note is for operators.
     with contextlib.suppress(redis.RedisError):
-        runtime.gate.client.set(_wait_key(runtime, str(task.request.id)), json.dumps(note),
-                                px=ttl_ms)
+        runtime.gate.client.set(_wait_key(runtime, str(task.request.id)), note, px=ttl_ms)
+
+
+def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: int = 0,
+          delay_us: int = 0, note: str = "") -> bool:
+    """Park the task in the waiting room until ``at_us`` (server clock) or ``delay_us`` from now.
+
+    False when it cannot be parked (the waiting room is off, the app was
+    never installed so no worker releases it, or the store failed): the
+    caller re-publishes it with a countdown instead, never losing it.
+    """
+    if not runtime.config.waiting_room or not getattr(task.app, INSTALLED, False):
+        return False
+    request = task.request
+    entry = f"{key_digest(str(request.id))}:{state.copy}"
+    headers = {**(request.headers or {}), HEADER: replace(state, entry=entry).to_header()}
+    envelope = capture(task.signature_from_request(request, headers=headers))
+    try:
+        runtime.room.park(entry, envelope.dumps(), str(request.id), at_us=at_us,
+                          delay_us=delay_us, note=note, note_ttl_ms=_NOTE_AFTER_MS)
+    except redis.RedisError as exc:
+        metrics.store_error(["(waiting room)"])
+        _log_outage(exc, "re-published with a countdown instead of parked")
+        return False
+    return True
+
+
+def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> bool:
+    """A copy released from the waiting room: is it the first of its entry to arrive?
+
+    With the store down this is the store-down policy's call (``defer``
+    re-publishes the copy, still naming its entry, so exactly one copy of
+    the entry goes on once the store is back).
+    """
+    acks_late = getattr(task, "acks_late", False)
+    # acks_late: the broker may redeliver this copy after a crash mid-run,
+    # as late as its visibility timeout; the marker must outlive that.
+    ttl_ms = int(runtime.config.visibility_timeout * 1000) + 60_000 if acks_late else 0
+    try:
+        return runtime.room.arrive(state.entry, state.token, state.room, marker_ttl_ms=ttl_ms)
+    except redis.RedisError as exc:
+        metrics.store_error(["(waiting room)"])
+        _store_failed(task, runtime, state, exc)
+        return True  # policy "allow"
 
 
 def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
@@ -428,14 +519,8 @@ def _expire(task: Task[Any, Any], decision: Decision) -> None:
 
 def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
                   exc: redis.RedisError) -> None:
-    global _last_outage_log
     policy = runtime.config.on_error
-    now = time.monotonic()
-    if now - _last_outage_log >= _OUTAGE_LOG_EVERY:
-        _last_outage_log = now
-        # The exception's text names host and port, never the password.
-        logger.warning("throttle: store unavailable (%s: %s); policy %r",
-                       type(exc).__name__, exc, policy)
+    _log_outage(exc, f"policy {policy!r}")
     if policy == "allow":
         return
     if policy == "fail":
@@ -444,11 +529,21 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     # "defer": never run unthrottled, never lost; back off 1, 2, 4 ... 30 s
     # with jitter so that a fleet of waiting tasks does not return in step.
     backoff = min(30.0, 2.0 ** min(state.deferrals, 5)) * random.uniform(0.5, 1.0)
-    new = WaitState(state.slot, state.booked, state.epoch, state.deferrals + 1, state.since,
-                    _new_copy(), state.copy_id, state.spacing)
+    new = replace(state, deferrals=state.deferrals + 1, copy=_new_copy(), prev=state.copy_id)
     # The copy pointer is not moved (the store is down): the new copy names
     # this one as its predecessor, which the pointer accepts.
     _republish(task, new, backoff)
     logger.info("throttle: task %s[%s] re-scheduled in %.1fs: store unavailable (deferral %d)",
                 task.name, task.request.id, backoff, new.deferrals)
     raise Ignore()
+
+
+def _log_outage(exc: redis.RedisError, what: str) -> None:
+    """Report the store being down once per ``_OUTAGE_LOG_EVERY`` per process, not per task."""
+    global _last_outage_log
+    now = time.monotonic()
+    if now - _last_outage_log >= _OUTAGE_LOG_EVERY:
+        _last_outage_log = now
+        # The exception's text names host and port, never the password.
+        logger.warning("throttle: store unavailable (%s: %s); %s", type(exc).__name__, exc,
+                       what)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import redis
 
-from .keys import bucket_key, key_digest, validate_name, validate_prefix
+from .keys import bucket_key, epoch_key, key_digest, validate_name, validate_prefix
 from .rates import US_PER_SECOND, Rate, parse_rate
 
 __all__ = ["AnyLimit", "BucketState", "Concurrency", "Decision", "Gate", "LeaseState", "Limit",
@@ -447,7 +447,7 @@ def _parse_bucket(raw: bytes | None) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=64)
 def _epoch_key(prefix: str) -> bytes:
-    return f"{{{prefix}}}:epoch".encode()
+    return epoch_key(prefix).encode()
 
 
 # A concurrency limit's keys: its leases and its meta hash, next to a rate

@@ -11,6 +11,10 @@ bucket key plus ``:leases`` and ``:meta`` (see gate.py).
   takes part in decisions with different partners, so every bucket of one
   prefix lives in one slot.  User data comes after the tag and can never move
   a key to another slot.
+* The waiting room (``waiting_room.py``) keeps four keys per prefix,
+  ``{<prefix>}:room:<part>``, and tasks leave notes under
+  ``{<prefix>}:<kind>:<task id digest>``: same hash tag, so a script that
+  books a slot and one that parks the task may touch both.
 * Key values are always hashed (BLAKE2b, 128 bits) after a type tag: values
   of any length map to 22 URL-safe base64 characters (short key names keep a
   bucket under 100 bytes of Redis memory), distinct values (``1`` and ``"1"``,
@@ -24,7 +28,8 @@ import base64
 import hashlib
 import uuid
 
-__all__ = ["bucket_key", "key_digest", "validate_name", "validate_prefix"]
+__all__ = ["bucket_key", "epoch_key", "key_digest", "room_key", "task_key", "validate_name",
+           "validate_prefix"]
 
 _MAX_NAME = 200
 
@@ -80,3 +85,18 @@ def bucket_key(prefix: str, name: str, key: object = None) -> str:
     if key is None:
         return f"{{{prefix}}}:{name}"
     return f"{{{prefix}}}:{name}:k:{key_digest(key)}"
+
+
+def room_key(prefix: str, part: str) -> str:
+    """A waiting-room key: ``parked``, ``messages``, ``claimed`` or ``wake``."""
+    return f"{{{prefix}}}:room:{part}"
+
+
+def task_key(prefix: str, kind: str, task_id: str) -> str:
+    """A per-task key (``wait`` note, ``arrived`` marker, ...); the task id is hashed."""
+    return f"{{{prefix}}}:{kind}:{key_digest(task_id)}"
+
+
+def epoch_key(prefix: str) -> str:
+    """The prefix's epoch: when its state began (a restart or flush without it starts anew)."""
+    return f"{{{prefix}}}:epoch"

@@ -151,7 +151,15 @@ class FillCollector:
                                    labels=["limit"])
         held = GaugeMetricFamily("celery_throttle_leases_held",
                                  "Concurrency slots held (unexpired leases)", labels=["limit"])
-        gate = runtime_for(self.app).gate
+        runtime = runtime_for(self.app)
+        room = runtime.room.state()
+        parked = GaugeMetricFamily("celery_throttle_parked",
+                                   "Tasks parked in the waiting room (not yet released)")
+        parked.add_metric([], room.parked)
+        releasing = GaugeMetricFamily("celery_throttle_releasing",
+                                      "Tasks released and not yet arrived at a worker")
+        releasing.add_metric([], room.releasing)
+        gate = runtime.gate
         for known in known_limits(self.app):
             lim = known.limit
             if known.keyed:
@@ -164,7 +172,7 @@ class FillCollector:
             fill.add_metric([lim.name], state.used / lim.burst)
             free.add_metric([lim.name], state.next_free)
             booked.add_metric([lim.name], state.booked_ahead)
-        yield from (fill, free, booked, held)
+        yield from (fill, free, booked, held, parked, releasing)
 
 
 def serve(app: Celery, port: int, addr: str = "0.0.0.0") -> None:  # scraped from elsewhere

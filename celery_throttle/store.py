@@ -18,8 +18,13 @@ from celery import Celery
 
 from .config import Config, read_config
 from .gate import Gate
+from .waiting_room import WaitingRoom
 
-__all__ = ["Runtime", "forget", "runtime_for"]
+__all__ = ["INSTALLED", "Runtime", "forget", "runtime_for"]
+
+#: Set on an app by ``install(app)``: its workers run a releaser, so the
+#: waiting room may be used (without one, parked tasks would never leave it).
+INSTALLED = "_celery_throttle_installed"
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class Runtime:
 
     config: Config
     gate: Gate
+    room: WaitingRoom
     pid: int
 
 
@@ -50,7 +56,8 @@ def runtime_for(app: Celery) -> Runtime:
                 config.redis_url, socket_timeout=5, socket_connect_timeout=2,
                 health_check_interval=30,
             )
-            rt = Runtime(config, Gate(client, prefix=config.prefix), os.getpid())
+            rt = Runtime(config, Gate(client, prefix=config.prefix),
+                         WaitingRoom(client, config.prefix), os.getpid())
             _cache[app] = rt
         return rt
 

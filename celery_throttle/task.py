@@ -23,6 +23,7 @@ from .errors import RateLimited
 from .gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit, _positive_int
 from .keys import validate_name
 from .rates import Rate, parse_rate
+from .releaser import queue_of
 from .store import runtime_for
 
 __all__ = ["Throttle", "ensure_gated", "throttled"]
@@ -273,8 +274,10 @@ def ensure_gated(task: Task[Any, Any]) -> None:
 def _queue_of(request: Any) -> str | None:
     info = request.delivery_info or {}
     # Celery routes to a queue through the default (direct) exchange with the
-    # queue's name as routing key; the Redis transport reports that key.
-    return info.get("routing_key") or None
+    # queue's name as routing key; the Redis transport reports that key.  A
+    # task released from the waiting room comes through its queue's lane.
+    key = info.get("routing_key")
+    return queue_of(key) if key else None
 
 
 def _gate_shared(sender: Any, **_: Any) -> None:

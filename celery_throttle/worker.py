@@ -2,14 +2,19 @@
 
 Receivers (all idempotent, all for this app only):
 
+* ``celeryd_after_setup`` (with the waiting room): also consume each
+  queue's lane of released tasks (``releaser.add_lanes``).
 * ``on_after_finalize`` / ``worker_init``: put the gate in every task's call
   path (queue limits apply to undecorated tasks too).  This must happen before
   the worker builds its tracers, which capture ``task.run``.
 * ``worker_process_init``: drop the Redis connection inherited across the
   prefork fork and load the script in the child.
 * ``worker_ready``: load the script, log one line listing the limits in force,
-  and warn if the store may evict bucket keys (:func:`store_warnings`).
-* ``worker_process_shutdown`` / ``worker_shutdown``: close the connection.
+  warn if the store may evict bucket keys or, with the waiting room, keeps
+  no copy on disk (:func:`store_warnings`), and start the node's releaser
+  (``throttle_waiting_room``: one per node, in its main process).
+* ``worker_process_shutdown`` / ``worker_shutdown``: close the connection
+  (and stop the releaser).
 """
 
 from __future__ import annotations
@@ -22,14 +27,15 @@ from celery import Celery, signals
 
 from . import metrics
 from .config import read_config
-from .store import forget, runtime_for
+from .defer import HEADER
+from .releaser import Releaser, add_lanes
+from .store import INSTALLED, forget, runtime_for
 from .task import ensure_gated, specs_of
 
 __all__ = ["install", "limits_in_force", "store_warnings"]
 
 logger = logging.getLogger("celery_throttle")
 
-_INSTALLED = "_celery_throttle_installed"
 
 
 def install(app: Celery) -> Celery:
@@ -39,10 +45,11 @@ def install(app: Celery) -> Celery:
     :class:`~celery_throttle.ThrottleConfigError` naming the bad setting) and
     again when a worker starts.
     """
-    if getattr(app, _INSTALLED, False):
+    if getattr(app, INSTALLED, False):
         return app
-    setattr(app, _INSTALLED, True)
+    setattr(app, INSTALLED, True)
     read_config(app)
+    releasers: list[Releaser] = []
 
     def gate_all(**_: Any) -> None:
         for name, task in list(app.tasks.items()):
@@ -68,14 +75,27 @@ def install(app: Celery) -> Celery:
             if port is not None:
                 metrics.serve(app, port)
                 logger.info("celery_throttle: metrics on port %d", port)
+            config = runtime_for(app).config
             try:
-                for warning in store_warnings(runtime_for(app).gate.client):
+                for warning in store_warnings(runtime_for(app).gate.client,
+                                              waiting_room=config.waiting_room):
                     logger.warning("celery_throttle: %s", warning)
             except redis.RedisError as exc:
                 logger.warning("celery_throttle: store not reachable at start: %s",
                                type(exc).__name__)
+            if config.waiting_room and not releasers:
+                releaser = Releaser(app, config, HEADER)
+                releaser.start()
+                releasers.append(releaser)
+                logger.info("celery_throttle: waiting room on: this node releases parked tasks "
+                            "%.3fs before their slot", config.release_lead)
 
     def on_shutdown(**_: Any) -> None:
+        forget(app)
+
+    def on_worker_shutdown(sender: Any = None, **_: Any) -> None:
+        while releasers:
+            releasers.pop().stop()
         forget(app)
 
     def _preload() -> None:
@@ -88,16 +108,24 @@ def install(app: Celery) -> Celery:
     def _is_ours(sender: Any) -> bool:
         return sender is None or getattr(sender, "app", app) is app
 
+    def on_after_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
+        if instance is not None and getattr(instance, "app", None) is app \
+                and read_config(app).waiting_room:
+            lanes = add_lanes(app.amqp.queues)
+            logger.info("celery_throttle: consuming the lanes of released tasks: %s",
+                        ", ".join(lanes) or "none")
+
     if getattr(app, "finalized", False):
         gate_all()
     else:
         app.on_after_finalize.connect(gate_all, weak=False)
     # weak=False: these closures would otherwise be garbage-collected at once.
     signals.worker_init.connect(on_worker_init, weak=False)
+    signals.celeryd_after_setup.connect(on_after_setup, weak=False)
     signals.worker_process_init.connect(on_process_init, weak=False)
     signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_process_shutdown.connect(on_shutdown, weak=False)
-    signals.worker_shutdown.connect(on_shutdown, weak=False)
+    signals.worker_shutdown.connect(on_worker_shutdown, weak=False)
     return app
 
 
@@ -115,20 +143,30 @@ def limits_in_force(app: Celery) -> list[str]:
     return lines
 
 
-def store_warnings(client: redis.Redis) -> list[str]:
+def store_warnings(client: redis.Redis, *, waiting_room: bool = False) -> list[str]:
     """What about the store's configuration could break the limits (empty if nothing).
 
     An evicted bucket forgets its recent starts and lets one extra burst
     through; every bucket key has a TTL, so ``volatile-*`` policies evict
-    them as readily as ``allkeys-*``.  Managed Redis services often refuse
-    CONFIG GET: then nothing can be said, and nothing is.
+    them as readily as ``allkeys-*``.  With the waiting room, waiting tasks
+    live in the store: one that keeps nothing on disk (no AOF, no RDB
+    snapshots) loses them in a restart.  Managed Redis services often
+    refuse CONFIG GET: then nothing can be said, and nothing is.
     """
     try:
         config = client.config_get("maxmemory*")
+        persistence = client.config_get("appendonly") if waiting_room else {}
+        if waiting_room:
+            persistence.update(client.config_get("save"))
     except redis.ResponseError:
         return []
+    found = []
     policy = str(config.get("maxmemory-policy", "noeviction"))
     if int(config.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
-        return [f"the store may evict bucket keys (maxmemory-policy {policy}): an evicted "
-                "bucket lets one extra burst through; use noeviction or a Redis of its own"]
-    return []
+        found.append(f"the store may evict bucket keys (maxmemory-policy {policy}): an evicted "
+                     "bucket lets one extra burst through; use noeviction or a Redis of its own")
+    if waiting_room and persistence.get("appendonly") != "yes" and not persistence.get("save"):
+        found.append("the store keeps no copy on disk (appendonly no, no save points): tasks "
+                     "parked in the waiting room are lost if it restarts; turn on "
+                     "appendonly yes")
+    return found

@@ -51,6 +51,16 @@ if os.environ.get("CT_VISIBILITY"):
         "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
 if os.environ.get("CT_METRICS_PORT"):
     app.conf.throttle_metrics_port = int(os.environ["CT_METRICS_PORT"])
+if os.environ.get("CT_WAITING_ROOM"):
+    app.conf.throttle_waiting_room = True
+if os.environ.get("CT_RELEASE_LEAD"):
+    app.conf.throttle_release_lead = float(os.environ["CT_RELEASE_LEAD"])
+if os.environ.get("CT_RELEASE_TIMEOUT"):
+    app.conf.throttle_release_timeout = float(os.environ["CT_RELEASE_TIMEOUT"])
+if os.environ.get("CT_PICKLE"):
+    # Celery refuses to start as root while accepting pickle unless
+    # C_FORCE_ROOT is set (the test sets both; CI runs as root).
+    app.conf.accept_content = ["json", "pickle", "msgpack"]
 if os.environ.get("CT_ACKS_LATE"):
     app.conf.task_acks_late = True
     app.conf.task_reject_on_worker_lost = True
@@ -67,7 +77,7 @@ def record(task: Task[Any, Any], **extra: Any) -> None:
     _records.rpush(RECORDS_KEY, json.dumps({
         "t": now, "task": task.name, "id": task.request.id, "retries": task.request.retries,
         "deferrals": header.get("deferrals", 0), "slot": header.get("started_slot"),
-        "pid": os.getpid(),
+        "pid": os.getpid(), "eta": task.request.eta,
         "host": task.request.hostname, "queue": queue, **extra,
     }))
 
@@ -224,7 +234,35 @@ def one_slot(self: Task[Any, Any], seconds: float) -> float:
     return seconds
 
 
+@throttled("5/s", name="room")
+@app.task(bind=True, serializer="pickle")
+def parked_pickle(self: Task[Any, Any], i: int, payload: Any = None) -> int:
+    """Pickle-serialized, waits seconds at 5/s: parked and released with its own serializer."""
+    record(self, i=i, kind=type(payload).__name__)
+    return i
+
+
+@throttled("5/s", name="room")
+@app.task(bind=True, serializer="msgpack")
+def parked_msgpack(self: Task[Any, Any], i: int) -> int:
+    """The same limit, msgpack-serialized."""
+    record(self, i=i)
+    return i
+
+
 # --- Fault injection, per worker node (set only in that node's environment) ---
+
+if os.environ.get("CT_CRASH_IN_RELEASE"):
+    # The node dies (SIGKILL, whole process group) after its releaser has
+    # claimed a batch of due tasks and before it publishes them.
+    from celery_throttle.releaser import Releaser
+    from celery_throttle.waiting_room import Parked
+
+    def _die_before_publish(batch: list[Parked]) -> None:
+        if _records.set("crashed", json.dumps({"t": time.time(), "n": len(batch)}), nx=True):
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    Releaser.before_publish = _die_before_publish
 
 if os.environ.get("CT_CRASH_AFTER_REPUBLISH"):
     # The node dies (SIGKILL, whole process group) right after the first

@@ -1,0 +1,66 @@
+--[[
+Claim the parked tasks that are due, for one releaser to publish.
+
+A claimed entry moves to the claimed set with a deadline; it leaves it when
+the released message arrives at a worker (arrive.lua).  A releaser killed
+after claiming, or a message lost on the way, leaves the entry there past
+its deadline: it is then due again and released once more (the arrival
+drops all but the first copy that arrives).
+
+KEYS[1]  the parked set (score = release time, us)
+KEYS[2]  the messages hash
+KEYS[3]  the claimed set (score = deadline, us)
+KEYS[4]  the prefix's epoch (see gate.lua), set here if absent: a released
+         copy carries it, so its arrival can tell a store that lost its data
+         (a new epoch) from one where another copy arrived first
+ARGV[1]  batch: the most entries claimed per call
+ARGV[2]  claim timeout, microseconds
+
+Reply: { wait, epoch, entry 1, token 1, message 1, entry 2, ... }
+  wait     microseconds until the next release time; 0 when more are due
+           now (a full batch); -1 when nothing is parked
+  token    this claim's id, unique per entry and claim (a re-release gets
+           another): the arrival tells a broker's redelivery of one publish
+           from a second publish of the same entry
+]]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local batch = tonumber(ARGV[1])
+local deadline = now + tonumber(ARGV[2])
+
+-- Claims past their deadline whose message has not arrived: due again.
+for _, e in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, batch)) do
+  redis.call('ZREM', KEYS[3], e)
+  if redis.call('HEXISTS', KEYS[2], e) == 1 then
+    redis.call('ZADD', KEYS[1], now, e)
+  end
+end
+
+local epoch = redis.call('GET', KEYS[4])
+if not epoch then
+  epoch = string.format('%d', now)
+  redis.call('SET', KEYS[4], epoch)
+end
+local out = { 0, tonumber(epoch) }
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, batch)
+for i, e in ipairs(due) do
+  redis.call('ZREM', KEYS[1], e)
+  local message = redis.call('HGET', KEYS[2], e)
+  if message then
+    redis.call('ZADD', KEYS[3], deadline, e)
+    out[#out + 1] = e
+    out[#out + 1] = string.format('%d.%d', now, i)
+    out[#out + 1] = message
+  end
+end
+if #due < batch then
+  local nxt = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  if nxt[1] then
+    out[1] = math.max(1, tonumber(nxt[2]) - now)
+  else
+    -- Nothing parked; a claim may still time out: look again by then.
+    local claim = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
+    out[1] = claim[1] and math.max(1, tonumber(claim[2]) - now) or -1
+  end
+end
+return out

@@ -1,0 +1,160 @@
+"""The releaser: one thread per worker node moving due tasks from the waiting room to their queue.
+
+Started by ``install(app)`` when the worker is ready (in the node's main
+process, never in producers or pool children).  It claims the due entries
+in batches (``lua/release.lua``: atomic, so two nodes never claim one
+entry), publishes each message as captured, without an ETA, and sleeps
+until the next release time: a blocking pop on the wake list, which a park
+pushes to when it parks a new earliest entry.  Idle, a node issues one
+script call and one blocking pop per ``IDLE`` seconds.
+
+Released tasks go to a *lane* beside their queue (``<queue>.released``),
+which every worker consuming the queue also consumes (:func:`add_lanes`):
+behind a backlog of fresh tasks in the queue itself, a released task would
+reach a worker long after its slot.
+
+Nothing is lost if a releaser dies or the broker refuses a publish: a
+claimed entry stays in the store until its message reaches a worker, and is
+released again after ``throttle_release_timeout``.  The arrival takes only
+the first copy (``lua/arrive.lua``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import redis
+from celery import Celery
+from kombu import Queue
+
+from .config import Config
+from .envelope import Envelope
+from .waiting_room import Parked, WaitingRoom
+
+__all__ = ["LANE", "Releaser", "add_lanes", "lane_of", "queue_of"]
+
+logger = logging.getLogger("celery_throttle")
+
+#: The longest sleep between two looks at the waiting room, in seconds.
+IDLE = 5.0
+#: The most entries claimed and published per script call.
+BATCH = 200
+# After a store or broker error, wait this long before trying again.
+_BACKOFF = 1.0
+#: The suffix of a queue's lane for released tasks.
+LANE = ".released"
+
+
+def lane_of(queue: str) -> str:
+    """The lane of ``queue`` (a lane is its own lane)."""
+    return queue if queue.endswith(LANE) else queue + LANE
+
+
+def queue_of(routing_key: str) -> str:
+    """The queue a lane belongs to (any other name is returned as is)."""
+    return routing_key[: -len(LANE)] if routing_key.endswith(LANE) else routing_key
+
+
+def add_lanes(queues: Any) -> list[str]:
+    """Consume the lane of every queue this worker consumes (Celery's ``amqp.queues``).
+
+    Called after ``-Q`` is applied (``celeryd_after_setup``).  A lane is a
+    plain queue on the same exchange, addressed by its name; Redis and AMQP
+    brokers route a message published to the default exchange with a
+    queue's name as routing key straight to it.
+    """
+    added = []
+    for name, queue in list(queues.consume_from.items()):
+        if name.endswith(LANE) or queue.name is None:
+            continue
+        lane = lane_of(name)
+        queues.select_add(Queue(lane, exchange=queue.exchange, routing_key=lane,
+                                durable=queue.durable, queue_arguments=queue.queue_arguments))
+        added.append(lane)
+    return added
+
+
+class Releaser:
+    """Releases ``app``'s due parked tasks to their queues, in a daemon thread."""
+
+    #: A seam for fault tests: called with each claimed batch before it is published.
+    before_publish: ClassVar[Callable[[list[Parked]], None] | None] = None
+
+    def __init__(self, app: Celery, config: Config, header: str) -> None:
+        self.app = app
+        self.header = header
+        self.timeout_us = math.ceil(config.release_timeout * 1_000_000)
+        # A client of its own: its blocking pop must not hold the tasks'
+        # connection, and its read timeout must outlast the pop.
+        self.client = redis.Redis.from_url(config.redis_url, socket_timeout=IDLE + 5,
+                                           socket_connect_timeout=2, health_check_interval=30)
+        self.room = WaitingRoom(self.client, config.prefix)
+        self.released = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="celery-throttle-releaser",
+                                        daemon=True)
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop the thread (it finishes the batch it is publishing) and close the client."""
+        self._stop.set()
+        self._thread.join(timeout)
+        self.client.close()
+
+    def release_due(self) -> float | None:
+        """Claim and publish one batch; return seconds until the next is due (None: empty)."""
+        wait, parked = self.room.claim_due(BATCH, self.timeout_us)
+        if parked:
+            hook = type(self).before_publish
+            if hook is not None:
+                hook(parked)
+            self._publish(parked)
+        return wait
+
+    def _publish(self, parked: list[Parked]) -> None:
+        policy = self.app.conf.task_publish_retry_policy
+        queues = self.app.amqp.queues
+        with self.app.producer_or_acquire() as producer:
+            for item in parked:
+                envelope = Envelope.loads(item.message).with_header(
+                    self.header, token=item.token, room=item.epoch)
+                declare = None
+                if not envelope.exchange:  # addressed to its queue by name: use its lane
+                    envelope = envelope.to(lane_of(envelope.routing_key))
+                    # Workers declare the lane when they consume it; declaring
+                    # it here too is cached by kombu per channel.
+                    lane = queues.get(envelope.routing_key)
+                    declare = [lane] if lane is not None else None
+                envelope.publish(producer, declare=declare, retry_policy=policy)
+                self.released += 1
+
+    def _run(self) -> None:
+        last_error = 0.0
+        while not self._stop.is_set():
+            try:
+                wait = self.release_due()
+                if wait == 0:
+                    continue  # a full batch: more are due now
+                self.room.sleep(IDLE if wait is None else min(wait, IDLE))
+            except Exception as exc:  # a store or broker error: entries stay claimed
+                if self._stop.is_set():
+                    break
+                now = time.monotonic()
+                if now - last_error > 30:
+                    last_error = now
+                    level = logging.WARNING if isinstance(exc, redis.RedisError | OSError) \
+                        else logging.ERROR
+                    logger.log(level, "throttle: releaser: %s: %s (claimed tasks are released "
+                               "again after throttle_release_timeout)", type(exc).__name__, exc)
+                self._stop.wait(_BACKOFF)
+
+    def __repr__(self) -> str:
+        return f"Releaser(prefix={self.room.prefix!r}, released={self.released})"

@@ -1,0 +1,128 @@
+"""The waiting room: tasks waiting for a later slot, parked in Redis on the server's clock.
+
+A task that must wait longer than ``throttle_max_sleep`` is not re-published
+with a countdown (a Celery ETA message held in some worker's memory until
+its slot, on that worker's clock).  Its message is stored here, scored by
+its release time on the Redis server's clock; a releaser in every worker
+node (``releaser.py``) moves due messages back to their queue, without an
+ETA, a short lead before their slot.  Three scripts, each a few lines:
+
+* ``lua/park.lua``: store the message and its release time (and the wait
+  note), wake a releaser if it is the new earliest;
+* ``lua/release.lua``: claim the due entries for one releaser, with a
+  deadline after which an entry whose message never arrived is due again;
+* ``lua/arrive.lua``: the first released copy to reach a worker takes the
+  entry; a second copy (its releaser died after publishing) is refused.
+
+Keys (``keys.room_key``): ``parked`` (sorted set: entry -> release time, us),
+``messages`` (hash: entry -> message), ``claimed`` (sorted set: entry ->
+deadline) and ``wake`` (a list holding at most one token).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import math
+from dataclasses import dataclass
+
+import redis
+
+from .keys import epoch_key, room_key, task_key
+
+__all__ = ["Parked", "RoomState", "WaitingRoom"]
+
+
+def _script(name: str) -> str:
+    return importlib.resources.files(__package__).joinpath(f"lua/{name}").read_text("utf-8")
+
+
+_PARK, _RELEASE, _ARRIVE = _script("park.lua"), _script("release.lua"), _script("arrive.lua")
+
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    """One claimed entry: publish ``message`` with ``token`` and ``epoch`` in its header."""
+
+    entry: str
+    token: str
+    epoch: int
+    message: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RoomState:
+    """How many tasks wait, how many are being released, and when the next one is due."""
+
+    parked: int
+    releasing: int
+    next_release: float | None  # seconds from now (negative: overdue), None when empty
+
+
+class WaitingRoom:
+    """The waiting room of one key prefix, on one Redis client."""
+
+    def __init__(self, client: redis.Redis, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.parked, self.messages = room_key(prefix, "parked"), room_key(prefix, "messages")
+        self.claimed, self.wake = room_key(prefix, "claimed"), room_key(prefix, "wake")
+        self.epoch = epoch_key(prefix)
+        # redis-py's Script: EVALSHA, reloaded on NOSCRIPT; registering does no I/O.
+        self._park = client.register_script(_PARK)
+        self._release = client.register_script(_RELEASE)
+        self._arrive = client.register_script(_ARRIVE)
+
+    def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
+             delay_us: int = 0, note: str = "", note_ttl_ms: int = 60_000) -> int:
+        """Park ``message`` until ``at_us`` (server clock), or ``delay_us`` from now.
+
+        ``note``: the wait note to leave for ``celery throttle why`` under
+        ``task_id``, kept until ``note_ttl_ms`` after the release time.
+        Returns the release time (server clock, microseconds).
+        """
+        at, _now = self._park(
+            keys=[self.parked, self.messages, self.wake, task_key(self.prefix, "wait", task_id),
+                  self.epoch],
+            args=[entry, message, at_us, delay_us, note, note_ttl_ms])
+        return int(at)
+
+    def claim_due(self, batch: int, timeout_us: int) -> tuple[float | None, list[Parked]]:
+        """Claim up to ``batch`` due entries; also seconds until the next (0: more due now).
+
+        None instead of seconds: nothing is parked or being released.
+        """
+        reply = self._release(keys=[self.parked, self.messages, self.claimed, self.epoch],
+                              args=[batch, timeout_us])
+        wait, epoch = int(reply[0]), int(reply[1])
+        items = reply[2:]
+        parked = [Parked(items[i].decode(), items[i + 1].decode(), epoch, items[i + 2])
+                  for i in range(0, len(items), 3)]
+        return (None if wait < 0 else wait / 1e6), parked
+
+    def arrive(self, entry: str, token: str, epoch: int, *, marker_ttl_ms: int = 0) -> bool:
+        """May this released copy go on?  False: another copy of the entry arrived first.
+
+        ``marker_ttl_ms`` > 0 (acks_late): remember the copy that went on for
+        that long, so the broker's redelivery of it may go on again.
+        """
+        marker = task_key(self.prefix, "arrived", entry)
+        return bool(self._arrive(keys=[self.messages, self.claimed, marker, self.epoch],
+                                 args=[entry, token, marker_ttl_ms, epoch]))
+
+    def sleep(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for a wake token (a new earliest entry); True if woken."""
+        # BLPOP takes a float timeout (Redis >= 6); 0 would block forever.
+        timeout = max(0.001, math.ceil(seconds * 1000) / 1000)
+        return self.client.blpop([self.wake], timeout=timeout) is not None
+
+    def state(self) -> RoomState:
+        """Counts and the next release time, read in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zcard(self.parked)
+        pipe.zcard(self.claimed)
+        pipe.zrange(self.parked, 0, 0, withscores=True)
+        pipe.time()
+        parked, claimed, first, (sec, usec) = pipe.execute()
+        now = int(sec) * 1_000_000 + int(usec)
+        nxt = (first[0][1] - now) / 1e6 if first else None
+        return RoomState(int(parked), int(claimed), nxt)

@@ -1,0 +1,176 @@
+"""The waiting room's scripts on a real Redis: park, claim due entries, first arrival wins."""
+
+from __future__ import annotations
+
+import threading
+
+import redis
+
+from celery_throttle.keys import epoch_key
+from celery_throttle.waiting_room import WaitingRoom
+
+# Far enough ahead that nothing becomes due while a test runs.
+LATER_US = 3_600 * 1_000_000
+
+
+def _now_us(client: redis.Redis) -> int:
+    sec, usec = client.time()
+    return int(sec) * 1_000_000 + int(usec)
+
+
+def test_entry_is_released_only_once_it_is_due(client: redis.Redis, prefix: str) -> None:
+    """An entry parked for later is not claimed; one parked for now is, once, with its message."""
+    room = WaitingRoom(client, prefix)
+    room.park("later", b"L", "t1", delay_us=LATER_US)
+    room.park("now", b"N", "t2", at_us=_now_us(client) - 1)
+    wait, claimed = room.claim_due(10, 60_000_000)
+    assert [(p.entry, p.message) for p in claimed] == [("now", b"N")]
+    assert wait is not None
+    assert 3_590 < wait <= 3_600
+    assert room.claim_due(10, 60_000_000)[1] == []
+
+
+def test_two_releasers_never_claim_the_same_entry(client: redis.Redis, prefix: str) -> None:
+    """Four threads claiming 400 due entries in batches of 7 get each exactly once."""
+    room = WaitingRoom(client, prefix)
+    at = _now_us(client) - 1
+    for i in range(400):
+        room.park(f"e{i}", b"m", f"t{i}", at_us=at)
+    got: list[list[str]] = [[] for _ in range(4)]
+
+    def drain(n: int) -> None:
+        own = WaitingRoom(redis.Redis(connection_pool=client.connection_pool), prefix)
+        for _ in range(200):  # bounded: 400 entries / 7 per batch needs 58 calls at most
+            _, batch = own.claim_due(7, 60_000_000)
+            if not batch:
+                return
+            got[n] += [p.entry for p in batch]
+
+    threads = [threading.Thread(target=drain, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    every = [e for part in got for e in part]
+    assert sorted(every) == sorted(f"e{i}" for i in range(400))
+
+
+def test_a_claim_not_arrived_by_its_deadline_is_released_again(
+    client: redis.Redis, prefix: str
+) -> None:
+    """A releaser that dies after claiming loses nothing: the entry is due again, new token."""
+    room = WaitingRoom(client, prefix)
+    room.park("e", b"m", "t", at_us=_now_us(client) - 1)
+    _, first = room.claim_due(10, 1)  # a deadline 1 us away: past by the next call
+    _, again = room.claim_due(10, 60_000_000)
+    assert [p.entry for p in first] == [p.entry for p in again] == ["e"]
+    assert first[0].token != again[0].token
+
+
+def test_first_copy_to_arrive_goes_on_and_a_second_is_refused(
+    client: redis.Redis, prefix: str
+) -> None:
+    """Two published copies of one entry (a re-release): exactly one goes on."""
+    room = WaitingRoom(client, prefix)
+    room.park("e", b"m", "t", at_us=_now_us(client) - 1)
+    _, (first,) = room.claim_due(10, 1)
+    _, (second,) = room.claim_due(10, 60_000_000)
+    assert room.arrive("e", second.token, second.epoch) is True
+    assert room.arrive("e", first.token, first.epoch) is False
+    # Its claim is settled: nothing is released a third time.
+    assert room.claim_due(10, 60_000_000)[1] == []
+    assert room.state().releasing == 0
+
+
+def test_acks_late_redelivery_of_the_copy_that_went_on_goes_on_again(
+    client: redis.Redis, prefix: str
+) -> None:
+    """With a marker, the same release's copy (the broker's redelivery) may go on again."""
+    room = WaitingRoom(client, prefix)
+    room.park("e", b"m", "t", at_us=_now_us(client) - 1)
+    _, (first,) = room.claim_due(10, 1)
+    _, (second,) = room.claim_due(10, 60_000_000)
+    assert room.arrive("e", first.token, first.epoch, marker_ttl_ms=60_000) is True
+    assert room.arrive("e", first.token, first.epoch, marker_ttl_ms=60_000) is True
+    assert room.arrive("e", second.token, second.epoch, marker_ttl_ms=60_000) is False
+
+
+def test_a_store_that_lost_its_data_lets_a_released_copy_go_on(
+    client: redis.Redis, prefix: str
+) -> None:
+    """After a flush (new epoch) a copy already released runs rather than being lost."""
+    room = WaitingRoom(client, prefix)
+    room.park("e", b"m", "t", at_us=_now_us(client) - 1)
+    _, (item,) = room.claim_due(10, 60_000_000)
+    client.delete(room.messages, room.claimed, epoch_key(prefix))  # what a restart leaves
+    client.set(epoch_key(prefix), "1")
+    assert room.arrive("e", item.token, item.epoch) is True
+
+
+def test_only_a_new_earliest_entry_wakes_a_releaser(client: redis.Redis, prefix: str) -> None:
+    """The wake token is pushed when an entry becomes the earliest, and at most one is kept."""
+    room = WaitingRoom(client, prefix)
+    room.park("a", b"m", "t", delay_us=LATER_US)
+    room.park("b", b"m", "t", delay_us=LATER_US // 2)
+    assert client.llen(room.wake) == 1  # both were the earliest when parked; one token kept
+    assert room.sleep(0.01) is True
+    room.park("c", b"m", "t", delay_us=LATER_US)
+    assert room.sleep(0.01) is False
+
+
+def test_park_leaves_the_wait_note_until_after_the_release(
+    client: redis.Redis, prefix: str
+) -> None:
+    """The note for `why` is written by the same call and outlives the release time."""
+    room = WaitingRoom(client, prefix)
+    room.park("e", b"m", "task-1", delay_us=10_000_000, note='{"limit": "x"}',
+              note_ttl_ms=60_000)
+    from celery_throttle.keys import task_key
+
+    key = task_key(prefix, "wait", "task-1")
+    assert client.get(key) == b'{"limit": "x"}'
+    assert 69_000 < client.pttl(key) <= 70_000
+
+
+def test_state_counts_parked_and_releasing(client: redis.Redis, prefix: str) -> None:
+    """state(): parked and claimed counts and seconds to the next release."""
+    room = WaitingRoom(client, prefix)
+    assert room.state().next_release is None
+    room.park("a", b"m", "t", at_us=_now_us(client) - 1)
+    room.park("b", b"m", "t", delay_us=LATER_US)
+    room.claim_due(10, 60_000_000)
+    state = room.state()
+    assert (state.parked, state.releasing) == (1, 1)
+    assert state.next_release is not None
+    assert 3_590 < state.next_release <= 3_600
+
+
+def test_scripts_reload_after_script_flush(client: redis.Redis, prefix: str) -> None:
+    """NOSCRIPT after SCRIPT FLUSH is recovered by redis-py's Script (no cache of our own)."""
+    room = WaitingRoom(client, prefix)
+    room.park("a", b"m", "t", at_us=_now_us(client) - 1)
+    client.script_flush()
+    assert [p.entry for p in room.claim_due(10, 60_000_000)[1]] == ["a"]
+    client.script_flush()
+    assert room.arrive("a", "x", 0) is True
+
+
+def test_prometheus_collector_reports_parked_and_releasing(redis_url: str, prefix: str) -> None:
+    """The scrape-time collector reads the waiting room's counts from Redis."""
+    from celery import Celery
+
+    from celery_throttle.metrics import FillCollector
+    from celery_throttle.store import runtime_for
+
+    app = Celery("room-metrics", set_as_current=False)
+    app.conf.update(throttle_redis_url=redis_url, throttle_prefix=prefix)
+    room = runtime_for(app).room
+    now = _now_us(room.client)
+    room.park("a", b"m", "t1", at_us=now - 1)
+    room.park("b", b"m", "t2", delay_us=LATER_US)
+    room.park("c", b"m", "t3", delay_us=LATER_US)
+    room.claim_due(10, 60_000_000)
+    values = {m.name: m.samples[0].value for m in FillCollector(app).collect()
+              if m.name in ("celery_throttle_parked", "celery_throttle_releasing")}
+    app.close()
+    assert values == {"celery_throttle_parked": 2, "celery_throttle_releasing": 1}

@@ -1,0 +1,169 @@
+"""The waiting room with real prefork workers: parked on the server clock, released once, in time.
+
+Judged from the start records the tasks write and the result backend, as in
+test_integration.py; every node here runs with ``throttle_waiting_room``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+import redis
+
+from celery_throttle.testing import RedisServer
+
+from .workers import check_window_bound, cluster, logs, read_records, wait_results
+
+pytestmark = pytest.mark.integration
+
+ROOM = {"CT_WAITING_ROOM": "1"}
+
+
+def test_parked_tasks_run_once_in_their_slots_with_no_eta(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """40 tasks at 5/s (pickle and msgpack): parked, released, each run once, no ETA, bound held."""
+    env = {**ROOM, "CT_PICKLE": "1", "C_FORCE_ROOT": "1"}
+    with cluster(redis_base, ("w1", "w2"), env=env) as nodes:
+        results = [capp.parked_pickle.delay(i, payload={1, 2}) for i in range(30)]
+        results += [capp.parked_msgpack.delay(i) for i in range(30, 40)]
+        rows = read_records(records, expect=40, timeout=40)
+        states = wait_results(results, timeout=20)
+        text = logs(nodes)
+    assert states == ["SUCCESS"] * 40
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
+    assert [r["eta"] for r in rows] == [None] * 40  # never an ETA message
+    assert {r["kind"] for r in rows if "kind" in r} == {"set"}  # pickle's own types kept
+    times = [r["t"] for r in rows]
+    worst = check_window_bound(times, rate=5, burst=1, period=1.0)
+    span = times[-1] - times[0]
+    deferrals = sum(r["deferrals"] for r in rows) / len(rows)
+    print(f"\nwaiting room: 40 at 5/s in {span:.2f}s (ideal 7.8), worst windows {worst}, "
+          f"deferrals/task {deferrals:.2f}")
+    assert span <= 7.8 / 0.9  # at least 90 % of the limit
+    assert deferrals <= 1.1  # parked once, no hops
+    assert "waiting room on" in text
+    assert "parked" in text
+    assert " ERROR" not in text
+
+
+def test_waits_three_times_the_visibility_timeout_with_no_hops(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """Broker visibility_timeout 4 s, waits up to 15 s: parked once, run once, never redelivered."""
+    with cluster(redis_base, ("w1", "w2"), env={**ROOM, "CT_VISIBILITY": "4"}) as nodes:
+        results = [capp.patient.delay(i) for i in range(16)]  # 1/s: the last waits ~15 s
+        states = wait_results(results, timeout=40)
+        time.sleep(2.0)  # a redelivered duplicate would start within the next sweep
+        rows = read_records(records, expect=17, timeout=0)
+        text = logs(nodes)
+    assert states == ["SUCCESS"] * 16
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
+    starts = [r["t"] for r in rows]
+    assert starts[-1] - starts[0] >= 14.0  # the longest wait was 3.5x the visibility timeout
+    assert max(r["deferrals"] for r in rows) == 1  # one park each, no hop through the broker
+    assert "re-published" not in text
+    check_window_bound(starts, rate=1, burst=1, period=1.0)
+
+
+def test_releaser_killed_mid_release_loses_nothing_and_runs_nothing_twice(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """A node dies after its releaser claimed a due task, before publishing: it runs once, later."""
+    env = {**ROOM, "CT_RELEASE_TIMEOUT": "3", "CT_VISIBILITY": "5"}
+    with cluster(redis_base, ("w1",), env={**env, "CT_CRASH_IN_RELEASE": "1"}):
+        results = [capp.patient.delay(i) for i in range(8)]  # 1/s: all parked within 1 s
+        deadline = time.monotonic() + 15
+        while records.get("crashed") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    crash = records.get("crashed")
+    assert crash is not None, "the injected crash did not happen"
+    killed = json.loads(crash)["t"]
+    with cluster(redis_base, ("w2",), env=env):
+        states = wait_results(results, timeout=40)
+        rows = read_records(records, expect=8, timeout=5)
+    assert states == ["SUCCESS"] * 8
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
+    after = [r for r in rows if r["t"] > killed]
+    assert len(after) == 7  # the first ran before the crash; the claimed one came back
+    check_window_bound([r["t"] for r in rows], rate=1, burst=1, period=1.0)
+
+
+def test_revoked_parked_task_never_runs(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """app.control.revoke on a parked task: it is discarded when released, the others run."""
+    with cluster(redis_base, ("w1",), env=ROOM):
+        results = [capp.patient.delay(i) for i in range(5)]  # 1/s: the last waits ~4 s
+        time.sleep(0.5)
+        capp.app.control.revoke(results[3].id)
+        states = wait_results(results, timeout=20)
+        rows = read_records(records, expect=5, timeout=1)
+    assert states == ["SUCCESS"] * 3 + ["REVOKED", "SUCCESS"]
+    assert sorted(r["i"] for r in rows) == [0, 1, 2, 4]
+
+
+@pytest.fixture
+def aof_store() -> Iterator[RedisServer]:
+    """A store of its own that appends every write to disk (AOF, fsync always)."""
+    server = RedisServer(None, "--appendonly", "yes", "--appendfsync", "always").start()
+    yield server
+    server.stop()
+
+
+def test_store_killed_with_tasks_parked_runs_each_once_after_restart(
+    capp: ModuleType, records: redis.Redis, redis_base: str, aof_store: RedisServer
+) -> None:
+    """Store SIGKILLed for 3 s with tasks parked (AOF on): none starts meanwhile, all run once."""
+    env = {**ROOM, "CT_STORE": f"{aof_store.url}/0"}
+    with cluster(redis_base, ("w1", "w2"), env=env) as nodes:
+        results = [capp.patient.delay(i) for i in range(10)]  # 1/s: 9 s of waits
+        time.sleep(2.5)
+        aof_store.kill()
+        killed = time.time()
+        time.sleep(3.0)
+        restarted = time.time()
+        aof_store.start()
+        states = wait_results(results, timeout=40)
+        rows = read_records(records, expect=10, timeout=5)
+        text = logs(nodes)
+    assert states == ["SUCCESS"] * 10
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
+    # Nothing starts while the store is down, beyond a task that arrived
+    # before the kill and slept up to its release lead for its slot.
+    assert [r["t"] for r in rows if killed + 0.2 < r["t"] < restarted] == []
+    # The buckets came back from the AOF: the bound holds with no extra burst.
+    check_window_bound([r["t"] for r in rows], rate=1, burst=1, period=1.0)
+    assert "releaser" in text  # the releaser reported the outage
+
+
+def test_commands_show_parked_tasks_and_why_one_waits(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """`celery throttle status` counts the parked tasks; `why` names a parked task's limit."""
+    from .test_observability import _celery
+
+    with cluster(redis_base, ("w1",), env=ROOM):
+        results = [capp.patient.delay(i) for i in range(12)]  # 1/s: an 11 s queue
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and records.llen("records") < 2:
+            time.sleep(0.1)
+        status = _celery(["status", "--json", "patient"], redis_base)
+        table = _celery(["status", "patient"], redis_base)
+        why = _celery(["why", results[9].id], redis_base)
+        wait_results(results, timeout=20)
+    for done in (status, table, why):
+        assert done.returncode == 0, done.stderr
+    room = json.loads(status.stdout)["waiting_room"]
+    assert 6 <= room["parked"] + room["releasing"] <= 10  # 12 sent, 2 or 3 started
+    assert 0 < room["next_release"] <= 1.0
+    assert re.search(r"^waiting room: \d+ parked, \d released and on their way; next release "
+                     r"in \d\.\d{3}s$", table.stdout, flags=re.MULTILINE), table.stdout
+    assert f"task {results[9].id} (tests.celery_app.patient) waits for limit 'patient'" \
+        in why.stdout

@@ -83,10 +83,12 @@ def main(argv: list[str] | None = None) -> None:
                 gate_compare.compare_table(url) + "\n"]
     print("section 3: scale", file=sys.stderr, flush=True)
     doc.append("## 3. Scale\n")
-    n = "2000" if args.quick else "20000"
-    scale = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--n", n],
-                           capture_output=True, text=True, timeout=900, cwd=ROOT, check=True)
-    doc.append(scale.stdout)
+    for n, rate, measure in ((("2000", "5", "40"), ("2000", "50", "40")) if args.quick
+                             else (("50000", "5", "150"), ("20000", "200", "150"))):
+        scale = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--n", n, "--rate",
+                                rate, "--measure", measure], capture_output=True, text=True,
+                               timeout=1800, cwd=ROOT, check=True)
+        doc.append(scale.stdout)
     print("section 4: calls in flight", file=sys.stderr, flush=True)
     doc.append("## 4. Calls in flight\n")
     doc.append("`python -m benchmarks.inflight`. Occupancy: the provider's busy time / "

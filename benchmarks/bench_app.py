@@ -46,6 +46,8 @@ app.conf.update(
 )
 if os.environ.get("BENCH_MAX_SLEEP"):
     app.conf.throttle_max_sleep = float(os.environ["BENCH_MAX_SLEEP"])
+if os.environ.get("BENCH_WAITING_ROOM"):
+    app.conf.throttle_waiting_room = True
 celery_throttle.install(app)
 
 _store = redis.Redis.from_url(f"{REDIS}/6")

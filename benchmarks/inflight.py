@@ -44,8 +44,9 @@ def _fresh(url: str, provider: MockProvider, name: str, **env: str
              "BENCH_LEASE": "5", **env})
 
 
-def _run(url: str, name: str, n: int, provider: MockProvider) -> dict[str, float]:
-    bench, task, records, env = _fresh(url, provider, name)
+def _run(url: str, name: str, n: int, provider: MockProvider, **env_extra: str
+         ) -> dict[str, float]:
+    bench, task, records, env = _fresh(url, provider, name, **env_extra)
     with workers("benchmarks.bench_app", ("i1", "i2"), concurrency=4, queues=("celery",),
                  cwd=ROOT, env=env):
         t0 = time.time()
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             os.environ["BENCH_REDIS"], os.environ["BENCH_PROVIDER"] = url, provider.url
             rows = {name: _run(url, name, args.n, provider)
                     for name in ("inflight_ours", "inflight_counter", "inflight_retry")}
+            rows["room"] = _run(url, "inflight_ours", args.n, provider, BENCH_WAITING_ROOM="1")
             crash = {name: _crash(url, provider, name)
                      for name in ("inflight_ours", "inflight_counter")}
     finally:
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
           "slots | publishes / task |")
     print("|---|---|---:|---:|---:|---:|---:|")
     labels = {"inflight_ours": "`@throttled(concurrency=4)`",
+              "room": "`@throttled(concurrency=4)`, `throttle_waiting_room=True` (hand-off)",
               "inflight_counter": "Redis INCR/DECR counter, retry 0.1 s",
               "inflight_retry": "no limit, retry after Retry-After"}
     for name, r in rows.items():

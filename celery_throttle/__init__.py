@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .defer import HEADER
+from .declared import limits_in_force
 from .errors import (
     RateLimited,
     ThrottleConfigError,
@@ -15,7 +15,8 @@ from .gate import Concurrency, Decision, Gate, Limit, Reservation
 from .leases import settle
 from .rates import Rate, parse_rate
 from .task import Throttle, throttled
-from .worker import install, limits_in_force, store_warnings
+from .wait_state import HEADER
+from .worker import install, store_warnings
 
 __all__ = [
     "HEADER",

@@ -7,7 +7,10 @@ in ``pyproject.toml``), so it runs with the app and settings of ``-A proj``:
   burst, fill, next free slot and the starts booked ahead (tasks waiting);
 * ``why TASK_ID [--json]``: the limit a deferred task waits for, its booked
   slot and deferral count (recorded at each deferral, kept until the slot);
-* ``reset NAME [--key K]``: forget a bucket (it is full again).
+* ``reset NAME [--key K]``: forget a bucket (it is full again);
+* ``parked [--limit NAME] [-n N]``: the tasks parked in the waiting room
+  that are released next;
+* ``purge --yes``: drop every parked task (they never run).
 
 Per-key buckets are never listed (that would need a key scan, and key values
 are stored hashed): name one with ``--key`` (``--int-key`` for integer keys).
@@ -18,49 +21,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import click
 from celery import Celery
 
+from .declared import KnownLimit, known_limits
 from .gate import BucketState, Concurrency, LeaseState, Limit
+from .notes import read_wait
 from .store import runtime_for
-from .task import specs_of
 
-__all__ = ["KnownLimit", "known_limits", "throttle"]
-
-
-@dataclass(frozen=True, slots=True)
-class KnownLimit:
-    """A limit the app declares: queue limits, then each task's ``@throttled`` limits."""
-
-    limit: Limit | Concurrency  # with no key value; cost 1 when computed per call
-    keyed: bool
-    used_by: tuple[str, ...]  # "queue q" or task names
-
-
-def known_limits(app: Celery) -> list[KnownLimit]:
-    """Every limit ``app`` declares, one entry per bucket name (tasks sharing a name merge)."""
-    config = runtime_for(app).config
-    found: dict[str, KnownLimit] = {}
-    for q in config.queues:
-        found[q.limit.name] = KnownLimit(q.limit, False, (f"queue {q.queue}",))
-    leases: dict[str, KnownLimit] = {}
-    for task_name, task in sorted(app.tasks.items()):
-        for spec in specs_of(task):
-            name = spec.name or task_name
-            cost = spec.cost if isinstance(spec.cost, int) else 1
-            kinds: list[tuple[dict[str, KnownLimit], Limit | Concurrency]] = []
-            if spec.rate is not None:
-                kinds.append((found, Limit(name, spec.rate, spec.burst, None, cost)))
-            if spec.concurrency is not None:
-                kinds.append((leases, Concurrency(name, spec.concurrency, None, spec.lease)))
-            for table, lim in kinds:
-                old = table.get(name)
-                table[name] = (KnownLimit(old.limit, old.keyed, (*old.used_by, task_name))
-                               if old else KnownLimit(lim, spec.key is not None, (task_name,)))
-    return [*found.values(), *leases.values()]
+__all__ = ["throttle"]
 
 
 def _app(ctx: click.Context) -> Celery:
@@ -205,8 +176,6 @@ def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key:
 @click.pass_context
 def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """Why TASK_ID waits: its limit, booked slot and deferrals (from its last deferral)."""
-    from .defer import read_wait  # lazily: defer imports Celery's worker machinery
-
     app = _app(ctx)
     wait = read_wait(runtime_for(app), task_id)
     if as_json:
@@ -247,3 +216,52 @@ def reset(ctx: click.Context, name: str, key: str | None, int_key: str | None) -
         what = "leases" if isinstance(lim, Concurrency) else "bucket"
         click.echo(f"limit {name!r}{' (that key)' if known.keyed else ''}: "
                    + (f"{what} reset" if existed else f"{what} already empty"))
+
+
+@throttle.command()
+@click.option("--limit", "limit_name", help="only tasks waiting for this limit")
+@click.option("-n", "count", default=20, show_default=True, help="how many to list")
+@click.option("--json", "as_json", is_flag=True, help="one JSON document instead of text")
+@click.pass_context
+def parked(ctx: click.Context, limit_name: str | None, count: int, as_json: bool) -> None:
+    """The tasks parked in the waiting room that are released next (soonest first)."""
+    if count < 1:
+        raise click.BadParameter(f"{count}: expected at least 1", param_hint="-n")
+    room = runtime_for(_app(ctx)).room
+    rows = []
+    # With --limit, look further than -n: other limits' tasks are skipped.
+    for item in room.next_parked(count if limit_name is None else max(count, 1000)):
+        headers = json.loads(item.message or b"{}").get("h", {})
+        note = json.loads(item.note) if item.note else {}
+        limit = note.get("limit", "?")
+        if limit_name is not None and limit != limit_name:
+            continue
+        rows.append({"task": headers.get("task", "?"), "id": headers.get("id", "?"),
+                     "limit": limit, "release_in_s": round(item.release_in, 3)})
+        if len(rows) == count:
+            break
+    if as_json:
+        click.echo(json.dumps({"parked": rows, "at": time.time()}, indent=2))
+        return
+    if not rows:
+        click.echo("no task parked" + (f" for limit {limit_name!r}" if limit_name else ""))
+    for row in rows:
+        click.echo(f"{row['task']}[{row['id']}] waits for limit {row['limit']!r}: "
+                   f"released in {row['release_in_s']:.3f}s")
+
+
+@throttle.command()
+@click.option("--yes", is_flag=True, help="really drop them")
+@click.pass_context
+def purge(ctx: click.Context, yes: bool) -> None:
+    """Drop every task parked in the waiting room: they will never run.
+
+    Without --yes nothing is dropped: the count is shown and the exit code is 2.
+    """
+    room = runtime_for(_app(ctx)).room
+    if not yes:
+        state = room.state()
+        click.echo(f"would drop {state.parked + state.releasing} parked task(s); "
+                   "add --yes to drop them (they will never run)")
+        ctx.exit(2)
+    click.echo(f"dropped {room.purge()} parked task(s)")

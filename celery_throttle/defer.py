@@ -1,33 +1,26 @@
-"""Making an over-limit task wait for its slot: claims, sleeps, countdowns, hops, expiry.
+"""Making an over-limit task wait for its slot: the flow, top to bottom.
 
-The task is re-published under the same id, queue, routing, headers and
-options, with ``retries`` untouched, then the running copy ends with Celery's
+:func:`admit` asks the gate (``gate.py``) for every limit of the task at once.
+Allowed: the task runs.  A short wait (``throttle_max_sleep``): it sleeps and
+claims its booked slot.  A longer one: the task waits outside the worker,
+parked in the waiting room (``waiting_room.py``, released by ``releaser.py``)
+or, without it, re-published with a countdown (in hops of at most
+``throttle_max_countdown``); then the running copy ends with Celery's
 ``Ignore`` (its message is acknowledged, no result is stored).  What it needs
-on the next arrival travels in one message header, :data:`HEADER`.
-
-With ``acks_late`` the old message is acknowledged only after the new one is
-published: a node that dies in between leaves both, and the broker redelivers
-the old one.  So every re-published message carries a fresh copy id and the
-id of the copy that published it, and for an ``acks_late`` task a pointer in
-Redis names the one copy that may go on (``lua/copies.lua``): moved to the
-successor after each re-publish, and to "started" when a copy starts.  A
-copy the pointer does not name is dropped, so exactly one of the two runs.
-The copy that started may still run again if its node dies mid-run: that is
-``acks_late``'s at-least-once, untouched.
+on its next arrival travels in one header (``wait_state.py``); why it waits
+is noted for ``celery throttle why`` (``notes.py``); an ``acks_late`` task's
+copies are told apart by the copy pointer (``copies.py``).  Expiry,
+``max_wait``, a provider's 429 and the store being down are handled here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import importlib.resources
-import json
 import logging
 import math
 import random
-import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import redis
@@ -35,19 +28,19 @@ from celery import Task, signals
 from celery.exceptions import Ignore
 
 from . import leases, metrics
+from .copies import move_pointer, new_copy
 from .envelope import capture
 from .errors import ThrottleStoreError, ThrottleTimeout
-from .gate import AnyLimit, Concurrency, Decision, Limit, Reservation
-from .keys import key_digest, task_key
+from .gate import AnyLimit, Concurrency, Decision, Limit, waiters_key
+from .keys import key_digest
+from .notes import NOTE_AFTER_MS, wait_note, write_note
 from .releaser import queue_of
 from .store import INSTALLED, Runtime
+from .wait_state import HEADER, WaitState, spacing_of
 
-__all__ = ["HEADER", "WaitState", "admit", "defer_after_start", "read_wait"]
+__all__ = ["admit", "defer_after_start"]
 
 logger = logging.getLogger("celery_throttle")
-
-#: The message header carrying a waiting task's state between hops.
-HEADER = "celery_throttle"
 
 # The store being down is reported once per this many seconds per process,
 # not once per task (hundreds of tasks may be deferred per second).
@@ -57,87 +50,6 @@ _MAX_SLEEPS = 3
 _STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of a started copy
 _LEASED = "_celery_throttle_leased"  # request attribute: the leases.Held of this run
 _last_outage_log = 0.0
-_COPIES = importlib.resources.files(__package__).joinpath("lua/copies.lua").read_text("utf-8")
-
-
-@dataclass(frozen=True, slots=True)
-class WaitState:
-    """What a deferred message carries: its booked slot, deferral count and first wait."""
-
-    slot: int | None = None  # booked start, server clock, microseconds
-    booked: int = 0  # the limits the slot is booked in (Reservation.booked)
-    epoch: int = 0  # the store lifetime the slot was booked in (Reservation.epoch)
-    deferrals: int = 0
-    since: int | None = None  # server clock (us) of the first deferral
-    copy: str = ""  # set by every re-publish: tells a duplicate from a redelivery
-    prev: str = ""  # the copy that published this one ("-": the user's message)
-    spacing: tuple[int, ...] = ()  # each limit's interval (us) when the slot was booked
-    entry: str = ""  # the waiting-room entry this copy was released from (waiting_room.py)
-    token: str = ""  # the release that published this copy (set by the releaser)
-    room: int = 0  # the store's epoch when it was released (set by the releaser)
-
-    @classmethod
-    def from_request(cls, request: Any) -> WaitState:
-        """Read the state from a task request (Celery >= 5.3 exposes custom headers)."""
-        raw = (getattr(request, "headers", None) or {}).get(HEADER)
-        if raw is None:
-            raw = getattr(request, HEADER, None)
-        if not isinstance(raw, dict):
-            return cls()
-        def num(name: str) -> int:
-            value = raw.get(name)
-            return value if isinstance(value, int) and value > 0 else 0
-
-        def text(name: str, longest: int = 32) -> str:
-            value = raw.get(name)
-            return value if isinstance(value, str) and len(value) <= longest else ""
-
-        spacing = raw.get("spacing")
-        if not (isinstance(spacing, list) and len(spacing) <= 64
-                and all(isinstance(t, int) for t in spacing)):
-            spacing = []
-        return cls(slot=num("slot") or None, booked=num("booked"), epoch=num("epoch"),
-                   deferrals=num("deferrals"), since=num("since") or None, copy=text("copy"),
-                   prev=text("prev"), spacing=tuple(spacing), entry=text("entry", 64),
-                   token=text("token", 40), room=num("room"))
-
-    @property
-    def copy_id(self) -> str:
-        """This copy's id as the copy pointer knows it ("-": the message the user sent)."""
-        return self.copy or "-"
-
-    @property
-    def claim(self) -> Reservation | None:
-        """The reservation to claim on arrival, if any."""
-        return Reservation(self.slot, self.booked, self.epoch) if self.slot else None
-
-    def claim_under(self, limits: list[AnyLimit]) -> Reservation | None:
-        """The booking, unless a limit is now slower than when it was booked.
-
-        Booked slots are spaced at the old interval; honouring them after a
-        rate was lowered (workers restarted with a new rate) would run the
-        waiting tasks at the old, faster pace.  So they book again.
-        """
-        now = _spacing(limits)
-        if len(now) != len(self.spacing) or any(
-                new > old for new, old in zip(now, self.spacing, strict=True)):
-            return None
-        return self.claim
-
-    def to_header(self) -> dict[str, int | str | list[int] | None]:
-        """The header value (JSON-safe)."""
-        header: dict[str, int | str | list[int] | None] = {
-            "slot": self.slot, "booked": self.booked, "epoch": self.epoch,
-            "deferrals": self.deferrals, "since": self.since, "copy": self.copy,
-            "prev": self.prev, "spacing": list(self.spacing)}
-        if self.entry:
-            header.update(entry=self.entry, token=self.token, room=self.room)
-        return header
-
-
-def _spacing(limits: list[AnyLimit]) -> tuple[int, ...]:
-    """Each limit's interval (us; 0 for a concurrency limit), carried with a booking."""
-    return tuple(lim.rate.interval_us if isinstance(lim, Limit) else 0 for lim in limits)
 
 
 def _grace(runtime: Runtime, limits: list[AnyLimit], booked_mask: int) -> float:
@@ -180,8 +92,8 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     """
     request = task.request
     state = WaitState.from_request(request)
-    released = bool(state.entry)
-    if released:
+    arrived = state.entry  # released from the waiting room as this entry ("" if not)
+    if arrived:
         if not _first_arrival(task, runtime, state):
             logger.info("throttle: task %s[%s] dropped: a second copy released from the "
                         "waiting room (the first one goes on)", task.name, request.id)
@@ -196,7 +108,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             request.delivery_info = info  # type: ignore[assignment]
     concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
     holder = str(request.id) if concurrent else ""
-    if _wait_for_slot(task, runtime, limits, max_wait, state, holder, released):
+    if _wait_for_slot(task, runtime, limits, max_wait, state, holder, arrived):
         if concurrent:
             # Recorded before anything else may raise: postrun gives it back.
             setattr(request, _LEASED, leases.hold(runtime.gate, concurrent, holder))
@@ -283,8 +195,8 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     # Only now: a slot freed before the pause was written could let another
     # call through to the provider that just refused.
     _release_leases_of(task)
-    new = WaitState(deferrals=state.deferrals + 1, since=state.since, copy=_new_copy(),
-                    prev=state.copy_id, spacing=_spacing(limits))
+    new = WaitState(deferrals=state.deferrals + 1, since=state.since, copy=new_copy(),
+                    prev=state.copy_id, spacing=spacing_of(limits))
     if not _park(task, runtime, new, delay_us=math.ceil(max(seconds, 0.0) * 1e6)):
         _republish(task, new, min(max(seconds, 0.001), runtime.config.max_countdown))
     if getattr(task, "acks_late", False):
@@ -298,7 +210,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
 
 def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
                    max_wait: float | None, state: WaitState, holder: str,
-                   released: bool = False) -> bool:
+                   arrived: str = "") -> bool:
     """Return True when the gate admitted the task, False when the store-down policy did."""
     request = task.request
     config = runtime.config
@@ -317,7 +229,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     # A copy released from the waiting room arrives up to the release lead
     # early: it sleeps that, whatever throttle_max_sleep says (parking it
     # again for less would loop).
-    max_sleep = max(config.max_sleep, config.release_lead + 0.1) if released \
+    max_sleep = max(config.max_sleep, config.release_lead + 0.1) if arrived \
         else config.max_sleep
     for attempt in range(_MAX_SLEEPS):
         try:
@@ -342,7 +254,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
             raise ThrottleTimeout.exceeded(task.name, _limit_name(decision),
                                            waited + decision.retry_after, max_wait)
         if (decision.reservation is None or decision.retry_after > max_sleep
-                or attempt == _MAX_SLEEPS - 1):
+                or attempt == _MAX_SLEEPS - 1 or _queues_for_slot(task, runtime, decision)):
             break
         # Our slot is booked: a short wait is cheaper slept than re-published.
         time.sleep(decision.retry_after)
@@ -361,70 +273,75 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     new = WaitState(slot=booking.slot if booking else None,
                     booked=booking.booked if booking else 0,
                     epoch=booking.epoch if booking else 0, deferrals=state.deferrals + 1,
-                    since=state.since or decision.now, copy=_new_copy(), prev=state.copy_id,
-                    spacing=_spacing(limits))
+                    since=state.since or decision.now, copy=new_copy(), prev=state.copy_id,
+                    spacing=spacing_of(limits))
     name = _limit_name(decision)
-    note = _wait_note(task, name, decision, new)
+    note = wait_note(task, name, decision, new)
     # Released a lead before the slot, on the server clock the slot is on.
     release_at = decision.now + math.ceil(countdown * 1e6) - math.ceil(config.release_lead * 1e6)
-    parked = _park(task, runtime, new, at_us=max(release_at, 1), note=note)
+    slot_of = decision.limit if isinstance(decision.limit, Concurrency) and not new.booked \
+        else None
+    if slot_of is not None:
+        # Waiting for a concurrency slot (nothing booked): it queues for the
+        # next one freed and is handed it.  Its own return is the fallback
+        # for a holder that dies without giving its slot back: by then its
+        # lease has expired.
+        release_at = max(release_at, decision.now + slot_of.lease_us)
+    parked = _park(task, runtime, new, at_us=max(release_at, 1), note=note, slot_of=slot_of,
+                   was=arrived)
     if not parked:
         _republish(task, new, min(countdown, config.max_countdown))
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
     metrics.deferred(name, decision.retry_after)
     if not parked:
-        _note_wait(task, runtime, note, decision.retry_after)
+        write_note(task, runtime, note, decision.retry_after)
     logger.info("throttle: task %s[%s] waits %.3fs for limit %r (deferral %d%s)",
                 task.name, request.id, decision.retry_after, name, new.deferrals,
                 ", parked" if parked else "")
     raise Ignore()
 
 
-def _wait_key(runtime: Runtime, task_id: str) -> str:
-    return task_key(runtime.config.prefix, "wait", task_id)
+def _room_open(task: Task[Any, Any], runtime: Runtime) -> bool:
+    """The waiting room is on, and this app's workers run releasers (it was installed)."""
+    return runtime.config.waiting_room and getattr(task.app, INSTALLED, False)
 
 
-# A wait note is kept this long after the start it announces.
-_NOTE_AFTER_MS = 60_000
+def _queues_for_slot(task: Task[Any, Any], runtime: Runtime, decision: Decision) -> bool:
+    """A wait for a full concurrency limit: with the waiting room, park it at once.
 
-
-def _wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitState) -> str:
-    """Why and until when the task waits, for ``celery throttle why`` (JSON)."""
-    due = decision.now + int(decision.retry_after * 1e6)
-    return json.dumps({"task": task.name, "limit": limit, "due": due,
-                       "booked": bool(state.booked), "deferrals": state.deferrals,
-                       "since": state.since})
-
-
-def _note_wait(task: Task[Any, Any], runtime: Runtime, note: str, wait: float) -> None:
-    """Record ``note`` (best effort): one SET per re-publish, expiring a minute after the start.
-
-    (A parked task's note is written by the script that parks it.)
+    Parked, it queues for the next freed slot and is handed it in order; a
+    task sleeping in a worker for its paced return would only compete.
     """
-    ttl_ms = int(wait * 1000) + _NOTE_AFTER_MS
-    # Best effort: the deferral itself is what matters; the note is for operators.
-    with contextlib.suppress(redis.RedisError):
-        runtime.gate.client.set(_wait_key(runtime, str(task.request.id)), note, px=ttl_ms)
+    booking = decision.reservation
+    return (isinstance(decision.limit, Concurrency) and booking is not None
+            and not booking.booked and _room_open(task, runtime))
 
 
 def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: int = 0,
-          delay_us: int = 0, note: str = "") -> bool:
+          delay_us: int = 0, note: str = "", slot_of: Concurrency | None = None,
+          was: str = "") -> bool:
     """Park the task in the waiting room until ``at_us`` (server clock) or ``delay_us`` from now.
 
     False when it cannot be parked (the waiting room is off, the app was
     never installed so no worker releases it, or the store failed): the
     caller re-publishes it with a countdown instead, never losing it.
+    ``slot_of``: the full concurrency limit it waits for; it queues for the
+    next freed slot of it too (handed over by ``Gate.release``), keeping the
+    turn of ``was``, the entry it arrived as, if it had one.
     """
-    if not runtime.config.waiting_room or not getattr(task.app, INSTALLED, False):
+    if not _room_open(task, runtime):
         return False
     request = task.request
     entry = f"{key_digest(str(request.id))}:{state.copy}"
     headers = {**(request.headers or {}), HEADER: replace(state, entry=entry).to_header()}
     envelope = capture(task.signature_from_request(request, headers=headers))
     try:
+        waiters = (waiters_key(runtime.config.prefix, slot_of.name, slot_of.key)
+                   if slot_of is not None else "")
         runtime.room.park(entry, envelope.dumps(), str(request.id), at_us=at_us,
-                          delay_us=delay_us, note=note, note_ttl_ms=_NOTE_AFTER_MS)
+                          delay_us=delay_us, note=note, note_ttl_ms=NOTE_AFTER_MS,
+                          waiters=waiters, was=was)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _log_outage(exc, "re-published with a countdown instead of parked")
@@ -451,50 +368,20 @@ def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> 
         return True  # policy "allow"
 
 
-def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
-    """What the last deferral of ``task_id`` recorded, with times relative to now (or None)."""
-    pipe = runtime.gate.client.pipeline(transaction=False)
-    pipe.get(_wait_key(runtime, task_id))
-    pipe.time()
-    raw, (sec, usec) = pipe.execute()
-    if raw is None:
-        return None
-    note = json.loads(raw)
-    now = int(sec) * 1_000_000 + int(usec)
-    note["due_in_s"] = round((note["due"] - now) / 1e6, 3)
-    note["waiting_s"] = round((now - (note["since"] or now)) / 1e6, 3)
-    return dict(note)
-
-
 def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, then: str) -> bool:
-    """acks_late: may this copy go on?  If so, point the task at ``then``.
+    """acks_late: may this copy go on (``copies.move_pointer``)?  Store down: yes.
 
-    ``then`` is a successor's copy id, or "ran:"/"done:" (this copy's id is
-    appended).  One script call per start, end and re-publish of an
-    acks_late task.  The pointer outlives the time a stranded copy can take
-    to come back: the broker's visibility timeout plus the longest booked
-    wait.  With the store down the answer is yes: a copy re-published
-    meanwhile names this one as its predecessor, so the pointer still lets
-    exactly one through.
+    With the store down a copy re-published meanwhile names this one as its
+    predecessor, so the pointer still lets exactly one through; a start with
+    the store down is the store-down policy's call.
     """
-    mine = state.copy_id
-    then_value = then + mine if then.endswith(":") else then
     request = task.request
-    key = f"{{{runtime.config.prefix}}}:copy:{key_digest(str(request.id))}:{request.retries}"
-    ttl_ms = int((runtime.config.visibility_timeout + runtime.config.horizon) * 1000) + 60_000
-    client = runtime.gate.client
-    script = client.register_script(_COPIES)  # no I/O: EVALSHA, reloaded on NOSCRIPT
     try:
-        moved = script(keys=[key], args=[mine, state.prev, then_value, ttl_ms])
+        return move_pointer(runtime, str(request.id), request.retries, state, then)
     except redis.RedisError as exc:
         if then == "ran:":
             _store_failed(task, runtime, state, exc)
         return True
-    return bool(moved)
-
-
-def _new_copy() -> str:
-    return secrets.token_hex(8)
 
 
 def _limit_name(decision: Decision) -> str:
@@ -529,7 +416,7 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     # "defer": never run unthrottled, never lost; back off 1, 2, 4 ... 30 s
     # with jitter so that a fleet of waiting tasks does not return in step.
     backoff = min(30.0, 2.0 ** min(state.deferrals, 5)) * random.uniform(0.5, 1.0)
-    new = replace(state, deferrals=state.deferrals + 1, copy=_new_copy(), prev=state.copy_id)
+    new = replace(state, deferrals=state.deferrals + 1, copy=new_copy(), prev=state.copy_id)
     # The copy pointer is not moved (the store is down): the new copy names
     # this one as its predecessor, which the pointer accepts.
     _republish(task, new, backoff)

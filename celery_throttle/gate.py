@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import redis
 
-from .keys import bucket_key, epoch_key, key_digest, validate_name, validate_prefix
+from .keys import bucket_key, epoch_key, key_digest, room_key, validate_name, validate_prefix
 from .rates import US_PER_SECOND, Rate, parse_rate
 
 __all__ = ["AnyLimit", "BucketState", "Concurrency", "Decision", "Gate", "LeaseState", "Limit",
@@ -303,8 +303,10 @@ class Gate:
     def release(self, limits: Sequence[AnyLimit], holder: str, ran_for: float = 0.0) -> int:
         """Give back ``holder``'s leases in the concurrency limits among ``limits``.
 
-        ``ran_for`` (seconds) feeds the average run that paces waiters.
-        Returns how many leases were released (0: none held, e.g. expired).
+        ``ran_for`` (seconds) feeds the average run that paces waiters.  A
+        freed slot goes at once to the oldest task parked for it in the
+        waiting room (its lease is taken in its name).  Returns how many
+        leases were released (0: none held, e.g. expired).
         """
         return self._op(limits, "release", _to_us(ran_for), holder)
 
@@ -349,7 +351,13 @@ class Gate:
     def _op(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> int:
         args = list(_head_args(self._now_us(), _NEVER, 0, 0, 0, 0, holder=holder,
                                op=op.encode(), op_arg=arg))
-        return int(self._script(keys=self._keys(limits), args=args + self._limit_args(limits)))
+        keys = self._keys(limits)
+        if op == "release":
+            keys += [waiters_key(self.prefix, lim.name, lim.key).encode() for lim in limits
+                     if isinstance(lim, Concurrency)]
+            keys += [room_key(self.prefix, part).encode() for part in ("parked", "messages",
+                                                                       "wake")]
+        return int(self._script(keys=keys, args=args + self._limit_args(limits)))
 
     def _keys(self, limits: Sequence[AnyLimit]) -> list[bytes]:
         keys = [_key_bytes(self.prefix, lim.name, lim.key, isinstance(lim, Concurrency))
@@ -469,6 +477,11 @@ def _key_bytes(prefix: str, name: str, key: object, leases: bool = False) -> byt
 
 def _meta_key(prefix: str, name: str, key: object) -> bytes:
     return (bucket_key(prefix, name, key) + _META).encode()
+
+
+def waiters_key(prefix: str, name: str, key: object) -> str:
+    """A concurrency limit's list of tasks parked for a slot ("entry holder", oldest first)."""
+    return bucket_key(prefix, name, key) + ":waiters"
 
 
 def _to_us(seconds: float) -> int:

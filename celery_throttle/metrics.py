@@ -10,24 +10,18 @@ With ``prometheus_client`` installed (``pip install celery-gcra-throttle[prometh
 the same counts also go to its default registry.  A prefork pool has one
 registry per child: run the worker with ``PROMETHEUS_MULTIPROC_DIR`` set to an
 empty directory, and the endpoint the worker serves (``throttle_metrics_port``)
-aggregates every child through ``MultiProcessCollector``.  Bucket fill is read
-from Redis when scraped (:class:`FillCollector`), so it is the cluster's
-state, not a process's.
+aggregates every child through ``MultiProcessCollector``.  The endpoint and
+the gauges read from Redis at scrape time live in ``exporter.py``.  This
+module imports nothing from the package: every layer may count.
 """
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from celery import Celery
-
-__all__ = ["WAIT_BUCKETS", "FillCollector", "LimitStats", "prepare", "reset", "serve",
-           "snapshot"]
+__all__ = ["WAIT_BUCKETS", "LimitStats", "prepare", "reset", "snapshot"]
 
 #: Histogram buckets (seconds) for the waits given to deferred tasks.
 WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
@@ -125,69 +119,3 @@ def _prometheus() -> Any:
                             ["limit"]),
                 )
     return _prom or None
-
-
-class FillCollector:
-    """Prometheus collector: each un-keyed limit's bucket, read from Redis at scrape time."""
-
-    def __init__(self, app: Celery) -> None:
-        self.app = app
-
-    def collect(self) -> Iterator[Any]:
-        """Yield gauges of fill (units used / burst), next free slot and booked-ahead starts."""
-        from prometheus_client.core import GaugeMetricFamily
-
-        from .command import known_limits  # lazily: the command module imports Celery's CLI
-        from .gate import Concurrency
-        from .store import runtime_for
-
-        fill = GaugeMetricFamily("celery_throttle_fill_ratio",
-                                 "Bucket content / burst (above 1: slots booked ahead)",
-                                 labels=["limit"])
-        free = GaugeMetricFamily("celery_throttle_next_free_seconds",
-                                 "Seconds until the limit admits a start", labels=["limit"])
-        booked = GaugeMetricFamily("celery_throttle_booked_ahead",
-                                   "Starts booked beyond the burst (waiting tasks)",
-                                   labels=["limit"])
-        held = GaugeMetricFamily("celery_throttle_leases_held",
-                                 "Concurrency slots held (unexpired leases)", labels=["limit"])
-        runtime = runtime_for(self.app)
-        room = runtime.room.state()
-        parked = GaugeMetricFamily("celery_throttle_parked",
-                                   "Tasks parked in the waiting room (not yet released)")
-        parked.add_metric([], room.parked)
-        releasing = GaugeMetricFamily("celery_throttle_releasing",
-                                      "Tasks released and not yet arrived at a worker")
-        releasing.add_metric([], room.releasing)
-        gate = runtime.gate
-        for known in known_limits(self.app):
-            lim = known.limit
-            if known.keyed:
-                continue
-            if isinstance(lim, Concurrency):
-                leases = gate.inspect_leases(lim)
-                held.add_metric([lim.name], leases.held)
-                continue
-            state = gate.inspect(lim)
-            fill.add_metric([lim.name], state.used / lim.burst)
-            free.add_metric([lim.name], state.next_free)
-            booked.add_metric([lim.name], state.booked_ahead)
-        yield from (fill, free, booked, held, parked, releasing)
-
-
-def serve(app: Celery, port: int, addr: str = "0.0.0.0") -> None:  # scraped from elsewhere
-    """Serve ``/metrics`` for this worker node (every pool child, in multiprocess mode)."""
-    try:
-        from prometheus_client import CollectorRegistry, start_http_server
-        from prometheus_client.multiprocess import MultiProcessCollector
-    except ImportError as exc:
-        raise ImportError("throttle_metrics_port needs prometheus_client: "
-                          "pip install 'celery-gcra-throttle[prometheus]'") from exc
-    registry = CollectorRegistry()
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-    else:
-        from prometheus_client import REGISTRY
-        registry = REGISTRY
-    registry.register(FillCollector(app))
-    start_http_server(port, addr=addr, registry=registry)

@@ -22,14 +22,15 @@ deadline) and ``wake`` (a list holding at most one token).
 from __future__ import annotations
 
 import importlib.resources
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
 from .keys import epoch_key, room_key, task_key
 
-__all__ = ["Parked", "RoomState", "WaitingRoom"]
+__all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 
 
 def _script(name: str) -> str:
@@ -47,6 +48,16 @@ class Parked:
     token: str
     epoch: int
     message: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """One parked task as ``celery throttle parked`` lists it."""
+
+    entry: str
+    release_in: float  # seconds (negative: overdue)
+    message: bytes = field(repr=False)
+    note: bytes | None = field(repr=False)  # its wait note (JSON), if it is still there
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,17 +84,23 @@ class WaitingRoom:
         self._arrive = client.register_script(_ARRIVE)
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
-             delay_us: int = 0, note: str = "", note_ttl_ms: int = 60_000) -> int:
+             delay_us: int = 0, note: str = "", note_ttl_ms: int = 60_000,
+             waiters: str = "", was: str = "") -> int:
         """Park ``message`` until ``at_us`` (server clock), or ``delay_us`` from now.
 
         ``note``: the wait note to leave for ``celery throttle why`` under
         ``task_id``, kept until ``note_ttl_ms`` after the release time.
-        Returns the release time (server clock, microseconds).
+        ``waiters``: a concurrency limit's waiters list (``gate.waiters_key``)
+        to join, so a freed slot is handed to this task (``task_id`` is the
+        lease holder); ``was``: the entry it had there before, whose turn it
+        keeps.  Returns the release time (server clock, microseconds).
         """
         at, _now = self._park(
             keys=[self.parked, self.messages, self.wake, task_key(self.prefix, "wait", task_id),
-                  self.epoch],
-            args=[entry, message, at_us, delay_us, note, note_ttl_ms])
+                  waiters or self.wake],
+            args=[entry, message, at_us, delay_us, note, note_ttl_ms,
+                  f"{entry} {task_id}" if waiters else "",
+                  f"{was} {task_id}" if waiters and was else ""])
         return int(at)
 
     def claim_due(self, batch: int, timeout_us: int) -> tuple[float | None, list[Parked]]:
@@ -115,6 +132,31 @@ class WaitingRoom:
         timeout = max(0.001, math.ceil(seconds * 1000) / 1000)
         return self.client.blpop([self.wake], timeout=timeout) is not None
 
+    def next_parked(self, count: int) -> list[Waiting]:
+        """The ``count`` parked tasks released next, with their messages and notes."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(self.parked, 0, count - 1, withscores=True)
+        (sec, usec), first = pipe.execute()
+        now = int(sec) * 1_000_000 + int(usec)
+        entries = [e.decode() for e, _ in first]
+        if not entries:
+            return []
+        # The client returns bytes (no decode_responses): the casts say so.
+        messages = [_raw(m) for m in self.client.hmget(self.messages, entries)]
+        notes = [_raw(n) or None for n in self.client.mget([
+            task_key(self.prefix, "wait", _task_id(m)) for m in messages])]
+        return [Waiting(e, (score - now) / 1e6, m, n)
+                for e, (_, score), m, n in zip(entries, first, messages, notes, strict=True)]
+
+    def purge(self) -> int:
+        """Drop every parked and every released-but-not-arrived task; return how many."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hlen(self.messages)
+        pipe.delete(self.parked, self.messages, self.claimed, self.wake)
+        count, _ = pipe.execute()
+        return int(count)
+
     def state(self) -> RoomState:
         """Counts and the next release time, read in one round trip."""
         pipe = self.client.pipeline(transaction=False)
@@ -126,3 +168,15 @@ class WaitingRoom:
         now = int(sec) * 1_000_000 + int(usec)
         nxt = (first[0][1] - now) / 1e6 if first else None
         return RoomState(int(parked), int(claimed), nxt)
+
+
+def _raw(value: bytes | str | None) -> bytes:
+    return value.encode() if isinstance(value, str) else value or b""
+
+
+def _task_id(message: bytes) -> str:
+    """The task id in a parked message's headers ("" if unreadable)."""
+    try:
+        return str(json.loads(message or b"{}").get("h", {}).get("id", ""))
+    except ValueError:
+        return ""

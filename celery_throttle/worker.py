@@ -25,14 +25,15 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
-from . import metrics
 from .config import read_config
-from .defer import HEADER
+from .declared import limits_in_force
+from .exporter import serve
 from .releaser import Releaser, add_lanes
 from .store import INSTALLED, forget, runtime_for
-from .task import ensure_gated, specs_of
+from .task import ensure_gated
+from .wait_state import HEADER
 
-__all__ = ["install", "limits_in_force", "store_warnings"]
+__all__ = ["install", "store_warnings"]
 
 logger = logging.getLogger("celery_throttle")
 
@@ -73,7 +74,7 @@ def install(app: Celery) -> Celery:
                         or "none")
             port = runtime_for(app).config.metrics_port
             if port is not None:
-                metrics.serve(app, port)
+                serve(app, port)
                 logger.info("celery_throttle: metrics on port %d", port)
             config = runtime_for(app).config
             try:
@@ -127,20 +128,6 @@ def install(app: Celery) -> Celery:
     signals.worker_process_shutdown.connect(on_shutdown, weak=False)
     signals.worker_shutdown.connect(on_worker_shutdown, weak=False)
     return app
-
-
-def limits_in_force(app: Celery) -> list[str]:
-    """One human-readable line per limit of ``app`` (queue limits, then task limits)."""
-    config = read_config(app)
-    lines = [f"queue {q.queue}: {q.limit.rate} burst {q.limit.burst}" for q in config.queues]
-    for name, task in sorted(app.tasks.items()):
-        for spec in specs_of(task):
-            key = f" per {spec.key if isinstance(spec.key, str) else 'key'}" if spec.key else ""
-            what = [f"{spec.rate} burst {spec.burst}"] if spec.rate is not None else []
-            if spec.concurrency is not None:
-                what.append(f"{spec.concurrency} at once (lease {spec.lease:g}s)")
-            lines.append(f"task {name}: {spec.name or name} {', '.join(what)}{key}")
-    return lines
 
 
 def store_warnings(client: redis.Redis, *, waiting_room: bool = False) -> list[str]:

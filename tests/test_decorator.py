@@ -13,8 +13,8 @@ from celery.exceptions import Ignore
 import celery_throttle
 from celery_throttle import Concurrency, Limit, ThrottleConfigError, throttled
 from celery_throttle.config import read_config
-from celery_throttle.defer import HEADER, WaitState
 from celery_throttle.task import specs_of
+from celery_throttle.wait_state import HEADER, WaitState
 
 from .workers import PublishRecorder
 

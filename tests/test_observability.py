@@ -22,7 +22,7 @@ from celery.exceptions import Ignore
 
 import celery_throttle
 from celery_throttle import Concurrency, Gate, Limit, metrics, parse_rate, throttled
-from celery_throttle.defer import read_wait
+from celery_throttle.notes import read_wait
 from celery_throttle.store import forget, runtime_for
 from celery_throttle.testing import free_port
 

@@ -159,7 +159,7 @@ def test_prometheus_collector_reports_parked_and_releasing(redis_url: str, prefi
     """The scrape-time collector reads the waiting room's counts from Redis."""
     from celery import Celery
 
-    from celery_throttle.metrics import FillCollector
+    from celery_throttle.exporter import FillCollector
     from celery_throttle.store import runtime_for
 
     app = Celery("room-metrics", set_as_current=False)
@@ -174,3 +174,52 @@ def test_prometheus_collector_reports_parked_and_releasing(redis_url: str, prefi
               if m.name in ("celery_throttle_parked", "celery_throttle_releasing")}
     app.close()
     assert values == {"celery_throttle_parked": 2, "celery_throttle_releasing": 1}
+
+
+def test_a_freed_slot_is_handed_to_the_oldest_parked_waiter(
+    client: redis.Redis, prefix: str
+) -> None:
+    """release() gives the lease to the first task parked for it and makes it due now (FIFO)."""
+    from celery_throttle import Concurrency, Gate
+    from celery_throttle.gate import waiters_key
+
+    gate, room = Gate(client, prefix=prefix), WaitingRoom(client, prefix)
+    lim = Concurrency("slot", 1, lease=30)
+    waiters = waiters_key(prefix, "slot", None)
+    assert gate.acquire_many([lim], holder="running").allowed
+    room.park("gone", b"m", "t-gone", delay_us=LATER_US, waiters=waiters)
+    client.hdel(room.messages, "gone")  # left the waiting room meanwhile (ran, expired)
+    room.park("first", b"m", "t-first", delay_us=LATER_US, waiters=waiters)
+    room.park("second", b"m", "t-second", delay_us=LATER_US, waiters=waiters)
+    client.delete(room.wake)
+    assert gate.release([lim], "running") == 1
+    assert client.zscore(gate.key_of(lim), "t-first") is not None  # its lease, in its name
+    _due, released = room.claim_due(10, 60_000_000)
+    assert [p.entry for p in released] == ["first"]
+    assert room.sleep(0.01) is True  # the releaser was woken
+    assert not gate.acquire_many([lim], holder="newcomer").allowed  # no newcomer takes it
+    assert gate.acquire_many([lim], holder="t-first").allowed  # the waiter holds it
+    assert client.lrange(waiters, 0, -1) == [b"second t-second"]
+
+
+def test_release_without_waiters_frees_the_slot(client: redis.Redis, prefix: str) -> None:
+    """No task parked for the limit: the slot is simply free for the next caller."""
+    from celery_throttle import Concurrency, Gate
+
+    gate = Gate(client, prefix=prefix)
+    lim = Concurrency("free", 1, lease=30)
+    assert gate.acquire_many([lim], holder="a").allowed
+    assert gate.release([lim], "a") == 1
+    assert gate.acquire_many([lim], holder="b").allowed
+
+
+def test_a_waiter_that_waits_again_keeps_its_turn(client: redis.Redis, prefix: str) -> None:
+    """Parked again under a new entry, a waiter replaces its old item instead of queueing last."""
+    from celery_throttle.gate import waiters_key
+
+    room = WaitingRoom(client, prefix)
+    waiters = waiters_key(prefix, "slot", None)
+    room.park("a1", b"m", "task-a", delay_us=LATER_US, waiters=waiters)
+    room.park("b1", b"m", "task-b", delay_us=LATER_US, waiters=waiters)
+    room.park("a2", b"m", "task-a", delay_us=LATER_US, waiters=waiters, was="a1")
+    assert client.lrange(waiters, 0, -1) == [b"a2 task-a", b"b1 task-b"]

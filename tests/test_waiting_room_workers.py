@@ -6,6 +6,7 @@ test_integration.py; every node here runs with ``throttle_waiting_room``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -167,3 +168,91 @@ def test_commands_show_parked_tasks_and_why_one_waits(
                      r"in \d\.\d{3}s$", table.stdout, flags=re.MULTILINE), table.stdout
     assert f"task {results[9].id} (tests.celery_app.patient) waits for limit 'patient'" \
         in why.stdout
+
+
+def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """Nodes at +3 s, -3 s and 0: parked tasks wait on Redis's clock, so the rate is kept.
+
+    The countdown path loses most of the rate here (0.45 of the limit in
+    test_faults.py's run): ETAs are set on one node's clock and waited for on
+    another's.  Parked tasks have no ETA; their release and their claim are
+    judged on the server's clock.
+    """
+    env = {**ROOM, "CT_PICKLE": "1", "C_FORCE_ROOT": "1"}
+    with cluster(redis_base, ("fast",), env={**env, "CT_CLOCK_OFFSET": "3"}), cluster(
+            redis_base, ("slow",), env={**env, "CT_CLOCK_OFFSET": "-3"}), cluster(
+            redis_base, ("true",), env=env):
+        results = [capp.parked_msgpack.delay(i) for i in range(40)]  # 7.8 s at 5/s
+        states = wait_results(results, timeout=40)
+        rows = read_records(records, expect=40, timeout=5)
+    assert states == ["SUCCESS"] * 40
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
+    times = [r["t"] for r in rows]
+    worst = check_window_bound(times, rate=5, burst=1, period=1.0)
+    utilisation = 7.8 / (times[-1] - times[0])
+    print(f"\nskewed clocks with the waiting room: utilisation {utilisation:.2f}, "
+          f"worst windows {worst}, hosts {sorted({r['host'] for r in rows})}")
+    assert utilisation >= 0.9
+    assert len({r["host"] for r in rows}) == 3  # every node ran some
+
+
+def test_a_freed_concurrency_slot_goes_to_the_oldest_waiter_at_once(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """concurrency=1: parked waiters start in their order, each right after the last ends."""
+    with cluster(redis_base, ("w1", "w2"), env=ROOM):
+        first = capp.one_slot.delay(1.0)
+        time.sleep(0.3)  # the first holds the slot before the waiters arrive
+        waiters = []
+        for _ in range(5):
+            waiters.append(capp.one_slot.delay(0.3))
+            time.sleep(0.1)  # parked in this order
+        states = wait_results([first, *waiters], timeout=30)
+        rows = read_records(records, expect=6, timeout=5)
+    assert states == ["SUCCESS"] * 6
+    assert [r["id"] for r in rows] == [first.id] + [w.id for w in waiters]  # FIFO
+    gaps = [b["t"] - (a["t"] + a["seconds"]) for a, b in itertools.pairwise(rows)]
+    print(f"\nhand-off gaps between one run's end and the next start: "
+          f"{[round(g, 3) for g in gaps]}")
+    # Each freed slot is taken within one release and one broker trip (the
+    # paced return without a hand-off would come back up to a second later).
+    assert max(gaps) < 0.25
+    assert min(gaps) > 0  # never two at once
+
+
+def test_parked_lists_the_next_tasks_and_purge_needs_yes(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """`parked` lists the next tasks with their limit; `purge` drops them only with --yes."""
+    from celery_throttle.envelope import Envelope
+    from celery_throttle.waiting_room import WaitingRoom
+
+    from .test_observability import _celery
+
+    store = redis.Redis.from_url(f"{redis_base}/11")  # the test app's store, prefix "throttle"
+    room = WaitingRoom(store, "throttle")
+    for i, limit in enumerate(["llm", "other", "llm"]):
+        message = Envelope(b"{}", "application/json", "utf-8", "", "celery",
+                           {"id": f"id-{i}", "task": "proj.summarize"}).dumps()
+        room.park(f"e{i}", message, f"id-{i}", delay_us=(10 + i) * 1_000_000,
+                  note=json.dumps({"limit": limit}))
+    listed = _celery(["parked", "--limit", "llm"], redis_base)
+    refused = _celery(["purge"], redis_base)
+    still = room.state().parked
+    purged = _celery(["purge", "--yes"], redis_base)
+    after = room.state().parked
+    store.close()
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert len(lines) == 2
+    assert re.match(r"^proj\.summarize\[id-0\] waits for limit 'llm': released in "
+                    r"(9|10)\.\d{3}s$", lines[0]), lines
+    assert lines[1].startswith("proj.summarize[id-2] waits for limit 'llm'")
+    assert refused.returncode == 2
+    assert "would drop 3 parked task(s)" in refused.stdout
+    assert still == 3
+    assert purged.returncode == 0, purged.stderr
+    assert "dropped 3 parked task(s)" in purged.stdout
+    assert after == 0

@@ -33,6 +33,11 @@ KEYS[n+1] the prefix's epoch: set once (no TTL) when first needed.  A
           one voids every older booking, which the emptied buckets no longer
           count (honouring them next to fresh starts would double the rate).
 KEYS[n+1+j] the meta hash of the j-th concurrency limit among the n
+With op "release" only (m = the number of concurrency limits):
+KEYS[n+1+m+j] the j-th concurrency limit's waiters: a list of "entry holder",
+          tasks parked in the waiting room for a slot, oldest first
+KEYS[n+2+2m], KEYS[n+3+2m], KEYS[n+4+2m] the waiting room's parked set,
+          messages hash and wake list (waiting_room.py)
 
 ARGV[1]   now, microseconds; 0 = use this server's TIME
 ARGV[2]   reservation horizon, microseconds; -1 = never reserve.
@@ -102,21 +107,28 @@ local epoch_key = KEYS[n + 1]
 local MIN_RUN, UNKNOWN_RUN = 50000, 1000000
 local META_TTL_MS = 86400000
 
+local function us(v)
+  return string.format('%d', v) -- %d: the default format rounds 16 digits
+end
+
 local function booked_in(m, i)
   return math.floor(m / 2 ^ (i - 1)) % 2 == 1
 end
 
 -- Each limit's numbers, converted once (the hot path reads them twice).
-local T, B, C, meta, concurrent = {}, {}, {}, {}, {}
-do
-  local j = 0
-  for i = 1, n do
-    local base = HEAD + 3 * i
-    T[i], B[i], C[i] = tonumber(ARGV[base - 2]), tonumber(ARGV[base - 1]), tonumber(ARGV[base])
-    if T[i] == 0 then
-      j = j + 1
-      meta[i], concurrent[i] = KEYS[n + 1 + j], true
-    end
+local T, B, C, meta, concurrent, waiters = {}, {}, {}, {}, {}, {}
+local m = 0 -- concurrency limits among the n
+for i = 1, n do
+  local base = HEAD + 3 * i
+  T[i], B[i], C[i] = tonumber(ARGV[base - 2]), tonumber(ARGV[base - 1]), tonumber(ARGV[base])
+  if T[i] == 0 then
+    m = m + 1
+    meta[i], concurrent[i], waiters[i] = KEYS[n + 1 + m], true, m
+  end
+end
+for i = 1, n do
+  if concurrent[i] then
+    waiters[i] = KEYS[n + 1 + m + waiters[i]] -- nil unless op is "release"
   end
 end
 
@@ -203,6 +215,36 @@ local function take(i)
   keep_at_least(meta[i], META_TTL_MS)
 end
 
+-- A freed slot goes to the oldest task parked for it (FIFO), within this
+-- call, so no newcomer can take it first: its lease is taken in its name
+-- and it is due for release now.  Waiters that left the waiting room (ran,
+-- expired, lost) are skipped, a few per call.
+local function hand_off(i)
+  local parked, messages, wake = KEYS[n + 2 + 2 * m], KEYS[n + 3 + 2 * m], KEYS[n + 4 + 2 * m]
+  local _, slots, lease = limit(i)
+  reclaim(i)
+  for _ = 1, 10 do
+    if redis.call('ZCARD', KEYS[i]) >= slots then
+      return
+    end
+    local item = redis.call('LPOP', waiters[i])
+    if not item then
+      return
+    end
+    local entry, who = string.match(item, '^(%S+) (.+)$')
+    if entry and redis.call('HEXISTS', messages, entry) == 1 then
+      redis.call('ZADD', KEYS[i], now + lease, who)
+      redis.call('HSET', meta[i], 's:' .. who, us(now))
+      if redis.call('ZADD', parked, 'XX', 'CH', now, entry) == 1 then
+        redis.call('LPUSH', wake, '1')
+        redis.call('LTRIM', wake, 0, 0)
+        redis.call('PEXPIRE', wake, 60000)
+      end
+      return
+    end
+  end
+end
+
 -- ---------------------------------------------------------------------------
 -- Operations after the decision: leases, pauses, settlements.
 if op ~= 'a' then
@@ -228,6 +270,9 @@ if op ~= 'a' then
           redis.call('HSET', meta[i], 'run', string.format('%d', avg))
           redis.call('PEXPIRE', meta[i], META_TTL_MS)
         end
+      end
+      if waiters[i] then
+        hand_off(i)
       end
     elseif op == 'extend' and concurrent[i] then
       -- Keep the lease; if it expired and was reclaimed, take a free slot

@@ -10,12 +10,17 @@ KEYS[2]  the messages hash: entry id -> the serialized message
 KEYS[3]  the wake list: one token, pushed when this entry is the new earliest,
          so a releaser sleeping until a later release wakes at once
 KEYS[4]  the task's wait note (for `celery throttle why`)
+KEYS[5]  a concurrency limit's waiters list (gate.lua hands a freed slot to
+         the oldest), or any key when ARGV[7] is ""
 ARGV[1]  entry id
 ARGV[2]  the message (envelope JSON)
 ARGV[3]  release time, microseconds of this server's clock; 0 = now + ARGV[4]
 ARGV[4]  delay, microseconds (used when ARGV[3] is 0)
 ARGV[5]  the wait note (JSON), "" for none; its "due" is the release time
 ARGV[6]  the note's TTL after the release time, milliseconds
+ARGV[7]  "entry holder" to append to the waiters list, or ""
+ARGV[8]  the item this task had in that list before (it came back and waits
+         again): replaced in place, so the task keeps its turn; or ""
 
 Reply: { release time (us), now (us) }
 ]]
@@ -39,5 +44,14 @@ end
 if ARGV[5] ~= '' then
   local ttl = math.max(1, math.ceil((at - now) / 1000) + tonumber(ARGV[6]))
   redis.call('SET', KEYS[4], ARGV[5], 'PX', ttl)
+end
+if ARGV[7] ~= '' then
+  local turn = ARGV[8] ~= '' and redis.call('LPOS', KEYS[5], ARGV[8]) -- Redis >= 6.0.6
+  if turn then
+    redis.call('LSET', KEYS[5], turn, ARGV[7])
+  else
+    redis.call('RPUSH', KEYS[5], ARGV[7])
+  end
+  redis.call('PEXPIRE', KEYS[5], math.max(1, math.ceil((at - now) / 1000)) + 86400000)
 end
 return { at, now }

@@ -1,0 +1,64 @@
+"""Which limits an app declares: its queue limits and every task's ``@throttled`` limits.
+
+The one home of that question, asked by the worker's start line
+(:func:`limits_in_force`), ``celery throttle status`` and the Prometheus
+exporter (:func:`known_limits`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from celery import Celery
+
+from .config import read_config
+from .gate import Concurrency, Limit
+from .task import specs_of
+
+__all__ = ["KnownLimit", "known_limits", "limits_in_force"]
+
+
+@dataclass(frozen=True, slots=True)
+class KnownLimit:
+    """A limit the app declares: queue limits, then each task's ``@throttled`` limits."""
+
+    limit: Limit | Concurrency  # with no key value; cost 1 when computed per call
+    keyed: bool
+    used_by: tuple[str, ...]  # "queue q" or task names
+
+
+def known_limits(app: Celery) -> list[KnownLimit]:
+    """Every limit ``app`` declares, one entry per bucket name (tasks sharing a name merge)."""
+    config = read_config(app)
+    found: dict[str, KnownLimit] = {}
+    for q in config.queues:
+        found[q.limit.name] = KnownLimit(q.limit, False, (f"queue {q.queue}",))
+    leases: dict[str, KnownLimit] = {}
+    for task_name, task in sorted(app.tasks.items()):
+        for spec in specs_of(task):
+            name = spec.name or task_name
+            cost = spec.cost if isinstance(spec.cost, int) else 1
+            kinds: list[tuple[dict[str, KnownLimit], Limit | Concurrency]] = []
+            if spec.rate is not None:
+                kinds.append((found, Limit(name, spec.rate, spec.burst, None, cost)))
+            if spec.concurrency is not None:
+                kinds.append((leases, Concurrency(name, spec.concurrency, None, spec.lease)))
+            for table, lim in kinds:
+                old = table.get(name)
+                table[name] = (KnownLimit(old.limit, old.keyed, (*old.used_by, task_name))
+                               if old else KnownLimit(lim, spec.key is not None, (task_name,)))
+    return [*found.values(), *leases.values()]
+
+
+def limits_in_force(app: Celery) -> list[str]:
+    """One human-readable line per limit of ``app`` (queue limits, then task limits)."""
+    config = read_config(app)
+    lines = [f"queue {q.queue}: {q.limit.rate} burst {q.limit.burst}" for q in config.queues]
+    for name, task in sorted(app.tasks.items()):
+        for spec in specs_of(task):
+            key = f" per {spec.key if isinstance(spec.key, str) else 'key'}" if spec.key else ""
+            what = [f"{spec.rate} burst {spec.burst}"] if spec.rate is not None else []
+            if spec.concurrency is not None:
+                what.append(f"{spec.concurrency} at once (lease {spec.lease:g}s)")
+            lines.append(f"task {name}: {spec.name or name} {', '.join(what)}{key}")
+    return lines

@@ -1,0 +1,83 @@
+"""The Prometheus endpoint of a worker node, and the gauges it reads from Redis when scraped.
+
+Imported by the worker only (``throttle_metrics_port``).  Counters are
+``metrics.py``'s; here: each un-keyed limit's fill, next free slot and
+booked-ahead starts, leases held, and the waiting room's counts, read at
+scrape time, so they are the cluster's state, not a process's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from celery import Celery
+
+from .declared import known_limits
+from .gate import Concurrency
+from .store import runtime_for
+
+__all__ = ["FillCollector", "serve"]
+
+
+class FillCollector:
+    """Prometheus collector: each un-keyed limit's bucket, read from Redis at scrape time."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[Any]:
+        """Yield gauges of fill (units used / burst), next free slot and booked-ahead starts."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        fill = GaugeMetricFamily("celery_throttle_fill_ratio",
+                                 "Bucket content / burst (above 1: slots booked ahead)",
+                                 labels=["limit"])
+        free = GaugeMetricFamily("celery_throttle_next_free_seconds",
+                                 "Seconds until the limit admits a start", labels=["limit"])
+        booked = GaugeMetricFamily("celery_throttle_booked_ahead",
+                                   "Starts booked beyond the burst (waiting tasks)",
+                                   labels=["limit"])
+        held = GaugeMetricFamily("celery_throttle_leases_held",
+                                 "Concurrency slots held (unexpired leases)", labels=["limit"])
+        runtime = runtime_for(self.app)
+        room = runtime.room.state()
+        parked = GaugeMetricFamily("celery_throttle_parked",
+                                   "Tasks parked in the waiting room (not yet released)")
+        parked.add_metric([], room.parked)
+        releasing = GaugeMetricFamily("celery_throttle_releasing",
+                                      "Tasks released and not yet arrived at a worker")
+        releasing.add_metric([], room.releasing)
+        gate = runtime.gate
+        for known in known_limits(self.app):
+            lim = known.limit
+            if known.keyed:
+                continue
+            if isinstance(lim, Concurrency):
+                leases = gate.inspect_leases(lim)
+                held.add_metric([lim.name], leases.held)
+                continue
+            state = gate.inspect(lim)
+            fill.add_metric([lim.name], state.used / lim.burst)
+            free.add_metric([lim.name], state.next_free)
+            booked.add_metric([lim.name], state.booked_ahead)
+        yield from (fill, free, booked, held, parked, releasing)
+
+
+def serve(app: Celery, port: int, addr: str = "0.0.0.0") -> None:  # scraped from elsewhere
+    """Serve ``/metrics`` for this worker node (every pool child, in multiprocess mode)."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client.multiprocess import MultiProcessCollector
+    except ImportError as exc:
+        raise ImportError("throttle_metrics_port needs prometheus_client: "
+                          "pip install 'celery-gcra-throttle[prometheus]'") from exc
+    registry = CollectorRegistry()
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    else:
+        from prometheus_client import REGISTRY
+        registry = REGISTRY
+    registry.register(FillCollector(app))
+    start_http_server(port, addr=addr, registry=registry)

@@ -1,0 +1,65 @@
+"""Wait notes: why and until when a task waits, for ``celery throttle why``.
+
+One JSON value per waiting task under ``{prefix}:wait:<task id digest>``,
+written at each deferral (by the script that parks a task, or by one SET
+when it is re-published with a countdown) and kept until a minute after the
+start it announces.  Best effort: the deferral itself is what matters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+import redis
+from celery import Task
+
+from .gate import Decision
+from .keys import task_key
+from .store import Runtime
+from .wait_state import WaitState
+
+__all__ = ["NOTE_AFTER_MS", "read_wait", "wait_note", "write_note"]
+
+
+def _wait_key(runtime: Runtime, task_id: str) -> str:
+    return task_key(runtime.config.prefix, "wait", task_id)
+
+
+# A wait note is kept this long after the start it announces.
+NOTE_AFTER_MS = 60_000
+
+
+def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitState) -> str:
+    """Why and until when the task waits, for ``celery throttle why`` (JSON)."""
+    due = decision.now + int(decision.retry_after * 1e6)
+    return json.dumps({"task": task.name, "limit": limit, "due": due,
+                       "booked": bool(state.booked), "deferrals": state.deferrals,
+                       "since": state.since})
+
+
+def write_note(task: Task[Any, Any], runtime: Runtime, note: str, wait: float) -> None:
+    """Record ``note`` (best effort): one SET per re-publish, expiring a minute after the start.
+
+    (A parked task's note is written by the script that parks it.)
+    """
+    ttl_ms = int(wait * 1000) + NOTE_AFTER_MS
+    # Best effort: the deferral itself is what matters; the note is for operators.
+    with contextlib.suppress(redis.RedisError):
+        runtime.gate.client.set(_wait_key(runtime, str(task.request.id)), note, px=ttl_ms)
+
+
+def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
+    """What the last deferral of ``task_id`` recorded, with times relative to now (or None)."""
+    pipe = runtime.gate.client.pipeline(transaction=False)
+    pipe.get(_wait_key(runtime, task_id))
+    pipe.time()
+    raw, (sec, usec) = pipe.execute()
+    if raw is None:
+        return None
+    note = json.loads(raw)
+    now = int(sec) * 1_000_000 + int(usec)
+    note["due_in_s"] = round((note["due"] - now) / 1e6, 3)
+    note["waiting_s"] = round((now - (note["since"] or now)) / 1e6, 3)
+    return dict(note)

@@ -1,0 +1,104 @@
+"""What a waiting task carries between its hops: :class:`WaitState`, in one message header.
+
+A deferred task is re-published (or parked and released) under the same id,
+queue, routing, headers and options; what it needs on its next arrival (its
+booked slot, its deferral count, which copy it is) travels in the header
+:data:`HEADER`, read back with :meth:`WaitState.from_request`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .gate import AnyLimit, Limit, Reservation
+
+__all__ = ["HEADER", "WaitState", "spacing_of"]
+
+#: The message header carrying a waiting task's state between hops.
+HEADER = "celery_throttle"
+
+
+@dataclass(frozen=True, slots=True)
+class WaitState:
+    """What a deferred message carries: its booked slot, deferral count and first wait."""
+
+    slot: int | None = None  # booked start, server clock, microseconds
+    booked: int = 0  # the limits the slot is booked in (Reservation.booked)
+    epoch: int = 0  # the store lifetime the slot was booked in (Reservation.epoch)
+    deferrals: int = 0
+    since: int | None = None  # server clock (us) of the first deferral
+    copy: str = ""  # set by every re-publish: tells a duplicate from a redelivery
+    prev: str = ""  # the copy that published this one ("-": the user's message)
+    spacing: tuple[int, ...] = ()  # each limit's interval (us) when the slot was booked
+    entry: str = ""  # the waiting-room entry this copy was released from (waiting_room.py)
+    token: str = ""  # the release that published this copy (set by the releaser)
+    room: int = 0  # the store's epoch when it was released (set by the releaser)
+
+    @classmethod
+    def from_request(cls, request: Any) -> WaitState:
+        """Read the state from a task request (Celery >= 5.3 exposes custom headers)."""
+        raw = (getattr(request, "headers", None) or {}).get(HEADER)
+        if raw is None:
+            raw = getattr(request, HEADER, None)
+        if not isinstance(raw, dict):
+            return cls()
+        def num(name: str) -> int:
+            value = raw.get(name)
+            return value if isinstance(value, int) and value > 0 else 0
+
+        def text(name: str, longest: int = 32) -> str:
+            value = raw.get(name)
+            return value if isinstance(value, str) and len(value) <= longest else ""
+
+        spacing = raw.get("spacing")
+        if not (isinstance(spacing, list) and len(spacing) <= 64
+                and all(isinstance(t, int) for t in spacing)):
+            spacing = []
+        return cls(slot=num("slot") or None, booked=num("booked"), epoch=num("epoch"),
+                   deferrals=num("deferrals"), since=num("since") or None, copy=text("copy"),
+                   prev=text("prev"), spacing=tuple(spacing), entry=text("entry", 64),
+                   token=text("token", 40), room=num("room"))
+
+    @property
+    def copy_id(self) -> str:
+        """This copy's id as the copy pointer knows it ("-": the message the user sent)."""
+        return self.copy or "-"
+
+    @property
+    def claim(self) -> Reservation | None:
+        """The reservation to claim on arrival, if any."""
+        return Reservation(self.slot, self.booked, self.epoch) if self.slot else None
+
+    def claim_under(self, limits: list[AnyLimit]) -> Reservation | None:
+        """The booking, unless a limit is now slower than when it was booked.
+
+        Booked slots are spaced at the old interval; honouring them after a
+        rate was lowered (workers restarted with a new rate) would run the
+        waiting tasks at the old, faster pace.  So they book again.
+        """
+        if not self.booked:
+            # Nothing booked (a concurrency wait): nothing to claim; it asks
+            # afresh, whether it comes back at its paced time or was handed
+            # a freed slot early.
+            return None
+        now = spacing_of(limits)
+        if len(now) != len(self.spacing) or any(
+                new > old for new, old in zip(now, self.spacing, strict=True)):
+            return None
+        return self.claim
+
+    def to_header(self) -> dict[str, int | str | list[int] | None]:
+        """The header value (JSON-safe)."""
+        header: dict[str, int | str | list[int] | None] = {
+            "slot": self.slot, "booked": self.booked, "epoch": self.epoch,
+            "deferrals": self.deferrals, "since": self.since, "copy": self.copy,
+            "prev": self.prev, "spacing": list(self.spacing)}
+        if self.entry:
+            header.update(entry=self.entry, token=self.token, room=self.room)
+        return header
+
+
+def spacing_of(limits: list[AnyLimit]) -> tuple[int, ...]:
+    """Each limit's interval (us; 0 for a concurrency limit), carried with a booking."""
+    return tuple(lim.rate.interval_us if isinstance(lim, Limit) else 0 for lim in limits)

@@ -1,0 +1,58 @@
+"""The package's imports run one way (STYLE.md): no module imports one that imports it back."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "celery_throttle"
+
+
+def _imports() -> dict[str, set[str]]:
+    """Each module's imports of sibling modules, lazy ones inside functions included."""
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.glob("*.py"):
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module.split(".")[0]] if node.module else [
+                    a.name for a in node.names]
+                found |= {n for n in names if n in modules and n != path.stem}
+        graph[path.stem] = found
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt in path:
+                found.append([*path[path.index(nxt):], nxt])
+            elif nxt not in done:
+                visit(nxt, [*path, nxt])
+        done.add(node)
+
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start])
+    return found
+
+
+def test_the_package_has_no_import_circle() -> None:
+    """No import circle among the package's modules, lazy imports included."""
+    assert _cycles(_imports()) == []
+
+
+def test_the_cycle_finder_finds_a_circle() -> None:
+    """The check itself: a made-up a -> b -> c -> a is reported."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_the_leaves_import_nothing_from_the_package() -> None:
+    """rates, keys, errors and metrics sit at the bottom: they import no sibling module."""
+    graph = _imports()
+    assert {name: graph[name] for name in ("rates", "keys", "errors", "metrics")} == {
+        "rates": set(), "keys": set(), "errors": set(), "metrics": set()}

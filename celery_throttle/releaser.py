@@ -44,6 +44,8 @@ logger = logging.getLogger("celery_throttle")
 IDLE = 5.0
 #: The most entries claimed and published per script call.
 BATCH = 200
+# Waits up to this long are slept in the thread, longer ones in a blocking pop.
+_FINE = 0.25
 # After a store or broker error, wait this long before trying again.
 _BACKOFF = 1.0
 #: The suffix of a queue's lane for released tasks.
@@ -143,7 +145,13 @@ class Releaser:
                 wait = self.release_due()
                 if wait == 0:
                     continue  # a full batch: more are due now
-                self.room.sleep(IDLE if wait is None else min(wait, IDLE))
+                if wait is not None and wait <= _FINE:
+                    # Redis times a blocking pop out on its own clock tick
+                    # (every 100 ms at the default hz 10): a near release is
+                    # slept here, where it is precise.
+                    self._stop.wait(wait)
+                else:
+                    self.room.sleep(IDLE if wait is None else min(wait - _FINE / 2, IDLE))
             except Exception as exc:  # a store or broker error: entries stay claimed
                 if self._stop.is_set():
                     break

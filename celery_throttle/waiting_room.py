@@ -9,14 +9,17 @@ ETA, a short lead before their slot.  Three scripts, each a few lines:
 
 * ``lua/park.lua``: store the message and its release time (and the wait
   note), wake a releaser if it is the new earliest;
-* ``lua/release.lua``: claim the due entries for one releaser, with a
-  deadline after which an entry whose message never arrived is due again;
+* ``lua/release.lua``: claim the due entries for one releaser, ahead of
+  time by the measured trip to a worker, with a deadline after which an
+  entry whose message never arrived is due again;
 * ``lua/arrive.lua``: the first released copy to reach a worker takes the
-  entry; a second copy (its releaser died after publishing) is refused.
+  entry (and measures its trip); a second copy (its releaser died after
+  publishing) is refused.
 
 Keys (``keys.room_key``): ``parked`` (sorted set: entry -> release time, us),
 ``messages`` (hash: entry -> message), ``claimed`` (sorted set: entry ->
-deadline) and ``wake`` (a list holding at most one token).
+deadline), ``wake`` (a list holding at most one token) and ``trip`` (the
+measured trip from release to arrival, which releases run ahead by).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class WaitingRoom:
         self.prefix = prefix
         self.parked, self.messages = room_key(prefix, "parked"), room_key(prefix, "messages")
         self.claimed, self.wake = room_key(prefix, "claimed"), room_key(prefix, "wake")
+        self.trip = room_key(prefix, "trip")
         self.epoch = epoch_key(prefix)
         # redis-py's Script: EVALSHA, reloaded on NOSCRIPT; registering does no I/O.
         self._park = client.register_script(_PARK)
@@ -108,7 +112,8 @@ class WaitingRoom:
 
         None instead of seconds: nothing is parked or being released.
         """
-        reply = self._release(keys=[self.parked, self.messages, self.claimed, self.epoch],
+        reply = self._release(keys=[self.parked, self.messages, self.claimed, self.epoch,
+                                    self.trip],
                               args=[batch, timeout_us])
         wait, epoch = int(reply[0]), int(reply[1])
         items = reply[2:]
@@ -123,7 +128,8 @@ class WaitingRoom:
         that long, so the broker's redelivery of it may go on again.
         """
         marker = task_key(self.prefix, "arrived", entry)
-        return bool(self._arrive(keys=[self.messages, self.claimed, marker, self.epoch],
+        return bool(self._arrive(keys=[self.messages, self.claimed, marker, self.epoch,
+                                       self.trip],
                                  args=[entry, token, marker_ttl_ms, epoch]))
 
     def sleep(self, seconds: float) -> bool:

@@ -31,6 +31,9 @@ pytestmark = pytest.mark.integration
         # machine (celery 5.7.0, kombu 5.7.0, redis-py 8.1.0), 15.7-16.7/s
         # and 1.17-1.25 over 5 runs, hence the wider margins.
         ("0.25", 0.75, 1.35),
+        # The same waits parked in the waiting room and released just in time
+        # (measured 18.7 and 19.1/s, 9 and 14 slots lost during intake).
+        ("0.25-room", 0.9, 1.1),
     ],
 )
 def test_backlog_two_prefork_nodes_keeps_bound_and_rate(
@@ -38,7 +41,9 @@ def test_backlog_two_prefork_nodes_keeps_bound_and_rate(
     min_share: float, max_deferrals: float,
 ) -> None:
     """200 tasks at 20/s on two prefork nodes: bound held, rate kept, each run once, SUCCESS."""
-    env = {"CT_MAX_SLEEP": max_sleep} if max_sleep else {}
+    env = {"CT_MAX_SLEEP": max_sleep.removesuffix("-room")} if max_sleep else {}
+    if max_sleep and max_sleep.endswith("-room"):
+        env["CT_WAITING_ROOM"] = "1"
     with cluster(redis_base, ("w1", "w2"), env=env) as nodes:
         results = [capp.steady.delay(i) for i in range(200)]
         rows = read_records(records, expect=200, timeout=60)

@@ -223,3 +223,18 @@ def test_a_waiter_that_waits_again_keeps_its_turn(client: redis.Redis, prefix: s
     room.park("b1", b"m", "task-b", delay_us=LATER_US, waiters=waiters)
     room.park("a2", b"m", "task-a", delay_us=LATER_US, waiters=waiters, was="a1")
     assert client.lrange(waiters, 0, -1) == [b"a2 task-a", b"b1 task-b"]
+
+
+def test_releases_run_ahead_by_the_measured_trip(client: redis.Redis, prefix: str) -> None:
+    """Arrivals measure release -> arrival; later releases go out that much ahead of time."""
+    room = WaitingRoom(client, prefix)
+    room.park("first", b"m", "t1", delay_us=LATER_US)
+    released_3s_ago = f"{_now_us(client) - 3_000_000}.1"  # the token carries the release time
+    assert room.arrive("first", released_3s_ago, 0) is True
+    assert client.hget(room.trip, "avg") is not None
+    room.park("in-2s", b"m", "t2", delay_us=2_000_000)
+    room.park("in-9s", b"m", "t3", delay_us=9_000_000)
+    wait, released = room.claim_due(10, 60_000_000)
+    assert [p.entry for p in released] == ["in-2s"]  # 2 s ahead, within the 3 s trip
+    assert wait is not None
+    assert 5.9 < wait <= 6.0  # the next goes out 3 s before its time too

@@ -12,17 +12,35 @@ KEYS[1]  the messages hash
 KEYS[2]  the claimed set
 KEYS[3]  the arrival marker of this entry
 KEYS[4]  the prefix's epoch
+KEYS[5]  the waiting room's trip estimate (a hash: "avg" and "dev", us)
 ARGV[1]  entry id
 ARGV[2]  the token of the release that published this copy
 ARGV[3]  marker TTL, milliseconds; 0 = no marker (not acks_late: its message
          was acknowledged before it got here, so it is never redelivered)
 ARGV[4]  the epoch the entry was parked in
 
+The first arrival also measures the trip from its release (the token is
+"<release time>.<n>") into the trip estimate the releaser releases ahead by.
+
 Reply: 1 this copy goes on, 0 it is a duplicate
 ]]
 local entry = ARGV[1]
 if redis.call('HDEL', KEYS[1], entry) == 1 then
   redis.call('ZREM', KEYS[2], entry)
+  local released = tonumber(string.match(ARGV[2], '^(%d+)%.'))
+  if released then
+    local t = redis.call('TIME')
+    local trip = tonumber(t[1]) * 1000000 + tonumber(t[2]) - released
+    -- Moving averages of the trip and of its deviation, an eighth of the way
+    -- per arrival (as TCP estimates a round trip), capped at a minute.
+    trip = math.min(math.max(trip, 0), 60000000)
+    local avg = tonumber(redis.call('HGET', KEYS[5], 'avg') or trip)
+    local dev = tonumber(redis.call('HGET', KEYS[5], 'dev') or 0)
+    dev = dev + (math.abs(trip - avg) - dev) / 8
+    avg = avg + (trip - avg) / 8
+    redis.call('HSET', KEYS[5], 'avg', string.format('%d', avg), 'dev', string.format('%d', dev))
+    redis.call('PEXPIRE', KEYS[5], 86400000)
+  end
   if tonumber(ARGV[3]) > 0 then
     redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
   end

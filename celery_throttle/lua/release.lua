@@ -13,6 +13,9 @@ KEYS[3]  the claimed set (score = deadline, us)
 KEYS[4]  the prefix's epoch (see gate.lua), set here if absent: a released
          copy carries it, so its arrival can tell a store that lost its data
          (a new epoch) from one where another copy arrived first
+KEYS[5]  the trip estimate (arrive.lua): entries are released this much
+         ahead of their release time, so that they reach a worker by then
+         even while the workers are busy (taking in a backlog of fresh tasks)
 ARGV[1]  batch: the most entries claimed per call
 ARGV[2]  claim timeout, microseconds
 
@@ -27,6 +30,10 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local batch = tonumber(ARGV[1])
 local deadline = now + tonumber(ARGV[2])
+local est = redis.call('HMGET', KEYS[5], 'avg', 'dev')
+-- Ahead by the usual trip and twice its deviation.
+local ahead = math.floor((tonumber(est[1]) or 0) + 2 * (tonumber(est[2]) or 0))
+local horizon = now + ahead
 
 -- Claims past their deadline whose message has not arrived: due again.
 for _, e in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, batch)) do
@@ -42,7 +49,7 @@ if not epoch then
   redis.call('SET', KEYS[4], epoch)
 end
 local out = { 0, tonumber(epoch) }
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, batch)
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', horizon, 'LIMIT', 0, batch)
 for i, e in ipairs(due) do
   redis.call('ZREM', KEYS[1], e)
   local message = redis.call('HGET', KEYS[2], e)
@@ -56,7 +63,7 @@ end
 if #due < batch then
   local nxt = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   if nxt[1] then
-    out[1] = math.max(1, tonumber(nxt[2]) - now)
+    out[1] = math.max(1, tonumber(nxt[2]) - horizon)
   else
     -- Nothing parked; a claim may still time out: look again by then.
     local claim = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')

@@ -7,7 +7,7 @@ import threading
 import redis
 
 from celery_throttle.keys import epoch_key
-from celery_throttle.waiting_room import WaitingRoom
+from celery_throttle.waiting_room import Parked, WaitingRoom
 
 # Far enough ahead that nothing becomes due while a test runs.
 LATER_US = 3_600 * 1_000_000
@@ -67,14 +67,20 @@ def test_a_claim_not_arrived_by_its_deadline_is_released_again(
     assert first[0].token != again[0].token
 
 
-def test_first_copy_to_arrive_goes_on_and_a_second_is_refused(
-    client: redis.Redis, prefix: str
-) -> None:
-    """Two published copies of one entry (a re-release): exactly one goes on."""
+def _released_twice(client: redis.Redis, prefix: str) -> tuple[WaitingRoom, Parked, Parked]:
+    """One entry released, its claim timed out (deadline 1 us), released again."""
     room = WaitingRoom(client, prefix)
     room.park("e", b"m", "t", at_us=_now_us(client) - 1)
     _, (first,) = room.claim_due(10, 1)
     _, (second,) = room.claim_due(10, 60_000_000)
+    return room, first, second
+
+
+def test_first_copy_to_arrive_goes_on_and_a_second_is_refused(
+    client: redis.Redis, prefix: str
+) -> None:
+    """Two published copies of one entry (a re-release): exactly one goes on."""
+    room, first, second = _released_twice(client, prefix)
     assert room.arrive("e", second.token, second.epoch) is True
     assert room.arrive("e", first.token, first.epoch) is False
     # Its claim is settled: nothing is released a third time.
@@ -86,10 +92,7 @@ def test_acks_late_redelivery_of_the_copy_that_went_on_goes_on_again(
     client: redis.Redis, prefix: str
 ) -> None:
     """With a marker, the same release's copy (the broker's redelivery) may go on again."""
-    room = WaitingRoom(client, prefix)
-    room.park("e", b"m", "t", at_us=_now_us(client) - 1)
-    _, (first,) = room.claim_due(10, 1)
-    _, (second,) = room.claim_due(10, 60_000_000)
+    room, first, second = _released_twice(client, prefix)
     assert room.arrive("e", first.token, first.epoch, marker_ttl_ms=60_000) is True
     assert room.arrive("e", first.token, first.epoch, marker_ttl_ms=60_000) is True
     assert room.arrive("e", second.token, second.epoch, marker_ttl_ms=60_000) is False

@@ -289,13 +289,12 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         release_at = max(release_at, decision.now + slot_of.lease_us)
     parked = _park(task, runtime, new, at_us=max(release_at, 1), note=note, slot_of=slot_of,
                    was=arrived)
-    if not parked:
+    if not parked:  # (a parked task's note was written by the script that parked it)
         _republish(task, new, min(countdown, config.max_countdown))
+        write_note(task, runtime, note, decision.retry_after)
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
     metrics.deferred(name, decision.retry_after)
-    if not parked:
-        write_note(task, runtime, note, decision.retry_after)
     logger.info("throttle: task %s[%s] waits %.3fs for limit %r (deferral %d%s)",
                 task.name, request.id, decision.retry_after, name, new.deferrals,
                 ", parked" if parked else "")

@@ -272,7 +272,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     booking = decision.reservation
     new = WaitState(slot=booking.slot if booking else None,
                     booked=booking.booked if booking else 0,
-                    epoch=booking.epoch if booking else 0, deferrals=state.deferrals + 1,
+                    epoch=booking.epoch if booking else 0,
+                    shift=booking.shift if booking else 0, deferrals=state.deferrals + 1,
                     since=state.since or decision.now, copy=new_copy(), prev=state.copy_id,
                     spacing=spacing_of(limits))
     name = _limit_name(decision)

@@ -119,12 +119,15 @@ class Reservation:
     ``booked`` has bit ``i`` set for ``limits[i]`` of the call that booked it;
     the other limits are charged when the reservation is claimed.  ``epoch``
     identifies the store's lifetime: after a Redis restart or flush the
-    buckets are empty and older reservations are void.
+    buckets are empty and older reservations are void.  ``shift``: the booked
+    limits' settlement shift when it was booked (microseconds): settlements
+    that charged more than their estimates since then move the slot later.
     """
 
     slot: int
     booked: int
     epoch: int = 0
+    shift: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,14 +289,15 @@ class Gate:
             claim.booked if claim is not None else 0,
             claim.epoch if claim is not None else 0,
         )
-        args = list(_head_args(*head, holder=holder))
+        args = list(_head_args(*head, holder=holder,
+                               shift=claim.shift if claim is not None else 0))
         reply = self._script(keys=self._keys(limits), args=args + self._limit_args(limits))
         if reply == _ALLOWED:  # the hot path replies with a bare integer
             return _ADMITTED
-        status, wait_us, blocking, slot_us, now_us, mask, epoch = reply
+        status, wait_us, blocking, slot_us, now_us, mask, epoch, shift = reply
         blocked = limits[blocking - 1] if blocking else None
         retry_after = wait_us / US_PER_SECOND
-        booking = Reservation(slot_us, mask, epoch) if slot_us else None
+        booking = Reservation(slot_us, mask, epoch, shift) if slot_us else None
         if status == _ALLOWED:
             return Decision(True, 0.0, None, booking, now_us)
         if status == _EARLY:
@@ -332,12 +336,14 @@ class Gate:
     def settle(self, limit: Limit, actual: int, *, charged: int | None = None) -> None:
         """Correct ``limit``'s charge from its estimated ``cost`` to the ``actual`` units.
 
-        The bucket is charged the difference (more than estimated) or
-        refunded it (less; never past a full bucket), so the budget holds
-        over time.  ``actual`` may exceed the burst: the bucket then owes.
-        ``charged``: what was charged if not ``limit.cost`` (an earlier
-        settlement).  A refund can void the latest slot booked in the
-        bucket (its task then books again): never a start too many.
+        The bucket is charged the difference (more than estimated), and
+        every slot booked in it before moves that much later too (booked at
+        the estimates' pace, they would otherwise start too close together);
+        or it is refunded the difference (less; never past a full bucket,
+        and only while no slot is booked beyond the burst: a lower TAT would
+        hand a booked slot's time out twice).  ``actual`` may exceed the
+        burst: the bucket then owes.  ``charged``: what was charged if not
+        ``limit.cost`` (an earlier settlement).
         """
         diff = (_units("actual cost", actual)
                 - (limit.cost if charged is None else _units("charged cost", charged)))
@@ -432,24 +438,26 @@ def _limit_args(interval_us: int, burst: int, cost: int) -> tuple[bytes, bytes, 
 
 
 def _head_args(now: int, horizon: int, claim: int, grace: int, mask: int, epoch: int, *,
-               holder: str = "", op: bytes = b"a", op_arg: int = 0) -> tuple[bytes, ...]:
+               holder: str = "", op: bytes = b"a", op_arg: int = 0,
+               shift: int = 0) -> tuple[bytes, ...]:
     if now == 0 and claim == 0 and not holder and op == b"a":
         return _plain_head(horizon, grace)  # most calls: cache the few distinct ones
     return (*(str(v).encode() for v in (now, horizon, claim, grace, mask, epoch)),
-            holder.encode(), op, str(op_arg).encode())
+            holder.encode(), op, str(op_arg).encode(), str(shift).encode())
 
 
 @functools.lru_cache(maxsize=256)
 def _plain_head(horizon: int, grace: int) -> tuple[bytes, ...]:
     return (b"0", str(horizon).encode(), b"0", str(grace).encode(), b"0", b"0", b"", b"a",
-            b"0")
+            b"0", b"0")
 
 
 def _parse_bucket(raw: bytes | None) -> tuple[int, int]:
-    """A rate bucket's value: ``TAT`` or ``TAT:until`` while paused (see gate.lua)."""
+    """A rate bucket's TAT and pause: ``TAT``, ``TAT:until``, ``TAT:until:shift`` (gate.lua)."""
     if raw is None:
         return 0, 0
-    tat, _, paused = raw.partition(b":")
+    tat, _, rest = raw.partition(b":")
+    paused, _, _shift = rest.partition(b":")
     return int(tat), int(paused or 0)
 
 

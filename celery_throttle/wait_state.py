@@ -26,6 +26,7 @@ class WaitState:
     slot: int | None = None  # booked start, server clock, microseconds
     booked: int = 0  # the limits the slot is booked in (Reservation.booked)
     epoch: int = 0  # the store lifetime the slot was booked in (Reservation.epoch)
+    shift: int = 0  # the booked limits' settlement shift at booking (Reservation.shift)
     deferrals: int = 0
     since: int | None = None  # server clock (us) of the first deferral
     copy: str = ""  # set by every re-publish: tells a duplicate from a redelivery
@@ -56,7 +57,8 @@ class WaitState:
                 and all(isinstance(t, int) for t in spacing)):
             spacing = []
         return cls(slot=num("slot") or None, booked=num("booked"), epoch=num("epoch"),
-                   deferrals=num("deferrals"), since=num("since") or None, copy=text("copy"),
+                   shift=num("shift"), deferrals=num("deferrals"),
+                   since=num("since") or None, copy=text("copy"),
                    prev=text("prev"), spacing=tuple(spacing), entry=text("entry", 64),
                    token=text("token", 40), room=num("room"))
 
@@ -68,7 +70,8 @@ class WaitState:
     @property
     def claim(self) -> Reservation | None:
         """The reservation to claim on arrival, if any."""
-        return Reservation(self.slot, self.booked, self.epoch) if self.slot else None
+        return (Reservation(self.slot, self.booked, self.epoch, self.shift) if self.slot
+                else None)
 
     def claim_under(self, limits: list[AnyLimit]) -> Reservation | None:
         """The booking, unless a limit is now slower than when it was booked.
@@ -92,7 +95,8 @@ class WaitState:
         """The header value (JSON-safe)."""
         header: dict[str, int | str | list[int] | None] = {
             "slot": self.slot, "booked": self.booked, "epoch": self.epoch,
-            "deferrals": self.deferrals, "since": self.since, "copy": self.copy,
+            "shift": self.shift, "deferrals": self.deferrals, "since": self.since,
+            "copy": self.copy,
             "prev": self.prev, "spacing": list(self.spacing)}
         if self.entry:
             header.update(entry=self.entry, token=self.token, room=self.room)

@@ -292,3 +292,47 @@ def test_settle_outside_a_worker_run_does_nothing() -> None:
     assert settle(10) is False
     with pytest.raises(ValueError, match="invalid actual cost -1"):
         settle(-1)
+
+
+def test_settled_charge_moves_the_slots_booked_before_it(cgate: Gate, clock: StepClock
+                                                         ) -> None:
+    """Booked at the estimates' pace, a slot moves by what a settlement charged on top.
+
+    10 units/s, burst 1, cost 1: the second and third starts are booked 0.1
+    and 0.2 s out.  The first call used 4 units (3 more than estimated):
+    each booked slot is honoured 0.3 s later, and a new booking comes after
+    them, so the starts keep the true cost's pace.
+    """
+    rate = Limit("tokens", parse_rate("10/s"))
+    assert cgate.acquire_many([rate]).allowed
+    second = cgate.acquire_many([rate], reserve=10).reservation
+    third = cgate.acquire_many([rate], reserve=10).reservation
+    assert second is not None
+    assert third is not None
+    assert (second.slot, third.slot) == (T0 + 100_000, T0 + 200_000)
+    cgate.settle(rate, 4)
+    clock.us = second.slot
+    early = cgate.acquire_many([rate], claim=second, grace=0.02, reserve=10)
+    assert early.early
+    assert early.retry_after == pytest.approx(0.3)
+    clock.us = second.slot + 300_000
+    assert cgate.acquire_many([rate], claim=second, grace=0.02, reserve=10).allowed
+    clock.us = third.slot + 300_000
+    assert cgate.acquire_many([rate], claim=third, grace=0.02, reserve=10).allowed
+    fourth = cgate.acquire_many([rate], reserve=10)
+    assert fourth.slot == T0 + 600_000  # after the shifted third (0.5 s), one interval on
+
+
+def test_no_refund_while_slots_are_booked_past_the_burst(cgate: Gate, clock: StepClock
+                                                         ) -> None:
+    """A refund with slots booked ahead would hand their times out twice: it waits."""
+    rate = Limit("tokens", parse_rate("10/s"), cost=1)
+    assert cgate.acquire_many([rate]).allowed
+    booked = cgate.acquire_many([rate], reserve=10)
+    assert booked.slot == T0 + 100_000
+    cgate.settle(rate, 0)  # the first call used nothing: no refund, a slot is booked ahead
+    assert cgate.acquire_many([rate], reserve=10).slot == T0 + 200_000
+    clock.us = T0 + 1_000_000  # nothing booked ahead any more: refunds apply again
+    assert cgate.acquire_many([rate]).allowed
+    cgate.settle(rate, 0)
+    assert cgate.acquire_many([rate]).allowed  # the refunded unit

@@ -26,6 +26,13 @@ Two more kinds of state share the script (issue 7):
   admits nothing and honours no slot booked before the pause ends.  A rate
   bucket stores it in its value, "TAT:until", so the hot path still reads one
   key; a concurrency limit stores it in its meta hash.
+* A shift (a settlement charged more than the estimate): the TAT moves on by
+  the difference, and so must every slot booked before, or the tasks holding
+  them would start at the estimates' pace (measured: 345 tokens in a 2 s
+  window of a 90/s, burst 80 budget).  The bucket keeps the sum of all such
+  charges, "TAT:until:shift" (us); a booking carries the shift it was made
+  at, and its claim is honoured that much later: slot + (shift now - shift
+  then).  Refunds move only the TAT (a slot is never moved earlier).
 
 KEYS[i]   the bucket of limit i, i = 1..n (all share one hash tag; see keys.py)
 KEYS[n+1] the prefix's epoch: set once (no TTL) when first needed.  A
@@ -66,14 +73,16 @@ ARGV[9]   op argument (microseconds): release: how long the holder ran;
           pause: for how long; otherwise 0.  An op replies with a count:
           leases released, leases lost (extend), limits settled, or for
           pause the longest pause now in force (us)
-ARGV[7+3i .. 9+3i] for limit i = 1..n (ARGV[10], ARGV[11], ARGV[12] for i = 1):
+ARGV[10]  claim shift: the sum of the booked limits' shifts when the claimed
+          slot was booked (the reply's `shift`); 0 without
+ARGV[8+3i .. 10+3i] for limit i = 1..n (ARGV[11], ARGV[12], ARGV[13] for i = 1):
           a rate limit: interval T (microseconds >= 1), burst B (>= 1), cost c
           (1 <= c <= B; checked by the caller); for "settle", c is the
           correction in units (actual - charged, may be negative).
           A concurrency limit: 0, slots N (>= 1), lease (microseconds >= 1).
 
 Reply: 1 when simply allowed (charged now); otherwise
-       { status, wait_us, blocking, slot_us, now_us, mask, epoch } (integers only)
+       { status, wait_us, blocking, slot_us, now_us, mask, epoch, shift } (integers only)
   status   1 allowed (charged now, or a claim honoured), 0 denied (nothing
            written), 2 reserved (slot booked, start at slot_us; with mask 0,
            nothing booked: a full concurrency limit's paced return time), 3 early (a
@@ -85,6 +94,8 @@ Reply: 1 when simply allowed (charged now); otherwise
   now_us   the clock this decision used
   mask     with status 2, the limits the slot is booked in (bit i-1 = limit i)
   epoch    with status 2 or 3, the epoch of the booking
+  shift    with status 1, 2 or 3, the sum of the booked limits' shifts at the
+           booking (hand it back as ARGV[10] with the claim)
 ]]
 
 local now = tonumber(ARGV[1])
@@ -100,7 +111,8 @@ local claim_epoch = tonumber(ARGV[6])
 local holder = ARGV[7]
 local op = ARGV[8]
 local op_arg = tonumber(ARGV[9])
-local HEAD = 9
+local claim_shift = tonumber(ARGV[10])
+local HEAD = 10
 local n = (#ARGV - HEAD) / 3
 local epoch_key = KEYS[n + 1]
 -- A waiter's return is paced by the expected run: at least this long.
@@ -136,28 +148,35 @@ local function limit(i)
   return T[i], B[i], C[i]
 end
 
--- A rate bucket's value: "TAT", or "TAT:until" while paused.
+-- A rate bucket's value: "TAT", "TAT:until" while paused, "TAT:until:shift"
+-- once a settlement has shifted its bookings (until may then be 0).
 local function read_rate(key)
   local raw = redis.call('GET', key)
   if not raw then
-    return 0, 0
+    return 0, 0, 0
   end
   local tat = tonumber(raw)
   if tat then
-    return tat, 0
+    return tat, 0, 0
   end
-  local t, p = string.match(raw, '^(%d+):(%d+)$')
-  return tonumber(t), tonumber(p)
+  local t, p, d = string.match(raw, '^(%d+):(%d+):?(%d*)$')
+  return tonumber(t), tonumber(p), tonumber(d) or 0
 end
 
 -- Write a rate bucket; TTL = time until it has drained and any pause is
--- over, so the key never expires while it holds state.
-local function write_rate(key, tat, paused)
+-- over, so the key never expires while it holds state (a shift matters
+-- only to bookings, which an expired bucket voids anyway).
+local function write_rate(key, tat, paused, shift)
   local value = string.format('%d', tat) -- %d: the default format rounds 16 digits
   local last = tat
   if paused > now then
-    value = value .. ':' .. string.format('%d', paused)
     last = math.max(tat, paused)
+  end
+  if shift > 0 then
+    value = value .. ':' .. string.format('%d', paused > now and paused or 0) .. ':'
+      .. string.format('%d', shift)
+  elseif paused > now then
+    value = value .. ':' .. string.format('%d', paused)
   end
   local ttl_ms = math.ceil((last - now) / 1000)
   if ttl_ms < 1 then
@@ -292,16 +311,25 @@ if op ~= 'a' then
         redis.call('HSET', meta[i], 'pause', string.format('%d', till))
         keep_at_least(meta[i], math.ceil((till - now) / 1000))
       else
-        local tat, paused = read_rate(KEYS[i])
+        local tat, paused, shift = read_rate(KEYS[i])
         till = math.max(paused, till)
-        write_rate(KEYS[i], math.max(tat, now), till)
+        write_rate(KEYS[i], math.max(tat, now), till, shift)
       end
       count = math.max(count, till - now)
     elseif op == 'settle' and not concurrent[i] and cost ~= 0 then
       -- The charge was an estimate: move the TAT by the difference.  A
-      -- refund never makes the bucket fuller than full.
-      local tat, paused = read_rate(KEYS[i])
-      write_rate(KEYS[i], math.max(math.max(tat, now) + cost * interval, now), paused)
+      -- charge also shifts the slots booked before it (see the top).  A
+      -- refund never makes the bucket fuller than full, and is given only
+      -- while no slot is booked past the burst: with slots booked ahead, a
+      -- lower TAT would hand their times out a second time.
+      local tat, paused, shift = read_rate(KEYS[i])
+      if cost > 0 then
+        shift = shift + cost * interval
+        tat = math.max(tat, now) + cost * interval
+      elseif tat <= now + burst * interval then
+        tat = math.max(math.max(tat, now) + cost * interval, now)
+      end
+      write_rate(KEYS[i], tat, paused, shift)
       count = count + 1
     end
   end
@@ -311,7 +339,7 @@ end
 -- ---------------------------------------------------------------------------
 -- The decision.  Read every limit once; wait[i] = how long until limit i
 -- admits its cost (a full concurrency limit: until its paced return).
-local tats, stored, paused, waits, steps = {}, {}, {}, {}, {}
+local tats, stored, paused, shifts, waits, steps = {}, {}, {}, {}, {}, {}
 local wait, blocking = 0, 0
 for i = 1, n do
   local interval, burst, cost = limit(i)
@@ -327,7 +355,7 @@ for i = 1, n do
     end
   else
     local tat
-    tat, paused[i] = read_rate(KEYS[i])
+    tat, paused[i], shifts[i] = read_rate(KEYS[i])
     stored[i] = tat
     if tat < now then
       tat = now
@@ -348,7 +376,7 @@ local function charge(i, at)
     take(i)
     return
   end
-  write_rate(KEYS[i], math.max(tats[i], at) + cost * interval, paused[i])
+  write_rate(KEYS[i], math.max(tats[i], at) + cost * interval, paused[i], shifts[i])
 end
 
 -- Only reservations and claims need the epoch: the hot path never reads it.
@@ -380,11 +408,24 @@ local function claim_valid()
   return true
 end
 
-if claim > 0 and claim_valid() then
-  if now < claim then
-    return { 3, claim - now, 0, claim, now, mask, claim_epoch }
+-- The sum of limit shifts over the limits in mask m (0 for concurrency limits).
+local function shift_of(m)
+  local sum = 0
+  for i = 1, n do
+    if booked_in(m, i) and not concurrent[i] then
+      sum = sum + shifts[i]
+    end
   end
-  if now <= claim + grace then
+  return sum
+end
+
+if claim > 0 and claim_valid() then
+  -- Settlements since the booking moved the slot this much later.
+  local due = claim + math.max(0, shift_of(mask) - claim_shift)
+  if now < due then
+    return { 3, due - now, 0, claim, now, mask, claim_epoch, claim_shift }
+  end
+  if now <= due + grace then
     -- The booked limits were charged at booking; the others must admit now.
     local busy, stuck = 0, false
     for i = 1, n do
@@ -399,9 +440,9 @@ if claim > 0 and claim_valid() then
           charge(i, now)
         end
       end
-      return { 1, 0, 0, claim, now, mask, claim_epoch }
+      return { 1, 0, 0, claim, now, mask, claim_epoch, claim_shift }
     end
-    if not stuck and now + busy <= claim + grace then
+    if not stuck and now + busy <= due + grace then
       -- An unbooked limit frees up within the grace (a shared limit another
       -- task just took): book it there and answer "early", so the caller
       -- sleeps that long and claims again, rather than losing a slot of
@@ -413,7 +454,9 @@ if claim > 0 and claim_valid() then
           more = more + 2 ^ (i - 1)
         end
       end
-      return { 3, busy, 0, claim, now, more, claim_epoch }
+      -- The limits booked now carry their shifts as they are now.
+      return { 3, busy, 0, claim, now, more, claim_epoch,
+               claim_shift + shift_of(more) - shift_of(mask) }
     end
   end
   -- Late, or an unbooked limit is busy: the old slot is lost, decide afresh.
@@ -440,9 +483,9 @@ if waiting_on_lease then
   -- Nothing is booked: rate slots held for a task that may not get its
   -- lease then would be lost.  It comes back at its paced time and asks.
   if horizon < 0 then
-    return { 0, wait, blocking, 0, now, 0, 0 }
+    return { 0, wait, blocking, 0, now, 0, 0, 0 }
   end
-  return { 2, wait, blocking, now + wait, now, 0, epoch() }
+  return { 2, wait, blocking, now + wait, now, 0, epoch(), 0 }
 end
 if horizon >= 0 and wait <= horizon then
   local booked = 0
@@ -453,6 +496,6 @@ if horizon >= 0 and wait <= horizon then
       booked = booked + 2 ^ (i - 1)
     end
   end
-  return { 2, wait, blocking, now + wait, now, booked, epoch() }
+  return { 2, wait, blocking, now + wait, now, booked, epoch(), shift_of(booked) }
 end
-return { 0, wait, blocking, 0, now, 0, 0 }
+return { 0, wait, blocking, 0, now, 0, 0, 0 }

@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> None:
                                 rate, "--measure", measure], capture_output=True, text=True,
                                timeout=1800, cwd=ROOT, check=True)
         doc.append(scale.stdout)
+    doc.append("\n### Memory of pool processes\n")
+    memory = subprocess.run([sys.executable, "-m", "benchmarks.pool_memory"], capture_output=True,
+                            text=True, timeout=600, cwd=ROOT, check=True)
+    doc.append(memory.stdout)
     print("section 4: calls in flight", file=sys.stderr, flush=True)
     doc.append("## 4. Calls in flight\n")
     doc.append("`python -m benchmarks.inflight`. Occupancy: the provider's busy time / "

@@ -55,6 +55,9 @@ SETTINGS: dict[str, tuple[object, str]] = {
     "throttle_release_timeout": (60.0, "a released task that has not reached a worker after "
                                  "this many seconds is released again (only the first copy "
                                  "to arrive runs)"),
+    "throttle_gc_freeze": (True, "at the start of each pool process, move the objects it "
+                           "inherited into the garbage collector's permanent generation "
+                           "(gc.freeze): see Memory"),
     "throttle_metrics_port": (None, "serve Prometheus /metrics on this port from each worker "
                               "node (needs prometheus_client; see Observability); None: off"),
 }
@@ -85,6 +88,7 @@ class Config:
     waiting_room: bool
     release_lead: float
     release_timeout: float
+    gc_freeze: bool
     # Not a throttle_* setting: the broker's, read for max_countdown and for
     # how long a duplicate copy of an acks_late message can still turn up.
     visibility_timeout: float
@@ -196,6 +200,7 @@ def read_config(app: Celery) -> Config:
                               allow_none=False) or 0.0,
         release_timeout=_at_least_one("throttle_release_timeout",
                                       get("throttle_release_timeout")),
+        gc_freeze=_flag("throttle_gc_freeze", get("throttle_gc_freeze")),
     )
 
 

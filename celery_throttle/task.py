@@ -8,16 +8,19 @@ cannot stop a task from running.  Direct calls (``task(...)``) and eager mode
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from celery import Task
 from celery import _state as celery_state
+from celery.exceptions import Ignore
 from celery.local import PromiseProxy, Proxy
 
+from . import memory
 from .defer import admit, defer_after_start
 from .errors import RateLimited
 from .gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit, _positive_int
@@ -249,6 +252,7 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         request = task.request
         if request.called_directly or request.is_eager:
             return run(*args, **kwargs)
+        memory.collect_after_deferral()
         specs = task.__dict__.get(_SPECS_ATTR, ())
         runtime = runtime_for(task.app)
         limits = [lim for spec in specs for lim in spec.limits(task.name, args, kwargs)]
@@ -260,15 +264,37 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         max_wait = next((s.max_wait for s in specs if s.max_wait is not None),
                         runtime.config.max_wait)
         estimated = {(s.name or task.name) for s in specs if s.estimated}
-        admit(task, runtime, limits, max_wait, estimated)
+        try:
+            admit(task, runtime, limits, max_wait, estimated)
+        except Ignore:
+            waits = True
+        else:
+            waits = False
+        if waits:
+            _end_run()
         try:
             return run(*args, **kwargs)
         except RateLimited as exc:
-            # The provider said "not now": hold every worker off these
-            # limits, give back the leases, come back after the pause.
-            defer_after_start(task, runtime, exc.limits_in(limits), exc.retry_after)
+            limited = exc
+        # The provider said "not now": hold every worker off these limits,
+        # give back the leases, come back after the pause.
+        with contextlib.suppress(Ignore):  # raised again, shallow
+            defer_after_start(task, runtime, limited.limits_in(limits), limited.retry_after)
+        _end_run()
 
     task.run = gated_run  # type: ignore[method-assign]
+
+
+def _end_run() -> NoReturn:
+    """End this copy's run (it waits outside the worker): Celery's ``Ignore``, raised shallow.
+
+    Raised here, outside any handler, so that its traceback holds three
+    small frames and Celery's tracer, not the whole admission: Celery copies
+    every frame of it, with its code's positions, into two ``ExceptionInfo``
+    objects and sends one to the pool's parent (see ``memory.py``).
+    """
+    memory.deferred()
+    raise Ignore()
 
 
 def _queue_of(request: Any) -> str | None:

@@ -8,7 +8,9 @@ Receivers (all idempotent, all for this app only):
   path (queue limits apply to undecorated tasks too).  This must happen before
   the worker builds its tracers, which capture ``task.run``.
 * ``worker_process_init``: drop the Redis connection inherited across the
-  prefork fork and load the script in the child.
+  prefork fork, freeze the inherited objects for the garbage collector
+  (``throttle_gc_freeze``, ``memory.py``) and load the script in
+  the child.
 * ``worker_ready``: load the script, log one line listing the limits in force,
   warn if the store may evict bucket keys or, with the waiting room, keeps
   no copy on disk (:func:`store_warnings`), and start the node's releaser
@@ -28,6 +30,7 @@ from celery import Celery, signals
 from .config import read_config
 from .declared import limits_in_force
 from .exporter import serve
+from .memory import freeze_inherited
 from .releaser import Releaser, add_lanes
 from .store import INSTALLED, forget, runtime_for
 from .task import ensure_gated
@@ -65,6 +68,8 @@ def install(app: Celery) -> Celery:
     def on_process_init(**_: Any) -> None:
         # A client inherited through fork shares its socket with the parent.
         forget(app)
+        if read_config(app).gc_freeze:
+            freeze_inherited()
         _preload()
 
     def on_ready(sender: Any = None, **_: Any) -> None:

@@ -1,0 +1,63 @@
+"""A pool process's memory: the garbage every deferral leaves, collected before it piles up.
+
+Every task that waits outside the worker ends its run with Celery's
+``Ignore``, which Celery wraps in two ``ExceptionInfo`` objects: picklable
+copies of every frame with its code's positions (~0.3 MB per run, most of it
+in Celery's own tracer frame), left as cyclic garbage in the collector's
+oldest generation.  Python collects that generation only when it has grown
+by a quarter, and a pool process starts with ~75,000 objects in it: in a
+backlog deferred at ~75 tasks/s per process, ~130 copies waited for
+collection at any time, and each process grew by ~100 MB (measured, 3,000
+tasks at 5/s, 4 processes).
+
+So, with ``throttle_gc_freeze`` (the default), each pool process freezes
+what it inherited at its start (those objects live as long as it does, and
+frozen, the collector no longer writes to pages shared with the parent), and
+the first gated run after a deferral collects the garbage: a full
+collection of the unfrozen objects only, ~0.7 ms.  The same run then grew
+each process by ~1 MB.  Frozen objects are never collected as cycles.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+__all__ = ["collect_after_deferral", "deferred", "freeze_inherited"]
+
+# This process's state, in one place: whether its collector was frozen here
+# (collecting is cheap only then) and whether a deferral left garbage since
+# the last collection.  Guarded by a lock: the threads pool runs tasks in
+# several threads of one process.
+_lock = threading.Lock()
+_frozen = False
+_pending = False
+
+
+def freeze_inherited() -> None:
+    """At a pool process's start: freeze the inherited objects, then reset the collector's count."""
+    global _frozen
+    gc.freeze()
+    gc.collect()  # sets the oldest generation's size to what is left: next to nothing
+    with _lock:
+        _frozen = True
+
+
+def deferred() -> None:
+    """A run just ended with ``Ignore`` (its task waits outside the worker)."""
+    global _pending
+    if _frozen:
+        with _lock:
+            _pending = True
+
+
+def collect_after_deferral() -> None:
+    """Collect the garbage the last deferral left, once (a no-op unless frozen and pending)."""
+    global _pending
+    if not _pending:
+        return
+    with _lock:
+        if not _pending:
+            return
+        _pending = False
+    gc.collect()

@@ -17,7 +17,8 @@ task at the same limit, RATE per second, burst 1:
   ``pyrate_redis`` (``pyrate-limiter``'s Redis bucket), retrying likewise.
 
 Configured from the environment: BENCH_REDIS (server URL; broker db 5,
-store db 6, results db 7, records db 8), BENCH_RATE and BENCH_MAX_SLEEP;
+store db 6, results db 7, records db 8), BENCH_RATE, BENCH_MAX_SLEEP,
+BENCH_WAITING_ROOM and BENCH_GC_FREEZE ("0" or "1");
 section 4 (calls in flight): BENCH_PROVIDER, BENCH_CALL_SECONDS, BENCH_LEASE.
 """
 
@@ -46,8 +47,10 @@ app.conf.update(
 )
 if os.environ.get("BENCH_MAX_SLEEP"):
     app.conf.throttle_max_sleep = float(os.environ["BENCH_MAX_SLEEP"])
-if os.environ.get("BENCH_WAITING_ROOM"):
-    app.conf.throttle_waiting_room = True
+if os.environ.get("BENCH_GC_FREEZE"):  # "0": off (benchmarks/pool_memory.py's control)
+    app.conf.throttle_gc_freeze = os.environ["BENCH_GC_FREEZE"] == "1"
+if os.environ.get("BENCH_WAITING_ROOM"):  # "0": the countdown path; default: the room
+    app.conf.throttle_waiting_room = os.environ["BENCH_WAITING_ROOM"] == "1"
 celery_throttle.install(app)
 
 _store = redis.Redis.from_url(f"{REDIS}/6")

@@ -3,7 +3,8 @@
     python -m benchmarks.scale [--n 50000] [--rate 5] [--measure 150] [--waiting-room]
 
 All tasks are published at once (one producer thread) to 2 prefork nodes x 4
-processes with default settings, and measured for ``--measure`` seconds
+processes with default settings (the waiting room), next to the same run on
+the countdown path (``throttle_waiting_room=False``), and measured for ``--measure`` seconds
 after the last publish (a backlog at a slow quota takes hours to drain: the
 steady state is what counts).  Prints a markdown table: the rate of starts
 from 30 s after the last publish on (against the limit), tasks run, run
@@ -68,8 +69,7 @@ def run(n: int, rate: int, measure: float, waiting_room: bool) -> dict[str, floa
         broker = redis.Redis.from_url(f"{url}/5")
         store = redis.Redis.from_url(f"{url}/6")
         env = {"BENCH_REDIS": url, "BENCH_RATE": str(rate), "PYTHONPATH": str(ROOT)}
-        if waiting_room:
-            env["BENCH_WAITING_ROOM"] = "1"
+        env["BENCH_WAITING_ROOM"] = "1" if waiting_room else "0"
         with workers("benchmarks.bench_app", ("s1", "s2"), concurrency=4, queues=("celery",),
                      cwd=ROOT, env=env) as nodes:
             base_mem = int(client.info("memory")["used_memory"])
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--measure", type=float, default=150.0,
                         help="seconds measured after the last publish")
     parser.add_argument("--waiting-room", action="store_true",
-                        help="only the waiting room (default: both paths, side by side)")
+                        help="only the waiting room, the default (else: both paths, side by side)")
     args = parser.parse_args(argv)
     paths = [True] if args.waiting_room else [False, True]
     results = {room: run(args.n, args.rate, args.measure, room) for room in paths}
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
           f"store and results; measured {args.measure:.0f} s after the last publish "
           f"(`python -m benchmarks.scale --n {args.n} --rate {args.rate} --measure "
           f"{args.measure:g}`).\n")
-    names = {False: "countdown (ETA messages)", True: "waiting room"}
+    names = {False: "countdown (`throttle_waiting_room=False`)", True: "waiting room (default)"}
     print("| measure | " + " | ".join(names[p] for p in paths) + " |")
     print("|---|" + "---:|" * len(paths))
     lines: list[tuple[str, Callable[[dict[str, float]], str]]] = [

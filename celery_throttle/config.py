@@ -47,7 +47,7 @@ SETTINGS: dict[str, tuple[object, str]] = {
     "throttle_claim_grace": (None, "how late (s) a task may start in its booked slot; later "
                              "it asks again; default: half the slot (cost x interval), "
                              "between 0.02 and 0.25"),
-    "throttle_waiting_room": (False, "park tasks that wait longer than throttle_max_sleep in "
+    "throttle_waiting_room": (True, "park tasks that wait longer than throttle_max_sleep in "
                               "Redis (released to their queue just before their slot) "
                               "instead of re-publishing them with a countdown"),
     "throttle_release_lead": (0.05, "the waiting room releases a task this many seconds before "

@@ -52,7 +52,9 @@ if os.environ.get("CT_VISIBILITY"):
 if os.environ.get("CT_METRICS_PORT"):
     app.conf.throttle_metrics_port = int(os.environ["CT_METRICS_PORT"])
 if os.environ.get("CT_WAITING_ROOM"):
-    app.conf.throttle_waiting_room = True
+    # "0": the countdown path (the store-down fallback, and the opt-out for a
+    # store that cannot persist); "1": the waiting room (the default).
+    app.conf.throttle_waiting_room = os.environ["CT_WAITING_ROOM"] == "1"
 if os.environ.get("CT_RELEASE_LEAD"):
     app.conf.throttle_release_lead = float(os.environ["CT_RELEASE_LEAD"])
 if os.environ.get("CT_RELEASE_TIMEOUT"):
@@ -61,6 +63,8 @@ if os.environ.get("CT_PICKLE"):
     # Celery refuses to start as root while accepting pickle unless
     # C_FORCE_ROOT is set (the test sets both; CI runs as root).
     app.conf.accept_content = ["json", "pickle", "msgpack"]
+if os.environ.get("CT_GC_FREEZE"):
+    app.conf.throttle_gc_freeze = os.environ["CT_GC_FREEZE"] == "1"
 if os.environ.get("CT_ACKS_LATE"):
     app.conf.task_acks_late = True
     app.conf.task_reject_on_worker_lost = True
@@ -146,6 +150,15 @@ def undecorated(self: Task[Any, Any], i: int) -> int:
     """No decorator: limited only by its queue's throttle_queues entry."""
     record(self, i=i)
     return i
+
+
+@app.task
+def garbage_report() -> dict[str, int]:
+    """How many of Celery's ``ExceptionInfo`` objects this pool process holds (memory test)."""
+    import gc
+
+    held = sum(type(o).__name__ == "ExceptionInfo" for o in gc.get_objects())
+    return {"pid": os.getpid(), "held": held, "frozen": gc.get_freeze_count()}
 
 
 @throttled("10/s")

@@ -102,7 +102,9 @@ def test_long_waits_under_short_visibility_timeout_run_once(
     redelivered by kombu's sweep (every second here) and would run twice; the
     throttle's countdowns stay under half of it (4 s) and longer waits hop.
     """
-    with cluster(redis_base, ("w1", "w2"), env={"CT_VISIBILITY": "8"}):
+    # The countdown path (the waiting room parks such waits instead:
+    # test_waiting_room_workers.py has that version).
+    with cluster(redis_base, ("w1", "w2"), env={"CT_VISIBILITY": "8", "CT_WAITING_ROOM": "0"}):
         results = [capp.patient.delay(i) for i in range(32)]  # 1/s: the last waits ~31 s
         states = wait_results(results, timeout=75)
         rows = read_records(records, expect=32, timeout=5)
@@ -165,8 +167,11 @@ def test_node_dies_between_republish_and_ack_acks_late(
     timeout and run on the other node; whichever of the stranded original
     and its new copy comes second is dropped (lua/copies.lua).
     """
-    # Short in-worker sleeps, so that waits are re-published (the window under test).
-    env = {"CT_VISIBILITY": "8", "CT_ACKS_LATE": "1", "CT_MAX_SLEEP": "0.05"}
+    # Short in-worker sleeps, so that waits are re-published (the window under
+    # test), on the countdown path: the waiting room's own crash windows are
+    # in test_waiting_room_workers.py.
+    env = {"CT_VISIBILITY": "8", "CT_ACKS_LATE": "1", "CT_MAX_SLEEP": "0.05",
+           "CT_WAITING_ROOM": "0"}
     with cluster(redis_base, ("w2",), env=env) as survivors, cluster(
             redis_base, ("w1",), env={**env, "CT_CRASH_AFTER_REPUBLISH": "1"}) as doomed:
         results = [capp.steady.delay(i) for i in range(100)]  # 5 s at 20/s
@@ -235,9 +240,12 @@ def test_skewed_worker_clocks_keep_the_bound(
     the receiver's: tasks arrive seconds early (they ask again) or late (the
     booked slot is lost).  That costs throughput, never the bound.
     """
-    with cluster(redis_base, ("fast",), env={"CT_CLOCK_OFFSET": "3"}), cluster(
-            redis_base, ("slow",), env={"CT_CLOCK_OFFSET": "-3"}), cluster(
-            redis_base, ("true",)):
+    # The countdown path: with the waiting room (the default) skew costs
+    # nothing (test_skewed_worker_clocks_cost_nothing_with_the_waiting_room).
+    room = {"CT_WAITING_ROOM": "0"}
+    with cluster(redis_base, ("fast",), env={"CT_CLOCK_OFFSET": "3", **room}), cluster(
+            redis_base, ("slow",), env={"CT_CLOCK_OFFSET": "-3", **room}), cluster(
+            redis_base, ("true",), env=room):
         sent = time.time()
         results = [capp.steady.delay(i) for i in range(100)]  # 5 s at 20/s
         states = wait_results(results, timeout=90)

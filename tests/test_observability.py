@@ -47,6 +47,10 @@ def test_counts_log_line_and_wait_note_after_a_known_run(
 ) -> None:
     """Three calls at 1/s: 1 admitted, 2 deferred (waits 1 s and 2 s), one INFO line each."""
     published: list[dict[str, Any]] = []
+    # The countdown path, whose publish the recorder stands in for (parked
+    # tasks' notes and counts: tests/test_waiting_room.py).
+    app.conf.throttle_waiting_room = False
+    forget(app)
 
     @throttled("1/s", name="llm")
     @app.task(bind=True, shared=False)
@@ -156,6 +160,7 @@ def test_lowered_rate_voids_bookings_made_at_the_old_pace(app: Celery) -> None:
             task.pop_request()
 
     app.conf.throttle_max_sleep = 0  # every wait re-published: each arrival is visible
+    app.conf.throttle_waiting_room = False  # ... with a countdown, which the recorder records
     forget(app)
     fast, slow = make("10/s"), make("1/s")
     assert run(fast, None) == "ran"

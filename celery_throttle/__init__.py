@@ -18,6 +18,9 @@ from .task import Throttle, throttled
 from .wait_state import HEADER
 from .worker import install, store_warnings
 
+#: The package's version (the distribution ``celery-gcra-throttle``); see CHANGELOG.md.
+__version__ = "0.2.0"
+
 __all__ = [
     "HEADER",
     "Concurrency",

@@ -59,6 +59,11 @@ class Outcome:
         ordered = sorted(late)
         return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
+    def smallest_gap(self) -> float:
+        """The shortest time between two consecutive starts, seconds (burst 1: >= 1/rate)."""
+        return min((b - a for a, b in zip(self.starts, self.starts[1:], strict=False)),
+                   default=math.nan)
+
     @property
     def unfinished(self) -> int:
         return self.sent - len(set(self.ids))
@@ -108,15 +113,16 @@ def table(outcomes: list[Outcome], rate: int) -> str:
     """The markdown table."""
     head = ("| contender | " + " | ".join(f"max in {w:g} s (bound {Outcome.bound(rate, w)})"
                                            for w in WINDOWS)
-            + " | windows over | utilisation | deferrals / task | lateness p50 s | "
-            "lateness p99 s | not run in time | run twice |")
-    lines = [head, "|---" + "|---:" * (len(WINDOWS) + 7) + "|"]
+            + f" | windows over | smallest gap ms (interval {1000 / rate:g}) | utilisation | "
+            "deferrals / task | lateness p50 s | lateness p99 s | not run in time | run twice |")
+    lines = [head, "|---" + "|---:" * (len(WINDOWS) + 8) + "|"]
     for o in outcomes:
         p50, p99 = o.lateness(rate)
         per_task = sum(o.deferrals) / len(o.deferrals) if o.deferrals else math.nan
         lines.append(
             f"| {o.name} | " + " | ".join(str(o.worst(w)) for w in WINDOWS)
-            + f" | {o.over(rate)} | {o.utilisation(rate):.2f} | {per_task:.2f} | "
+            + f" | {o.over(rate)} | {o.smallest_gap() * 1000:.1f} | {o.utilisation(rate):.2f} | "
+            f"{per_task:.2f} | "
             f"{p50:.3f} | {p99:.3f} | {o.unfinished} | {o.doubled} |")
     return "\n".join(lines)
 

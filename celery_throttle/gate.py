@@ -134,7 +134,9 @@ class Reservation:
 class Decision:
     """The gate's answer.
 
-    ``allowed``: start now.  Otherwise ``retry_after`` seconds is the exact
+    ``allowed``: start now, or, for a claim admitted for its slot just ahead of
+    it, after ``retry_after`` seconds (at most the claim grace; the slot is
+    the start's, so start then, not earlier).  Otherwise ``retry_after`` seconds is the exact
     wait, ``limit`` the limit that forced it and, when the call asked for a
     reservation and got one (or claimed one too early), ``reservation`` is the
     booked start to hand back as ``claim=`` when the job returns.  ``now`` is
@@ -270,8 +272,11 @@ class Gate:
         the earliest common slot (``Decision.reserved``).  ``claim``: a
         reservation from an earlier call with the same ``limits``; honoured
         from its slot until ``grace`` seconds after it, if the limits it is not
-        booked in admit then (``Decision.early`` while it is still ahead);
-        otherwise void, and a fresh decision is made.  ``holder``: the lease
+        booked in admit then (``Decision.early`` while it is still ahead; up to
+        ``grace`` ahead and booked in every limit, ``allowed`` with
+        ``retry_after`` until the slot); otherwise void, and a fresh decision
+        is made.  A start later than its slot moves the later slots back by as
+        much, so starts keep the full interval.  ``holder``: the lease
         owner (required with a :class:`Concurrency` limit; the same holder
         asking again keeps its one lease).  A full concurrency limit books
         nothing: with ``reserve`` the decision is ``reserved`` with nothing
@@ -298,8 +303,8 @@ class Gate:
         blocked = limits[blocking - 1] if blocking else None
         retry_after = wait_us / US_PER_SECOND
         booking = Reservation(slot_us, mask, epoch, shift) if slot_us else None
-        if status == _ALLOWED:
-            return Decision(True, 0.0, None, booking, now_us)
+        if status == _ALLOWED:  # a claim honoured, at once or for its slot just ahead
+            return Decision(True, retry_after, None, booking, now_us)
         if status == _EARLY:
             return Decision(False, retry_after, None, booking, now_us, early=True)
         return Decision(False, retry_after, blocked, booking, now_us)

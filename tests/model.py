@@ -24,6 +24,7 @@ class Model:
     """Theoretical arrival times by key; absent or past means empty."""
 
     tat: dict[str, int] = field(default_factory=dict)
+    shift: dict[str, int] = field(default_factory=dict)  # how far later starts moved the slots
 
     def earliest(self, now: int, lim: ModelLimit) -> int:
         """When ``lim`` next admits its cost: the start s with max(TAT, s) + cT - BT <= s."""
@@ -31,23 +32,33 @@ class Model:
 
     def decide(
         self, now: int, limits: list[ModelLimit], horizon: int = -1,
-        claim: tuple[int, frozenset[int]] | None = None, grace: int = 0,
+        claim: tuple[int, frozenset[int], int] | None = None, grace: int = 0,
     ) -> tuple[str, int, int, frozenset[int]]:
-        """Return (status, wait_us, slot_us, booked limit indexes)."""
+        """Return (status, wait_us, slot_us, booked limit indexes).
+
+        ``claim``: (slot, booked indexes, the shift it was booked at).
+        """
         starts = [self.earliest(now, lim) for lim in limits]
         if claim is not None:
-            slot, booked = claim
-            if now < slot:
-                return ("early", slot - now, slot, booked)
+            slot, booked, booked_shift = claim
+            # Late starts since the booking moved the slot later.
+            due = slot + max(0, self._shift_of(limits, booked) - booked_shift)
+            if now < due:
+                if len(booked) == len(limits) and due - now <= grace:
+                    return ("allowed", due - now, slot, booked)  # admitted for its slot
+                return ("early", due - now, slot, booked)
             others = [i for i in range(len(limits)) if i not in booked]
-            if now <= slot + grace:
+            if now <= due + grace:
                 busy = max([starts[i] - now for i in others], default=0)
                 if busy == 0:
                     self._charge(now, [limits[i] for i in others])
+                    self._push(now, [limits[i] for i in sorted(booked)], now - due)
                     return ("allowed", 0, slot, booked)
-                if now + busy <= slot + grace:  # free within the grace: booked there too
-                    self._charge(now + busy, [limits[i] for i in others])
-                    return ("early", busy, slot, booked | frozenset(others))
+                if now + busy <= due + grace:  # free within the grace: booked there too
+                    start = now + busy
+                    self._push(now, [limits[i] for i in sorted(booked)], start - due)
+                    self._charge(start, [limits[i] for i in others])
+                    return ("early", busy, start, booked | frozenset(others))
         start = max(starts)
         wait = start - now
         if wait == 0:
@@ -61,6 +72,17 @@ class Model:
             self._charge(start, [limits[i] for i in sorted(booked)])
             return ("reserved", wait, start, booked)
         return ("denied", wait, 0, frozenset())
+
+    def _shift_of(self, limits: list[ModelLimit], booked: frozenset[int]) -> int:
+        return sum(self.shift.get(limits[i].key, 0) for i in booked)
+
+    def _push(self, now: int, limits: list[ModelLimit], by: int) -> None:
+        """A start ``by`` late: the later slots of its booked limits move as much."""
+        if by <= 0:
+            return
+        for lim in limits:
+            self.shift[lim.key] = self.shift.get(lim.key, 0) + by
+            self.tat[lim.key] = max(self.tat.get(lim.key, 0) + by, now + lim.cost * lim.interval)
 
     def _charge(self, at: int, limits: list[ModelLimit]) -> None:
         for lim in limits:

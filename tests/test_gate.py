@@ -175,21 +175,42 @@ def test_reservation_beyond_horizon_books_nothing(cgate: Gate, client: redis.Red
 
 
 def test_claim_early_on_time_and_late(cgate: Gate, clock: StepClock) -> None:
-    """A claim is early before its slot, honoured up to slot+grace, void (fresh decision) after."""
+    """A claim is early before its slot, admitted for its slot just ahead, void after the grace."""
     lim = Limit("c", parse_rate("10/s"))
     cgate.acquire_many([lim])
     booked = cgate.acquire_many([lim], reserve=5)
-    assert booked.slot == T0 + 100_000
+    later = cgate.acquire_many([lim], reserve=5)
+    assert (booked.slot, later.slot) == (T0 + 100_000, T0 + 200_000)
     early = cgate.acquire_many([lim], claim=booked.reservation, grace=0.02)
     assert early.early
     assert early.retry_after == 0.1
-    clock.us = booked.slot + 20_000
-    assert cgate.acquire_many([lim], claim=booked.reservation, grace=0.02).allowed
-    # Late: the old slot is void; this is a fresh decision against the current bucket.
-    clock.us = booked.slot + 20_001
-    late = cgate.acquire_many([lim], claim=booked.reservation, grace=0.02, reserve=5)
+    clock.us = T0 + 90_000  # within the grace ahead: admitted for the slot itself
+    ahead = cgate.acquire_many([lim], claim=booked.reservation, grace=0.02)
+    assert ahead.allowed
+    assert ahead.retry_after == pytest.approx(0.01)
+    # Late past the grace: the old slot is void; a fresh decision against the bucket.
+    clock.us = T0 + 220_001
+    late = cgate.acquire_many([lim], claim=later.reservation, grace=0.02, reserve=5)
     assert late.reserved
-    assert late.slot == booked.slot + 100_000  # the next free slot, not a burst now
+    assert late.slot == T0 + 300_000  # the next free slot, not a burst now
+
+
+def test_a_late_start_pushes_the_later_slots_back(cgate: Gate, clock: StepClock) -> None:
+    """Started 15 ms late, a slot moves every later one by 15 ms: starts keep 100 ms apart."""
+    lim = Limit("c", parse_rate("10/s"))
+    cgate.acquire_many([lim])
+    first = cgate.acquire_many([lim], reserve=5).reservation
+    second = cgate.acquire_many([lim], reserve=5).reservation
+    assert first is not None
+    assert second is not None
+    clock.us = first.slot + 15_000
+    assert cgate.acquire_many([lim], claim=first, grace=0.02).allowed
+    clock.us = second.slot  # on time as booked, 85 ms after the late start: held back
+    held = cgate.acquire_many([lim], claim=second, grace=0.02)
+    assert held.allowed
+    assert held.retry_after == pytest.approx(0.015)  # admitted for 100 ms after the late one
+    third = cgate.acquire_many([lim], reserve=5)
+    assert third.slot == second.slot + 15_000 + 100_000
 
 
 def test_caller_clock_under_freezegun(client: redis.Redis, prefix: str) -> None:
@@ -290,7 +311,8 @@ def test_lua_matches_reference_model(
             ident.append((k, cost))
         claim = last[1] if use_claim and last is not None and last[0] == ident else None
         mclaim = None if claim is None else (
-            claim.slot, frozenset(i for i in range(len(limits)) if claim.booked >> i & 1))
+            claim.slot, frozenset(i for i in range(len(limits)) if claim.booked >> i & 1),
+            claim.shift)
         expected = model.decide(clock.us, mlimits, horizon, mclaim, grace=20_000)
         d = g.acquire_many(limits, reserve=None if horizon < 0 else horizon / 1_000_000,
                            claim=claim, grace=0.02)
@@ -302,6 +324,48 @@ def test_lua_matches_reference_model(
         assert got == expected
         if d.reserved:
             last = (ident, d.reservation)  # type: ignore[assignment]
+
+
+# One caller's move: (gap before it, us; what it does; how far from its slot it claims, us).
+_move_st = st.tuples(st.integers(0, 60_000), st.sampled_from(["fresh", "book", "claim"]),
+                     st.integers(-40_000, 40_000))
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(moves=st.lists(_move_st, min_size=2, max_size=60))
+def test_starts_keep_the_full_interval_however_late_claims_come(
+    client: redis.Redis, moves: list[tuple[int, str, int]]
+) -> None:
+    """Fresh starts and booked slots claimed early, on time and late: starts >= T apart.
+
+    The bound ``burst - 1 + ceil(w * rate)`` with burst 1 is exactly "no two
+    starts closer than the interval"; a start is the decision's time, or the
+    slot it was admitted for ahead of time.  Before late starts moved the
+    later slots back, a start up to the grace late next to an on-time one was
+    allowed (one start over the bound in a window).
+    """
+    clock = StepClock()
+    g = Gate(client, prefix=f"p-{uuid.uuid4().hex[:10]}", clock=clock)
+    _keep_keys(g, client)
+    lim = Limit("x", parse_rate("20/s"))  # T = 50 ms, grace 25 ms
+    waiting: list[Reservation] = []
+    starts: list[int] = []
+    for gap, what, offset in moves:
+        clock.us += gap
+        if what == "claim" and waiting:
+            booking = waiting.pop(0)
+            clock.us = max(clock.us, booking.slot + offset)
+            d = g.acquire_many([lim], claim=booking, grace=0.025)
+        else:
+            d = g.acquire_many([lim], reserve=10 if what == "book" else None)
+            if d.reserved and d.reservation is not None:
+                waiting.append(d.reservation)
+                continue
+        if d.allowed:
+            starts.append(clock.us + round(d.retry_after * 1_000_000))
+    gaps = [b - a for a, b in zip(sorted(starts), sorted(starts)[1:], strict=False)]
+    assert min(gaps, default=50_000) >= 50_000, sorted(starts)
 
 
 def test_reservation_books_only_the_limit_that_forces_the_slot(
@@ -360,11 +424,14 @@ def test_claim_waits_out_a_busy_unbooked_limit_within_the_grace(
     wait = cgate.acquire_many([own, shared], claim=held.reservation, grace=0.1)
     assert wait.early
     assert wait.retry_after == 0.075
-    assert wait.reservation == Reservation(T0 + 500_000, booked=0b11, epoch=T0)
+    # The slot is now the moment both limits admit; the own limit's later
+    # slots moved back by the 75 ms it starts late (its shift).
+    assert wait.reservation == Reservation(T0 + 575_000, booked=0b11, epoch=T0, shift=75_000)
     assert not cgate.acquire_many([shared]).allowed  # held for the claim, not taken by others
     clock.us = T0 + 575_000
     assert cgate.acquire_many([own, shared], claim=wait.reservation, grace=0.1).allowed
-    assert cgate.acquire_many([own], reserve=10).slot == T0 + 1_000_000  # spent once
+    # Spent once, and the own limit's next start keeps its 500 ms from this one.
+    assert cgate.acquire_many([own], reserve=10).slot == T0 + 1_075_000
 
 
 def test_limits_free_within_one_start_are_booked_too(cgate: Gate) -> None:

@@ -26,13 +26,15 @@ Two more kinds of state share the script (issue 7):
   admits nothing and honours no slot booked before the pause ends.  A rate
   bucket stores it in its value, "TAT:until", so the hot path still reads one
   key; a concurrency limit stores it in its meta hash.
-* A shift (a settlement charged more than the estimate): the TAT moves on by
-  the difference, and so must every slot booked before, or the tasks holding
-  them would start at the estimates' pace (measured: 345 tokens in a 2 s
-  window of a 90/s, burst 80 budget).  The bucket keeps the sum of all such
-  charges, "TAT:until:shift" (us); a booking carries the shift it was made
-  at, and its claim is honoured that much later: slot + (shift now - shift
-  then).  Refunds move only the TAT (a slot is never moved earlier).
+* A shift (a settlement charged more than the estimate, or a start later
+  than its slot): the TAT moves on by the difference, and so must every slot
+  booked before, or the tasks holding them would start at the estimates'
+  pace (measured: 345 tokens in a 2 s window of a 90/s, burst 80 budget) or
+  one interval minus the lateness after a late start (a window one start
+  over the bound).  The bucket keeps the sum of all such moves,
+  "TAT:until:shift" (us); a booking carries the shift it was made at, and
+  its claim is honoured that much later: slot + (shift now - shift then).
+  Refunds move only the TAT (a slot is never moved earlier).
 
 KEYS[i]   the bucket of limit i, i = 1..n (all share one hash tag; see keys.py)
 KEYS[n+1] the prefix's epoch: set once (no TTL) when first needed.  A
@@ -59,7 +61,11 @@ ARGV[2]   reservation horizon, microseconds; -1 = never reserve.
 ARGV[3]   claim: the slot S (microseconds) this caller booked earlier, or 0
 ARGV[4]   claim grace, microseconds: a claim is honoured from S up to S + grace;
           later it is void and a fresh decision is made (a late start in an
-          old slot would crowd a newer window and break the bound)
+          old slot would crowd a newer window and break the bound).  A start
+          later than S moves the later slots of its booked limits by as much
+          (the shift, below).  A claim up to the grace before S, booked in
+          every limit, is admitted for S itself (status 1 with wait_us: start
+          then, without asking again)
 ARGV[5]   claim mask: bit i-1 set where the claimed slot is booked in limit i;
           the other limits are charged when the claim is honoured; 0 without
 ARGV[6]   claim epoch: the epoch the claimed slot was booked in; 0 without.
@@ -83,7 +89,8 @@ ARGV[8+3i .. 10+3i] for limit i = 1..n (ARGV[11], ARGV[12], ARGV[13] for i = 1):
 
 Reply: 1 when simply allowed (charged now); otherwise
        { status, wait_us, blocking, slot_us, now_us, mask, epoch, shift } (integers only)
-  status   1 allowed (charged now, or a claim honoured), 0 denied (nothing
+  status   1 allowed (charged now, or a claim honoured: at once, or after
+           wait_us when admitted for its slot ahead of it), 0 denied (nothing
            written), 2 reserved (slot booked, start at slot_us; with mask 0,
            nothing booked: a full concurrency limit's paced return time), 3 early (a
            claim for a slot still ahead, or one whose unbooked limits free up
@@ -419,10 +426,42 @@ local function shift_of(m)
   return sum
 end
 
+-- A start later than its slot moves the slots booked after it in the limits
+-- it is booked in by as much (the same shift a settlement makes), so the
+-- next start keeps the full interval from this one: the window bound holds
+-- on the starts themselves, not only on the slots.
+local function push_back(m, by)
+  if by <= 0 then
+    return
+  end
+  for i = 1, n do
+    if booked_in(m, i) and not concurrent[i] then
+      local _, _, cost = limit(i)
+      shifts[i] = shifts[i] + by
+      stored[i] = math.max(stored[i] + by, now + cost * T[i])
+      write_rate(KEYS[i], stored[i], paused[i], shifts[i])
+    end
+  end
+end
+
+local function all_booked(m)
+  for i = 1, n do
+    if concurrent[i] or not booked_in(m, i) then
+      return false
+    end
+  end
+  return true
+end
+
 if claim > 0 and claim_valid() then
-  -- Settlements since the booking moved the slot this much later.
+  -- Settlements and late starts since the booking moved the slot this much.
   local due = claim + math.max(0, shift_of(mask) - claim_shift)
   if now < due then
+    if all_booked(mask) and due - now <= grace then
+      -- Admitted for `due` itself: the caller sleeps the rest and starts
+      -- without asking again (another round trip would arrive late).
+      return { 1, due - now, 0, claim, now, mask, claim_epoch, claim_shift }
+    end
     return { 3, due - now, 0, claim, now, mask, claim_epoch, claim_shift }
   end
   if now <= due + grace then
@@ -440,23 +479,25 @@ if claim > 0 and claim_valid() then
           charge(i, now)
         end
       end
+      push_back(mask, now - due)
       return { 1, 0, 0, claim, now, mask, claim_epoch, claim_shift }
     end
     if not stuck and now + busy <= due + grace then
       -- An unbooked limit frees up within the grace (a shared limit another
       -- task just took): book it there and answer "early", so the caller
       -- sleeps that long and claims again, rather than losing a slot of
-      -- every booked limit for a wait shorter than the grace.
+      -- every booked limit for a wait shorter than the grace.  The slot is
+      -- now that moment, and the limits booked before move back to it.
+      local start = now + busy
+      push_back(mask, start - due)
       local more = mask
       for i = 1, n do
         if not booked_in(mask, i) then
-          charge(i, now + busy)
+          charge(i, start)
           more = more + 2 ^ (i - 1)
         end
       end
-      -- The limits booked now carry their shifts as they are now.
-      return { 3, busy, 0, claim, now, more, claim_epoch,
-               claim_shift + shift_of(more) - shift_of(mask) }
+      return { 3, busy, 0, start, now, more, claim_epoch, shift_of(more) }
     end
   end
   -- Late, or an unbooked limit is busy: the old slot is lost, decide afresh.

@@ -24,8 +24,11 @@ import time
 from typing import Any
 
 import click
+import redis
 from celery import Celery
+from kombu.utils.url import maybe_sanitize_url
 
+from .config import read_config
 from .declared import KnownLimit, known_limits
 from .gate import BucketState, Concurrency, LeaseState, Limit
 from .notes import read_wait
@@ -126,7 +129,22 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-@click.group(name="throttle")
+class _Commands(click.Group):
+    """The throttle commands: a store that does not answer is one line and a non-zero exit."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except redis.RedisError as exc:
+            # The URL without its password; the exception's text names host
+            # and port, never the password.
+            url = maybe_sanitize_url(read_config(ctx.obj.app).redis_url)
+            raise click.ClickException(
+                f"the throttle store {url} did not answer ({type(exc).__name__}: {exc}); "
+                "it is set by throttle_redis_url (default: broker_url)") from None
+
+
+@click.group(name="throttle", cls=_Commands)
 def throttle() -> None:
     """Inspect and reset celery_throttle limits (the app's throttle_* settings apply)."""
 

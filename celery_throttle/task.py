@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
-from celery import Task
+from celery import Task, signals
 from celery import _state as celery_state
 from celery.exceptions import Ignore
 from celery.local import PromiseProxy, Proxy
@@ -27,9 +28,11 @@ from .gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit, _positive_int
 from .keys import validate_name
 from .rates import Rate, parse_rate
 from .releaser import queue_of
-from .store import runtime_for
+from .store import INSTALLED, runtime_for
 
 __all__ = ["Throttle", "ensure_gated", "throttled"]
+
+logger = logging.getLogger("celery_throttle")
 
 T = TypeVar("T")
 ArgFn = Callable[..., Any]
@@ -312,6 +315,30 @@ def _gate_shared(sender: Any, **_: Any) -> None:
         if task is not None and _SPECS_ATTR not in task.__dict__:
             for spec in specs:
                 _attach(task, spec)
+
+
+def _warn_if_not_installed(sender: Any = None, **_: Any) -> None:
+    """At worker start: @throttled tasks in an app that ``install(app)`` never saw.
+
+    Connected at import for every app (install() cannot connect it: it is
+    what was forgotten).  Their own limits still apply in the task's call
+    path; what install adds does not.
+    """
+    app = getattr(sender, "app", None)
+    if app is None or getattr(app, INSTALLED, False):
+        return
+    names = sorted(name for name, task in list(app.tasks.items())
+                   if task.__dict__.get(_SPECS_ATTR))
+    if names:
+        logger.warning(
+            "celery_throttle: app %r has @throttled tasks (%s) but celery_throttle.install(app) "
+            "was never called: their own limits apply, but queue limits (throttle_queues), "
+            "the waiting room (they wait as countdowns), the startup checks and the metrics "
+            "endpoint do not; call install(app) where the app is made",
+            app.main, ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""))
+
+
+signals.worker_ready.connect(_warn_if_not_installed, weak=False)
 
 
 # Runs as every app finalizes, before the shared tasks of that app exist;

@@ -225,3 +225,12 @@ def test_deferrals_leave_no_garbage_behind(capp: ModuleType, records: redis.Redi
     else:
         assert max(r["frozen"] for r in reports) == 0
         assert held > 4, reports  # the garbage the collector has not reached yet
+
+
+def test_worker_warns_when_the_app_was_never_installed(redis_base: str) -> None:
+    """@throttled tasks, no install(app): one WARNING at start saying what is missing."""
+    with cluster(redis_base, ("w1",), concurrency=1, env={"CT_NO_INSTALL": "1"}) as nodes:
+        text = logs(nodes)
+    assert "celery_throttle.install(app) was never called" in text
+    assert "queue limits (throttle_queues)" in text
+    assert "limits in force" not in text  # install's own start line is missing, as said

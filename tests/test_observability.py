@@ -280,3 +280,20 @@ def test_prometheus_endpoint_counts_a_prefork_run(
     assert value("celery_throttle_wait_seconds_count") == value("celery_throttle_deferred_total")
     assert value("celery_throttle_fill_ratio") >= 0
     assert "celery_throttle_next_free_seconds" in text
+
+
+def test_command_with_the_store_down_says_so_in_one_line(redis_base: str) -> None:
+    """No traceback: one line naming the store (password masked) and the setting; exit 1."""
+    port = free_port()  # nothing listens there
+    env = {**os.environ, "CT_REDIS": redis_base, "PYTHONPATH": str(ROOT),
+           "CT_STORE": f"redis://:s3cret@127.0.0.1:{port}/0"}
+    done = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.celery_app", "throttle",
+                           "status"], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, check=False)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"redis://:**@127.0.0.1:{port}/0" in lines[0]
+    assert "throttle_redis_url" in lines[0]
+    assert "s3cret" not in done.stderr + done.stdout

@@ -176,8 +176,13 @@ class MockProvider:
                 self.send_header("Content-Length", str(len(data)))
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    # The client gave up (a demo run stopped at its timeout):
+                    # nothing to answer, and no traceback in the user's output.
+                    self.close_connection = True
 
             def do_GET(self) -> None:
                 if self.path == "/stats":

@@ -39,3 +39,14 @@ def test_guarantees_table_names_only_real_tests() -> None:
     for path in (ROOT / "tests").glob("test_*.py"):
         defined |= set(re.findall(r"^def (test_\w+)\(", path.read_text(), flags=re.MULTILINE))
     assert cited <= defined, cited - defined
+
+
+def test_version_is_the_distributions_and_in_the_changelog() -> None:
+    """One version: the package's ``__version__``, read by the build, named in CHANGELOG.md."""
+    import importlib.metadata
+
+    import celery_throttle
+
+    assert importlib.metadata.version("celery-gcra-throttle") == celery_throttle.__version__
+    changelog = (Path(__file__).resolve().parent.parent / "CHANGELOG.md").read_text()
+    assert f"## {celery_throttle.__version__}" in changelog

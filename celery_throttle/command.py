@@ -19,6 +19,7 @@ are stored hashed): name one with ``--key`` (``--int-key`` for integer keys).
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 import time
 from typing import Any
@@ -205,7 +206,12 @@ def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
         return
     due = wait["due_in_s"]
     when = f"in {due:.3f}s" if due >= 0 else f"{-due:.3f}s ago (started, or deciding again)"
-    click.echo(f"task {task_id} ({wait['task']}) waits for limit {wait['limit']!r}: "
+    parked = ""
+    if wait.get("parked_until"):
+        at = dt.datetime.fromtimestamp(wait["parked_until"] / 1e6, dt.timezone.utc)
+        parked = (f" is parked until {at:%Y-%m-%d %H:%M:%S.%f}"[:-3] + " UTC (released in "
+                  f"{wait['released_in_s']:.3f}s) and")
+    click.echo(f"task {task_id} ({wait['task']}){parked} waits for limit {wait['limit']!r}: "
                f"next start {when}; deferral {wait['deferrals']}, waiting "
                f"{wait['waiting_s']:.1f}s so far"
                + ("; slot booked" if wait["booked"] else "; no slot booked (a concurrency "

@@ -254,7 +254,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         if to_expiry is not None and decision.retry_after > to_expiry:
             _expire(task, decision)
         if max_wait is not None and waited + decision.retry_after > max_wait:
-            raise ThrottleTimeout.exceeded(task.name, _limit_name(decision),
+            raise ThrottleTimeout.exceeded(task.name, _limit_name(decision, limits),
                                            waited + decision.retry_after, max_wait)
         if (decision.reservation is None or decision.retry_after > max_sleep
                 or attempt == _MAX_SLEEPS - 1 or _queues_for_slot(task, runtime, decision)):
@@ -285,7 +285,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
                     shift=booking.shift if booking else 0, deferrals=state.deferrals + 1,
                     since=state.since or decision.now, copy=new_copy(), prev=state.copy_id,
                     spacing=spacing_of(limits))
-    name = _limit_name(decision)
+    name = _limit_name(decision, limits)
     note = wait_note(task, name, decision, new)
     # Released a lead before the slot, on the server clock the slot is on.
     release_at = decision.now + math.ceil(countdown * 1e6) - math.ceil(config.release_lead * 1e6)
@@ -297,8 +297,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         # for a holder that dies without giving its slot back: by then its
         # lease has expired.
         release_at = max(release_at, decision.now + slot_of.lease_us)
-    parked = _park(task, runtime, new, at_us=max(release_at, 1), note=note, slot_of=slot_of,
-                   was=arrived)
+    parked = _park(task, runtime, new, at_us=max(release_at, 1), slot_of=slot_of, was=arrived,
+                   note=wait_note(task, name, decision, new, parked_until=max(release_at, 1)))
     if not parked:  # (a parked task's note was written by the script that parked it)
         _republish(task, new, min(countdown, config.max_countdown))
         write_note(task, runtime, note, decision.retry_after)
@@ -398,8 +398,15 @@ def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, then
         return True
 
 
-def _limit_name(decision: Decision) -> str:
-    return decision.limit.name if decision.limit is not None else "(booked slot)"
+def _limit_name(decision: Decision, limits: list[AnyLimit]) -> str:
+    """The limit the task waits for: the one that forced the wait, else its slot's first limit.
+
+    (An "early" answer, for a slot that moved later, names no limit.)
+    """
+    if decision.limit is not None:
+        return decision.limit.name
+    booked = decision.reservation.booked if decision.reservation is not None else 0
+    return next((lim.name for i, lim in enumerate(limits) if booked >> i & 1), "(booked slot)")
 
 
 def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> None:

@@ -31,12 +31,17 @@ def _wait_key(runtime: Runtime, task_id: str) -> str:
 NOTE_AFTER_MS = 60_000
 
 
-def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitState) -> str:
-    """Why and until when the task waits, for ``celery throttle why`` (JSON)."""
+def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitState,
+              parked_until: int = 0) -> str:
+    """Why and until when the task waits, for ``celery throttle why`` (JSON).
+
+    ``parked_until``: when the waiting room releases it (server clock, us);
+    0 when it waits as a countdown.
+    """
     due = decision.now + int(decision.retry_after * 1e6)
     return json.dumps({"task": task.name, "limit": limit, "due": due,
                        "booked": bool(state.booked), "deferrals": state.deferrals,
-                       "since": state.since})
+                       "since": state.since, "parked_until": parked_until})
 
 
 def write_note(task: Task[Any, Any], runtime: Runtime, note: str, wait: float) -> None:
@@ -61,5 +66,7 @@ def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
     note = json.loads(raw)
     now = int(sec) * 1_000_000 + int(usec)
     note["due_in_s"] = round((note["due"] - now) / 1e6, 3)
+    parked = note.get("parked_until") or 0
+    note["released_in_s"] = round((parked - now) / 1e6, 3) if parked else None
     note["waiting_s"] = round((now - (note["since"] or now)) / 1e6, 3)
     return dict(note)

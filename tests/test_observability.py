@@ -215,8 +215,9 @@ def test_command_answers_why_a_task_waits_and_until_when(
                      r"tests.celery_app.patient$", table.stdout, flags=re.MULTILINE), table.stdout
     assert re.search(r"^tests.celery_app.per_tenant \(per key\) .* per key: name one with --key",
                      table.stdout, flags=re.MULTILINE), table.stdout
-    assert f"task {results[15].id} (tests.celery_app.patient) waits for limit 'patient'" \
-        in why.stdout
+    assert re.search(rf"^task {results[15].id} \(tests\.celery_app\.patient\) is parked "
+                     r"until .* UTC \(released in \d+\.\d{3}s\) and waits for limit 'patient'",
+                     why.stdout), why.stdout
     wait = json.loads(why_json.stdout)["waiting"]
     # The 16th task sent starts about 15 s after the first start.  Judged on the
     # note's absolute due time (server clock, the records' clock on this host):

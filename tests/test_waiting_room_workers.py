@@ -166,8 +166,9 @@ def test_commands_show_parked_tasks_and_why_one_waits(
     assert 0 < room["next_release"] <= 1.0
     assert re.search(r"^waiting room: \d+ parked, \d released and on their way; next release "
                      r"in \d\.\d{3}s$", table.stdout, flags=re.MULTILINE), table.stdout
-    assert f"task {results[9].id} (tests.celery_app.patient) waits for limit 'patient'" \
-        in why.stdout
+    assert re.search(rf"^task {results[9].id} \(tests\.celery_app\.patient\) is parked until "
+                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} UTC \(released in \d+\.\d{3}s\) and "
+                     r"waits for limit 'patient': next start in ", why.stdout), why.stdout
 
 
 def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(

@@ -105,7 +105,8 @@ def draw_chart(runs: list[Run], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 3.2 * len(runs)), sharey=True)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 3.2 * len(runs)), sharey=True,
+                             sharex=True)  # one time axis: the runs' lengths compare at a glance
     for ax, run in zip(axes, runs, strict=True):
         end = int(max([run.seconds, *(t - run.started for t in run.refused)]) + 2)
         bins = list(range(end + 1))

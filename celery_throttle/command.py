@@ -209,8 +209,8 @@ def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
     parked = ""
     if wait.get("parked_until"):
         at = dt.datetime.fromtimestamp(wait["parked_until"] / 1e6, dt.timezone.utc)
-        parked = (f" is parked until {at:%Y-%m-%d %H:%M:%S.%f}"[:-3] + " UTC (released in "
-                  f"{wait['released_in_s']:.3f}s) and")
+        stamp = at.isoformat(sep=" ", timespec="milliseconds").removesuffix("+00:00")
+        parked = f" is parked until {stamp} UTC (released in {wait['released_in_s']:.3f}s) and"
     click.echo(f"task {task_id} ({wait['task']}){parked} waits for limit {wait['limit']!r}: "
                f"next start {when}; deferral {wait['deferrals']}, waiting "
                f"{wait['waiting_s']:.1f}s so far"

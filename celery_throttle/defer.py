@@ -286,7 +286,6 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
                     since=state.since or decision.now, copy=new_copy(), prev=state.copy_id,
                     spacing=spacing_of(limits))
     name = _limit_name(decision, limits)
-    note = wait_note(task, name, decision, new)
     # Released a lead before the slot, on the server clock the slot is on.
     release_at = decision.now + math.ceil(countdown * 1e6) - math.ceil(config.release_lead * 1e6)
     slot_of = decision.limit if isinstance(decision.limit, Concurrency) and not new.booked \
@@ -301,7 +300,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
                    note=wait_note(task, name, decision, new, parked_until=max(release_at, 1)))
     if not parked:  # (a parked task's note was written by the script that parked it)
         _republish(task, new, min(countdown, config.max_countdown))
-        write_note(task, runtime, note, decision.retry_after)
+        write_note(task, runtime, wait_note(task, name, decision, new), decision.retry_after)
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
     metrics.deferred(name, decision.retry_after)

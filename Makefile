@@ -4,17 +4,17 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,demo]'
+	$(BIN)/python -m pip install -q -e '.[test,demo,docs]'
 	touch $@
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,demo,bench]'
+	$(BIN)/python -m pip install -q -e '.[test,demo,docs,bench]'
 	touch $@
 
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
@@ -31,8 +31,12 @@ lint: $(VENV)/.installed-test
 test: lint
 	$(BIN)/pytest
 
+# The documentation site, into site/ (the suite builds it too, strictly).
+docs: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 bench: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis demo-output
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis demo-output site

@@ -26,7 +26,7 @@ __all__ = ["SETTINGS", "Config", "QueueLimit", "read_config"]
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _POLICIES = ("defer", "allow", "fail")
 
-#: Every setting: (default, meaning). The README's settings table is this one.
+#: Every setting: (default, meaning); docs/guide/settings.md tables the same (test_docs).
 SETTINGS: dict[str, tuple[object, str]] = {
     "throttle_redis_url": (
         None, "Redis for the buckets; default: broker_url when it is a Redis URL"),

@@ -20,6 +20,7 @@ import redis
 
 from .keys import bucket_key, epoch_key, key_digest, room_key, validate_name, validate_prefix
 from .rates import US_PER_SECOND, Rate, parse_rate
+from .values import check_cost, positive_int, units
 
 __all__ = ["AnyLimit", "BucketState", "Concurrency", "Decision", "Gate", "LeaseState", "Limit",
            "Reservation"]
@@ -33,19 +34,6 @@ _NEVER = -1
 DEFAULT_LEASE = 30.0
 # The booked-limits mask travels as an integer (exact in a Lua double).
 _MAX_LIMITS = 50
-
-
-def _positive_int(what: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"invalid {what} {value!r}: expected an integer >= 1")
-    return value
-
-
-def _units(what: str, value: object) -> int:
-    """A settled cost: an integer >= 0 (a call may have used nothing)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"invalid {what} {value!r}: expected an integer >= 0")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,15 +54,9 @@ class Limit:
     def __post_init__(self) -> None:
         validate_name(self.name)
         object.__setattr__(self, "rate", parse_rate(self.rate))
-        _positive_int("burst", self.burst)
-        _positive_int("cost", self.cost)
+        check_cost(self.cost, positive_int("burst", self.burst), self.name)
         if self.key is not None:
             key_digest(self.key)  # a TypeError naming the type, now rather than at the call
-        if self.cost > self.burst:
-            raise ValueError(
-                f"cost {self.cost} exceeds burst {self.burst} of limit {self.name!r}: "
-                "it could never pass; raise the burst or split the job"
-            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +76,7 @@ class Concurrency:
 
     def __post_init__(self) -> None:
         validate_name(self.name)
-        _positive_int("concurrency", self.slots)
+        positive_int("concurrency", self.slots)
         if self.key is not None:
             key_digest(self.key)
         if (isinstance(self.lease, bool) or not isinstance(self.lease, int | float)
@@ -286,16 +268,9 @@ class Gate:
             raise ValueError(f"acquire_many takes 1 to {_MAX_LIMITS} limits, got {len(limits)}")
         if not holder and any(isinstance(lim, Concurrency) for lim in limits):
             raise ValueError("a Concurrency limit needs a holder (the lease owner's id)")
-        head = (
-            self._now_us(),
-            _NEVER if reserve is None else _to_us(reserve),
-            claim.slot if claim is not None else 0,
-            _to_us(grace),
-            claim.booked if claim is not None else 0,
-            claim.epoch if claim is not None else 0,
-        )
-        args = list(_head_args(*head, holder=holder,
-                               shift=claim.shift if claim is not None else 0))
+        args = list(_head_args(now=self._now_us(),
+                               horizon=_NEVER if reserve is None else _to_us(reserve),
+                               claim=claim, grace=_to_us(grace), holder=holder))
         reply = self._script(keys=self._keys(limits), args=args + self._limit_args(limits))
         if reply == _ALLOWED:  # the hot path replies with a bare integer
             return _ADMITTED
@@ -350,18 +325,17 @@ class Gate:
         burst: the bucket then owes.  ``charged``: what was charged if not
         ``limit.cost`` (an earlier settlement).
         """
-        diff = (_units("actual cost", actual)
-                - (limit.cost if charged is None else _units("charged cost", charged)))
+        diff = (units("actual cost", actual)
+                - (limit.cost if charged is None else units("charged cost", charged)))
         if diff == 0:
             return
-        args = [*_head_args(self._now_us(), _NEVER, 0, 0, 0, 0, op=b"settle"),
+        args = [*_head_args(now=self._now_us(), op=b"settle"),
                 str(limit.rate.interval_us).encode(), str(limit.burst).encode(),
                 str(diff).encode()]
         self._script(keys=self._keys([limit]), args=args)
 
     def _op(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> int:
-        args = list(_head_args(self._now_us(), _NEVER, 0, 0, 0, 0, holder=holder,
-                               op=op.encode(), op_arg=arg))
+        args = list(_head_args(now=self._now_us(), holder=holder, op=op.encode(), op_arg=arg))
         keys = self._keys(limits)
         if op == "release":
             keys += [waiters_key(self.prefix, lim.name, lim.key).encode() for lim in limits
@@ -389,37 +363,25 @@ class Gate:
         return args
 
     def inspect(self, limit: Limit) -> BucketState:
-        """Read ``limit``'s bucket without charging it (for status commands and metrics)."""
-        key = self.key_of(limit)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(key)
-        pipe.pttl(key)
-        pipe.time()
-        raw, pttl, (sec, usec) = pipe.execute()
-        now = self._now_us() or int(sec) * US_PER_SECOND + int(usec)
-        interval = limit.rate.interval_us
-        stored, paused = _parse_bucket(raw)
-        tat = max(stored, now)
-        ahead = tat - now  # the bucket's content, in microseconds of emission
-        used = ahead / interval
-        # Same test as gate.lua: admitted when tat + c*T - B*T <= now, and not paused.
-        next_free = max(0, tat + (limit.cost - limit.burst) * interval - now, paused - now)
+        """Read ``limit``'s bucket without charging it (for status commands and metrics).
+
+        The script's ``inspect`` operation answers, so "when is the next start
+        free" is gate.lua's own admission test, not a copy of it.
+        """
+        exists, ahead, next_free, pttl, now, paused = self._read(limit)
+        used = ahead / limit.rate.interval_us  # the bucket's content, in starts
         booked = max(0, math.ceil(used - 1e-9) - limit.burst)
-        return BucketState(limit, raw is not None, used, next_free / US_PER_SECOND, booked,
-                           max(0, int(pttl)) / 1000, now,
-                           max(0, paused - now) / US_PER_SECOND)
+        return BucketState(limit, bool(exists), used, next_free / US_PER_SECOND, booked,
+                           max(0, pttl) / 1000, now, paused / US_PER_SECOND)
 
     def inspect_leases(self, limit: Concurrency) -> LeaseState:
         """Count ``limit``'s unexpired leases and read its pause, without changing them."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.time()
-        pipe.hmget(_meta_key(self.prefix, limit.name, limit.key), ["pause", "run"])
-        pipe.zrange(self.key_of(limit), 0, -1, withscores=True)  # at most `slots` leases
-        (sec, usec), (pause, run), leases = pipe.execute()
-        now = self._now_us() or int(sec) * US_PER_SECOND + int(usec)
-        held = sum(1 for _, expiry in leases if expiry > now)  # one round trip, not two
-        return LeaseState(limit, held, max(0, int(pause or 0) - now) / US_PER_SECOND,
-                          int(run or 0) / US_PER_SECOND)
+        held, paused, run, _now = self._read(limit)
+        return LeaseState(limit, held, paused / US_PER_SECOND, run / US_PER_SECOND)
+
+    def _read(self, limit: AnyLimit) -> list[int]:
+        args = [*_head_args(now=self._now_us(), op=b"inspect"), *self._limit_args([limit])]
+        return [int(v) for v in self._script(keys=self._keys([limit]), args=args)]
 
     def reset(self, limit: AnyLimit) -> bool:
         """Forget ``limit``'s bucket (full again; a concurrency limit: its leases, pause)."""
@@ -442,12 +404,15 @@ def _limit_args(interval_us: int, burst: int, cost: int) -> tuple[bytes, bytes, 
     return (str(interval_us).encode(), str(burst).encode(), str(cost).encode())
 
 
-def _head_args(now: int, horizon: int, claim: int, grace: int, mask: int, epoch: int, *,
-               holder: str = "", op: bytes = b"a", op_arg: int = 0,
-               shift: int = 0) -> tuple[bytes, ...]:
-    if now == 0 and claim == 0 and not holder and op == b"a":
+def _head_args(*, now: int = 0, horizon: int = _NEVER, claim: Reservation | None = None,
+               grace: int = 0, holder: str = "", op: bytes = b"a",
+               op_arg: int = 0) -> tuple[bytes, ...]:
+    """ARGV[1..10] of gate.lua (its header names them), microseconds throughout."""
+    if now == 0 and claim is None and not holder and op == b"a":
         return _plain_head(horizon, grace)  # most calls: cache the few distinct ones
-    return (*(str(v).encode() for v in (now, horizon, claim, grace, mask, epoch)),
+    slot, mask, epoch, shift = ((claim.slot, claim.booked, claim.epoch, claim.shift)
+                                if claim is not None else (0, 0, 0, 0))
+    return (*(str(v).encode() for v in (now, horizon, slot, grace, mask, epoch)),
             holder.encode(), op, str(op_arg).encode(), str(shift).encode())
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import redis
 from celery import current_task
 
-from .gate import AnyLimit, Concurrency, Gate, Limit, _units
+from .gate import AnyLimit, Concurrency, Gate, Limit
+from .values import units
 
 __all__ = ["Admitted", "Held", "hold", "release", "settle"]
 
@@ -143,7 +144,7 @@ def settle(actual: int, limit: str | None = None) -> bool:
     False without effect outside a worker run admitted by the gate (direct
     calls, eager mode), or if the store cannot be reached (logged).
     """
-    _units("actual cost", actual)
+    units("actual cost", actual)
     task = current_task
     admitted = getattr(getattr(task, "request", None), ADMITTED, None)
     if not isinstance(admitted, Admitted):

@@ -24,11 +24,12 @@ from celery.local import PromiseProxy, Proxy
 from . import memory
 from .defer import admit, defer_after_start
 from .errors import RateLimited
-from .gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit, _positive_int
+from .gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit
 from .keys import validate_name
 from .rates import Rate, parse_rate
 from .releaser import queue_of
 from .store import INSTALLED, runtime_for
+from .values import check_cost, positive_int
 
 __all__ = ["Throttle", "ensure_gated", "throttled"]
 
@@ -99,10 +100,10 @@ class Throttle:
                     kwargs: dict[str, Any]) -> Limit:
         assert self.rate is not None
         cost = self.cost(*args, **kwargs) if callable(self.cost) else self.cost
-        if isinstance(cost, bool) or not isinstance(cost, int) or not 1 <= cost <= self.burst:
-            raise ValueError(
-                f"task {task_name!r}: cost {cost!r} of limit {name!r} must be an integer "
-                f"from 1 to the burst ({self.burst})")
+        try:
+            check_cost(cost, self.burst, name)  # a computed cost is known only now
+        except ValueError as exc:
+            raise ValueError(f"task {task_name!r}: {exc}") from None
         try:
             return Limit(name, self.rate, self.burst, key, cost)
         except TypeError as exc:  # a key value of an unsupported type
@@ -196,14 +197,12 @@ def _build_spec(rate: object, burst: object, key: object, name: object, cost: ob
     parsed = parse_rate(rate) if rate is not None else None
     if concurrency is not None:
         Concurrency("check", concurrency, None, lease)  # type: ignore[arg-type]
-    _positive_int("burst", burst)
+    positive_int("burst", burst)
     assert isinstance(burst, int)
     if name is not None:
         validate_name(name)
     if not callable(cost):
-        _positive_int("cost", cost)
-        if cost > burst:  # type: ignore[operator]
-            raise ValueError(f"cost {cost} exceeds burst {burst}: it could never pass")
+        check_cost(cost, burst, name if isinstance(name, str) else None)
     if max_wait is not None and (
         isinstance(max_wait, bool) or not isinstance(max_wait, int | float) or max_wait < 0
     ):

@@ -215,7 +215,7 @@ def test_key_and_cost_from_positional_or_keyword_arguments(app: Celery) -> None:
     assert by_position == by_name
     with pytest.raises(ValueError, match="key argument 'tenant' is None"):
         spec.limits(job.name, (None, "abc"), {})
-    with pytest.raises(ValueError, match="cost 11 of limit"):
+    with pytest.raises(ValueError, match="cost 11 exceeds burst 10 of limit"):
         spec.limits(job.name, ("acme", "x" * 11), {})
     with pytest.raises(TypeError, match="type float"):
         spec.limits(job.name, (1.5, "abc"), {})

@@ -537,3 +537,39 @@ def test_evicted_bucket_costs_at_most_one_burst(client: redis.Redis, prefix: str
     for window in (0.25, 0.5, 1.0, 2.0):
         assert max_in_window(evicted, window) <= max_in_window(steady, window) + burst
     assert 1 <= len(evicted) - len(steady) <= burst  # the loss is felt, and bounded
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.tuples(st.integers(0, 300_000), st.integers(1, 3)), min_size=1,
+                      max_size=12),
+       burst=st.integers(3, 5))
+def test_inspect_is_the_decisions_own_test_and_writes_nothing(
+        client: redis.Redis, clock: StepClock, steps: list[tuple[int, int]], burst: int) -> None:
+    """After any history, ``inspect`` changes nothing (value and TTL, or no key) and its
+    ``next_free`` is exact: a start of the limit's cost is denied 1 us before it, allowed at it."""
+    gate = Gate(client, prefix=f"t{uuid.uuid4().hex[:8]}", clock=clock)
+    for step_us, cost in steps:
+        clock.us += step_us
+        gate.acquire_many([Limit("api", parse_rate("10/s"), burst, cost=cost)])
+    probe = Limit("api", parse_rate("10/s"), burst, cost=3)
+    key = gate.key_of(probe)
+    before = (client.get(key), client.pttl(key))
+    state = gate.inspect(probe)
+    assert client.get(key) == before[0]
+    assert client.pttl(key) <= before[1]  # never renewed (it runs down on the wall clock)
+    assert state.exists == (before[0] is not None)
+    wait_us = round(state.next_free * 1_000_000)
+    if wait_us > 0:
+        clock.us += wait_us - 1
+        assert not gate.acquire_many([probe]).allowed
+        clock.us += 1
+    assert gate.acquire_many([probe]).allowed
+
+
+def test_inspect_of_a_missing_bucket_creates_nothing(cgate: Gate, client: redis.Redis) -> None:
+    """Status commands on a limit never used: a full bucket, and still no key."""
+    limit = Limit("never-used", parse_rate("1/s"))
+    state = cgate.inspect(limit)
+    assert (state.exists, state.used, state.next_free, state.ttl) == (False, 0.0, 0.0, 0.0)
+    assert client.exists(cgate.key_of(limit)) == 0

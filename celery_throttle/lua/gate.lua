@@ -73,12 +73,16 @@ ARGV[6]   claim epoch: the epoch the claimed slot was booked in; 0 without.
           (TAT < S + c*T: the key was evicted or reset).
 ARGV[7]   holder: the lease owner's id (a task id) when a concurrency limit
           takes part, else ""
-ARGV[8]   op: "a" decide (below); "release", "extend", "pause", "settle"
-          (see the end of the script)
+ARGV[8]   op: "a" decide (the reply below); "release", "extend", "pause",
+          "settle", "inspect" (one function each, near the end of the script)
 ARGV[9]   op argument (microseconds): release: how long the holder ran;
-          pause: for how long; otherwise 0.  An op replies with a count:
-          leases released, leases lost (extend), limits settled, or for
-          pause the longest pause now in force (us)
+          pause: for how long; otherwise 0.  release, extend, pause and
+          settle reply with a count: leases released, leases lost (extend),
+          limits settled, or for pause the longest pause now in force (us).
+          inspect reads its one limit without writing anything and replies
+            a rate limit:  { exists, tat_ahead_us, next_free_us, pttl_ms, now, paused_us }
+            a concurrency limit: { held, paused_us, average_run_us, now }
+          (next_free_us by the same test as a decision: one copy of it)
 ARGV[10]  claim shift: the sum of the booked limits' shifts when the claimed
           slot was booked (the reply's `shift`); 0 without
 ARGV[8+3i .. 10+3i] for limit i = 1..n (ARGV[11], ARGV[12], ARGV[13] for i = 1):
@@ -134,56 +138,60 @@ local function booked_in(m, i)
   return math.floor(m / 2 ^ (i - 1)) % 2 == 1
 end
 
--- Each limit's numbers, converted once (the hot path reads them twice).
-local T, B, C, meta, concurrent, waiters = {}, {}, {}, {}, {}, {}
+-- The limits, read once.  A rate limit: { key, interval, burst, cost }; a
+-- concurrency limit (interval 0 in ARGV): { key, concurrent, slots, lease,
+-- meta, waiters }, waiters only with op "release".
+local L = {}
 local m = 0 -- concurrency limits among the n
 for i = 1, n do
   local base = HEAD + 3 * i
-  T[i], B[i], C[i] = tonumber(ARGV[base - 2]), tonumber(ARGV[base - 1]), tonumber(ARGV[base])
-  if T[i] == 0 then
+  local interval = tonumber(ARGV[base - 2])
+  if interval == 0 then
     m = m + 1
-    meta[i], concurrent[i], waiters[i] = KEYS[n + 1 + m], true, m
+    L[i] = { key = KEYS[i], concurrent = true, slots = tonumber(ARGV[base - 1]),
+             lease = tonumber(ARGV[base]), meta = KEYS[n + 1 + m], nth = m }
+  else
+    L[i] = { key = KEYS[i], interval = interval, burst = tonumber(ARGV[base - 1]),
+             cost = tonumber(ARGV[base]) }
   end
 end
 for i = 1, n do
-  if concurrent[i] then
-    waiters[i] = KEYS[n + 1 + m + waiters[i]] -- nil unless op is "release"
+  if L[i].concurrent then
+    L[i].waiters = KEYS[n + 1 + m + L[i].nth] -- nil unless op is "release"
   end
 end
 
-local function limit(i)
-  return T[i], B[i], C[i]
-end
+-- ---------------------------------------------------------------------------
+-- Rate buckets.
 
 -- A rate bucket's value: "TAT", "TAT:until" while paused, "TAT:until:shift"
 -- once a settlement has shifted its bookings (until may then be 0).
 local function read_rate(key)
   local raw = redis.call('GET', key)
   if not raw then
-    return 0, 0, 0
+    return 0, 0, 0, false
   end
   local tat = tonumber(raw)
   if tat then
-    return tat, 0, 0
+    return tat, 0, 0, true
   end
   local t, p, d = string.match(raw, '^(%d+):(%d+):?(%d*)$')
-  return tonumber(t), tonumber(p), tonumber(d) or 0
+  return tonumber(t), tonumber(p), tonumber(d) or 0, true
 end
 
 -- Write a rate bucket; TTL = time until it has drained and any pause is
 -- over, so the key never expires while it holds state (a shift matters
 -- only to bookings, which an expired bucket voids anyway).
 local function write_rate(key, tat, paused, shift)
-  local value = string.format('%d', tat) -- %d: the default format rounds 16 digits
+  local value = us(tat)
   local last = tat
   if paused > now then
     last = math.max(tat, paused)
   end
   if shift > 0 then
-    value = value .. ':' .. string.format('%d', paused > now and paused or 0) .. ':'
-      .. string.format('%d', shift)
+    value = value .. ':' .. us(paused > now and paused or 0) .. ':' .. us(shift)
   elseif paused > now then
-    value = value .. ':' .. string.format('%d', paused)
+    value = value .. ':' .. us(paused)
   end
   local ttl_ms = math.ceil((last - now) / 1000)
   if ttl_ms < 1 then
@@ -192,23 +200,32 @@ local function write_rate(key, tat, paused, shift)
   redis.call('SET', key, value, 'PX', ttl_ms)
 end
 
+-- THE admission test (GCRA): how long until rate limit `lim` admits its
+-- cost, from its TAT (at least now) and pause.  <= 0: admitted now.
+local function rate_wait(lim, tat, paused)
+  return math.max(tat + (lim.cost - lim.burst) * lim.interval, paused) - now
+end
+
+-- ---------------------------------------------------------------------------
+-- Concurrency limits.
+
 local function keep_at_least(key, ms)
   if redis.call('PTTL', key) < ms then
     redis.call('PEXPIRE', key, ms)
   end
 end
 
-local function meta_num(i, field)
-  return tonumber(redis.call('HGET', meta[i], field) or 0)
+local function meta_num(lim, field)
+  return tonumber(redis.call('HGET', lim.meta, field) or 0)
 end
 
 -- Leases past their expiry are reclaimed (their holders stopped renewing:
 -- killed), with the start times kept for them in the meta hash.
-local function reclaim(i)
-  local gone = redis.call('ZRANGEBYSCORE', KEYS[i], '-inf', now)
+local function reclaim(lim)
+  local gone = redis.call('ZRANGEBYSCORE', lim.key, '-inf', now)
   for _, h in ipairs(gone) do
-    redis.call('ZREM', KEYS[i], h)
-    redis.call('HDEL', meta[i], 's:' .. h)
+    redis.call('ZREM', lim.key, h)
+    redis.call('HDEL', lim.meta, 's:' .. h)
   end
 end
 
@@ -219,48 +236,45 @@ end
 -- too often, a long one would leave a freed slot idle (and a killed
 -- holder's slot idle past its lease).  Waiters share one cursor ('next'),
 -- so whatever the estimate, returns happen one step apart, never at once.
-local function step_of(i)
-  local _, slots = limit(i)
-  local run = meta_num(i, 'run')
+local function step_of(lim)
+  local run = meta_num(lim, 'run')
   if run == 0 then
-    for _, h in ipairs(redis.call('ZRANGE', KEYS[i], 0, -1)) do
-      local since = tonumber(redis.call('HGET', meta[i], 's:' .. h) or now)
+    for _, h in ipairs(redis.call('ZRANGE', lim.key, 0, -1)) do
+      local since = tonumber(redis.call('HGET', lim.meta, 's:' .. h) or now)
       run = math.max(run, now - since)
     end
     run = math.min(run, UNKNOWN_RUN)
   end
-  return math.ceil(math.max(run, MIN_RUN) / slots)
+  return math.ceil(math.max(run, MIN_RUN) / lim.slots)
 end
 
--- Give holder a lease in concurrency limit i, noting when it started.
-local function take(i)
-  local _, _, lease = limit(i)
-  redis.call('ZADD', KEYS[i], now + lease, holder)
-  keep_at_least(KEYS[i], math.ceil(lease / 1000))
-  redis.call('HSETNX', meta[i], 's:' .. holder, string.format('%d', now))
-  keep_at_least(meta[i], META_TTL_MS)
+-- Give holder a lease in concurrency limit `lim`, noting when it started.
+local function take(lim)
+  redis.call('ZADD', lim.key, now + lim.lease, holder)
+  keep_at_least(lim.key, math.ceil(lim.lease / 1000))
+  redis.call('HSETNX', lim.meta, 's:' .. holder, us(now))
+  keep_at_least(lim.meta, META_TTL_MS)
 end
 
 -- A freed slot goes to the oldest task parked for it (FIFO), within this
 -- call, so no newcomer can take it first: its lease is taken in its name
 -- and it is due for release now.  Waiters that left the waiting room (ran,
 -- expired, lost) are skipped, a few per call.
-local function hand_off(i)
+local function hand_off(lim)
   local parked, messages, wake = KEYS[n + 2 + 2 * m], KEYS[n + 3 + 2 * m], KEYS[n + 4 + 2 * m]
-  local _, slots, lease = limit(i)
-  reclaim(i)
+  reclaim(lim)
   for _ = 1, 10 do
-    if redis.call('ZCARD', KEYS[i]) >= slots then
+    if redis.call('ZCARD', lim.key) >= lim.slots then
       return
     end
-    local item = redis.call('LPOP', waiters[i])
+    local item = redis.call('LPOP', lim.waiters)
     if not item then
       return
     end
     local entry, who = string.match(item, '^(%S+) (.+)$')
     if entry and redis.call('HEXISTS', messages, entry) == 1 then
-      redis.call('ZADD', KEYS[i], now + lease, who)
-      redis.call('HSET', meta[i], 's:' .. who, us(now))
+      redis.call('ZADD', lim.key, now + lim.lease, who)
+      redis.call('HSET', lim.meta, 's:' .. who, us(now))
       if redis.call('ZADD', parked, 'XX', 'CH', now, entry) == 1 then
         redis.call('LPUSH', wake, '1')
         redis.call('LTRIM', wake, 0, 0)
@@ -272,271 +286,324 @@ local function hand_off(i)
 end
 
 -- ---------------------------------------------------------------------------
--- Operations after the decision: leases, pauses, settlements.
-if op ~= 'a' then
+-- The operations besides the decision: one function each.
+
+-- Give back holder's leases; feed the average run; hand the slot on.
+local function release()
   local count = 0
   for i = 1, n do
-    local interval, burst, cost = limit(i)
-    if op == 'release' and concurrent[i] then
-      local since = tonumber(redis.call('HGET', meta[i], 's:' .. holder) or 0)
-      redis.call('HDEL', meta[i], 's:' .. holder)
-      if redis.call('ZREM', KEYS[i], holder) == 1 then
+    local lim = L[i]
+    if lim.concurrent then
+      local since = tonumber(redis.call('HGET', lim.meta, 's:' .. holder) or 0)
+      redis.call('HDEL', lim.meta, 's:' .. holder)
+      if redis.call('ZREM', lim.key, holder) == 1 then
         count = count + 1
         local ran = op_arg -- the holder's own measure, else the server's
         if ran <= 0 and since > 0 then
           ran = now - since
         end
         if ran > 0 then -- average run: moves a quarter of the way per run
-          local avg = meta_num(i, 'run')
+          local avg = meta_num(lim, 'run')
           if avg > 0 then
             avg = math.floor((3 * avg + ran) / 4)
           else
             avg = ran
           end
-          redis.call('HSET', meta[i], 'run', string.format('%d', avg))
-          redis.call('PEXPIRE', meta[i], META_TTL_MS)
+          redis.call('HSET', lim.meta, 'run', us(avg))
+          redis.call('PEXPIRE', lim.meta, META_TTL_MS)
         end
       end
-      if waiters[i] then
-        hand_off(i)
+      if lim.waiters then
+        hand_off(lim)
       end
-    elseif op == 'extend' and concurrent[i] then
-      -- Keep the lease; if it expired and was reclaimed, take a free slot
-      -- again.  Counts the leases lost (all slots taken by others).
-      reclaim(i)
-      if redis.call('ZSCORE', KEYS[i], holder)
-          or redis.call('ZCARD', KEYS[i]) < burst then
-        take(i)
+    end
+  end
+  return count
+end
+
+-- Keep holder's leases; one that expired and was reclaimed is taken again
+-- if a slot is free.  Counts the leases lost (all slots taken by others).
+local function extend()
+  local count = 0
+  for i = 1, n do
+    local lim = L[i]
+    if lim.concurrent then
+      reclaim(lim)
+      if redis.call('ZSCORE', lim.key, holder)
+          or redis.call('ZCARD', lim.key) < lim.slots then
+        take(lim)
       else
         count = count + 1
       end
-    elseif op == 'pause' then
-      -- Returns the longest pause now in force among the limits (us).
-      local till = now + op_arg
-      if concurrent[i] then
-        till = math.max(meta_num(i, 'pause'), till)
-        redis.call('HSET', meta[i], 'pause', string.format('%d', till))
-        keep_at_least(meta[i], math.ceil((till - now) / 1000))
-      else
-        local tat, paused, shift = read_rate(KEYS[i])
-        till = math.max(paused, till)
-        write_rate(KEYS[i], math.max(tat, now), till, shift)
+    end
+  end
+  return count
+end
+
+-- Admit nothing for op_arg us; returns the longest pause now in force (us).
+local function pause()
+  local longest = 0
+  for i = 1, n do
+    local lim = L[i]
+    local till = now + op_arg
+    if lim.concurrent then
+      till = math.max(meta_num(lim, 'pause'), till)
+      redis.call('HSET', lim.meta, 'pause', us(till))
+      keep_at_least(lim.meta, math.ceil((till - now) / 1000))
+    else
+      local tat, paused, shift = read_rate(lim.key)
+      till = math.max(paused, till)
+      write_rate(lim.key, math.max(tat, now), till, shift)
+    end
+    longest = math.max(longest, till - now)
+  end
+  return longest
+end
+
+-- The charge was an estimate: move the TAT by the difference (the cost
+-- field carries it).  A charge also shifts the slots booked before it (see
+-- the top).  A refund never makes the bucket fuller than full, and is given
+-- only while no slot is booked past the burst: with slots booked ahead, a
+-- lower TAT would hand their times out a second time.
+local function settle()
+  local count = 0
+  for i = 1, n do
+    local lim = L[i]
+    if not lim.concurrent and lim.cost ~= 0 then
+      local tat, paused, shift = read_rate(lim.key)
+      if lim.cost > 0 then
+        shift = shift + lim.cost * lim.interval
+        tat = math.max(tat, now) + lim.cost * lim.interval
+      elseif tat <= now + lim.burst * lim.interval then
+        tat = math.max(math.max(tat, now) + lim.cost * lim.interval, now)
       end
-      count = math.max(count, till - now)
-    elseif op == 'settle' and not concurrent[i] and cost ~= 0 then
-      -- The charge was an estimate: move the TAT by the difference.  A
-      -- charge also shifts the slots booked before it (see the top).  A
-      -- refund never makes the bucket fuller than full, and is given only
-      -- while no slot is booked past the burst: with slots booked ahead, a
-      -- lower TAT would hand their times out a second time.
-      local tat, paused, shift = read_rate(KEYS[i])
-      if cost > 0 then
-        shift = shift + cost * interval
-        tat = math.max(tat, now) + cost * interval
-      elseif tat <= now + burst * interval then
-        tat = math.max(math.max(tat, now) + cost * interval, now)
-      end
-      write_rate(KEYS[i], tat, paused, shift)
+      write_rate(lim.key, tat, paused, shift)
       count = count + 1
     end
   end
   return count
 end
 
+-- Read the one limit given, writing nothing (status commands, metrics).
+local function inspect()
+  local lim = L[1]
+  if lim.concurrent then
+    local held = redis.call('ZCOUNT', lim.key, '(' .. us(now), '+inf')
+    local paused = math.max(0, meta_num(lim, 'pause') - now)
+    return { held, paused, meta_num(lim, 'run'), now }
+  end
+  local tat, paused, _, exists = read_rate(lim.key)
+  tat = math.max(tat, now)
+  return { exists and 1 or 0, tat - now, math.max(0, rate_wait(lim, tat, paused)),
+           redis.call('PTTL', lim.key), now, math.max(0, paused - now) }
+end
+
 -- ---------------------------------------------------------------------------
--- The decision.  Read every limit once; wait[i] = how long until limit i
--- admits its cost (a full concurrency limit: until its paced return).
-local tats, stored, paused, shifts, waits, steps = {}, {}, {}, {}, {}, {}
-local wait, blocking = 0, 0
-for i = 1, n do
-  local interval, burst, cost = limit(i)
-  if concurrent[i] then
-    reclaim(i)
-    paused[i] = meta_num(i, 'pause')
-    waits[i] = paused[i] - now
-    if not redis.call('ZSCORE', KEYS[i], holder)
-        and redis.call('ZCARD', KEYS[i]) >= burst then
-      steps[i] = step_of(i) -- full: this waiter's turn on the shared cursor
-      local back = math.max(meta_num(i, 'next'), now + steps[i])
-      waits[i] = math.max(waits[i], back - now)
-    end
-  else
-    local tat
-    tat, paused[i], shifts[i] = read_rate(KEYS[i])
-    stored[i] = tat
-    if tat < now then
-      tat = now
-    end
-    tats[i] = tat
-    waits[i] = math.max(tat + (cost - burst) * interval, paused[i]) - now
-  end
-  if waits[i] > wait then
-    wait, blocking = waits[i], i
-  end
-end
+-- The decision.
 
--- Charge limit i for a start at `at`: a rate bucket's TAT moves on; a
--- concurrency limit gets this holder's lease.
-local function charge(i, at)
-  local interval, _, cost = limit(i)
-  if concurrent[i] then
-    take(i)
-    return
-  end
-  write_rate(KEYS[i], math.max(tats[i], at) + cost * interval, paused[i], shifts[i])
-end
-
--- Only reservations and claims need the epoch: the hot path never reads it.
-local function epoch()
-  local e = tonumber(redis.call('GET', epoch_key) or 0)
-  if e == 0 then
-    e = now
-    redis.call('SET', epoch_key, string.format('%d', e))
-  end
-  return e
-end
-
-local function claim_valid()
-  if claim_epoch ~= epoch() then
-    return false
-  end
+local function decide()
+  -- Read every limit once; wait[i] = how long until limit i admits its cost
+  -- (a full concurrency limit: until its paced return).
+  local tats, stored, paused, shifts, waits, steps = {}, {}, {}, {}, {}, {}
+  local wait, blocking = 0, 0
   for i = 1, n do
-    local interval, _, cost = limit(i)
-    if booked_in(mask, i) then
-      if concurrent[i] then
-        if not redis.call('ZSCORE', KEYS[i], holder) then
-          return false
-        end
-      elseif stored[i] < claim + cost * interval or paused[i] > claim then
-        return false -- the key was evicted or reset, or a pause came after the booking
+    local lim = L[i]
+    if lim.concurrent then
+      reclaim(lim)
+      paused[i] = meta_num(lim, 'pause')
+      waits[i] = paused[i] - now
+      if not redis.call('ZSCORE', lim.key, holder)
+          and redis.call('ZCARD', lim.key) >= lim.slots then
+        steps[i] = step_of(lim) -- full: this waiter's turn on the shared cursor
+        local back = math.max(meta_num(lim, 'next'), now + steps[i])
+        waits[i] = math.max(waits[i], back - now)
       end
+    else
+      local tat
+      tat, paused[i], shifts[i] = read_rate(lim.key)
+      stored[i] = tat
+      tats[i] = math.max(tat, now)
+      waits[i] = rate_wait(lim, tats[i], paused[i])
+    end
+    if waits[i] > wait then
+      wait, blocking = waits[i], i
     end
   end
-  return true
-end
 
--- The sum of limit shifts over the limits in mask m (0 for concurrency limits).
-local function shift_of(m)
-  local sum = 0
-  for i = 1, n do
-    if booked_in(m, i) and not concurrent[i] then
-      sum = sum + shifts[i]
+  -- Charge limit i for a start at `at`: a rate bucket's TAT moves on; a
+  -- concurrency limit gets this holder's lease.
+  local function charge(i, at)
+    local lim = L[i]
+    if lim.concurrent then
+      take(lim)
+      return
     end
+    write_rate(lim.key, math.max(tats[i], at) + lim.cost * lim.interval, paused[i], shifts[i])
   end
-  return sum
-end
 
--- A start later than its slot moves the slots booked after it in the limits
--- it is booked in by as much (the same shift a settlement makes), so the
--- next start keeps the full interval from this one: the window bound holds
--- on the starts themselves, not only on the slots.
-local function push_back(m, by)
-  if by <= 0 then
-    return
-  end
-  for i = 1, n do
-    if booked_in(m, i) and not concurrent[i] then
-      local interval, _, cost = limit(i)
-      shifts[i] = shifts[i] + by
-      stored[i] = math.max(stored[i] + by, now + cost * interval)
-      write_rate(KEYS[i], stored[i], paused[i], shifts[i])
+  -- Only reservations and claims need the epoch: the hot path never reads it.
+  local function epoch()
+    local e = tonumber(redis.call('GET', epoch_key) or 0)
+    if e == 0 then
+      e = now
+      redis.call('SET', epoch_key, us(e))
     end
+    return e
   end
-end
 
-local function all_booked(m)
-  for i = 1, n do
-    if concurrent[i] or not booked_in(m, i) then
+  local function claim_valid()
+    if claim_epoch ~= epoch() then
       return false
     end
-  end
-  return true
-end
-
-if claim > 0 and claim_valid() then
-  -- Settlements and late starts since the booking moved the slot this much.
-  local due = claim + math.max(0, shift_of(mask) - claim_shift)
-  if now < due then
-    if all_booked(mask) and due - now <= grace then
-      -- Admitted for `due` itself: the caller sleeps the rest and starts
-      -- without asking again (another round trip would arrive late).
-      return { 1, due - now, 0, claim, now, mask, claim_epoch, claim_shift }
-    end
-    return { 3, due - now, 0, claim, now, mask, claim_epoch, claim_shift }
-  end
-  if now <= due + grace then
-    -- The booked limits were charged at booking; the others must admit now.
-    local busy, stuck = 0, false
     for i = 1, n do
-      if not booked_in(mask, i) and waits[i] > 0 then
-        busy = math.max(busy, waits[i])
-        stuck = stuck or concurrent[i] == true -- a lease cannot be booked ahead
-      end
-    end
-    if busy == 0 then
-      for i = 1, n do
-        if not booked_in(mask, i) then
-          charge(i, now)
+      local lim = L[i]
+      if booked_in(mask, i) then
+        if lim.concurrent then
+          if not redis.call('ZSCORE', lim.key, holder) then
+            return false
+          end
+        elseif stored[i] < claim + lim.cost * lim.interval or paused[i] > claim then
+          return false -- the key was evicted or reset, or a pause came after the booking
         end
       end
-      push_back(mask, now - due)
-      return { 1, 0, 0, claim, now, mask, claim_epoch, claim_shift }
     end
-    if not stuck and now + busy <= due + grace then
-      -- An unbooked limit frees up within the grace (a shared limit another
-      -- task just took): book it there and answer "early", so the caller
-      -- sleeps that long and claims again, rather than losing a slot of
-      -- every booked limit for a wait shorter than the grace.  The slot is
-      -- now that moment, and the limits booked before move back to it.
-      local start = now + busy
-      push_back(mask, start - due)
-      local more = mask
-      for i = 1, n do
-        if not booked_in(mask, i) then
-          charge(i, start)
-          more = more + 2 ^ (i - 1)
-        end
-      end
-      return { 3, busy, 0, start, now, more, claim_epoch, shift_of(more) }
-    end
+    return true
   end
-  -- Late, or an unbooked limit is busy: the old slot is lost, decide afresh.
-end
--- (A void claim, from an older epoch or a bucket that lost it, decides afresh too.)
 
-if wait <= 0 then
-  for i = 1, n do
-    charge(i, now)
+  -- The sum of limit shifts over the limits in mask mk (0 for concurrency limits).
+  local function shift_of(mk)
+    local sum = 0
+    for i = 1, n do
+      if booked_in(mk, i) and not L[i].concurrent then
+        sum = sum + shifts[i]
+      end
+    end
+    return sum
   end
-  return 1 -- the hot path: a bare integer is cheaper to parse than an array
-end
-local waiting_on_lease = false
-for i = 1, n do
-  if concurrent[i] and waits[i] > 0 then
-    waiting_on_lease = true
-    if steps[i] then -- full: the next waiter comes back one step after this one
-      redis.call('HSET', meta[i], 'next', string.format('%d', now + waits[i] + steps[i]))
-      keep_at_least(meta[i], META_TTL_MS)
+
+  -- A start later than its slot moves the slots booked after it in the limits
+  -- it is booked in by as much (the same shift a settlement makes), so the
+  -- next start keeps the full interval from this one: the window bound holds
+  -- on the starts themselves, not only on the slots.
+  local function push_back(mk, by)
+    if by <= 0 then
+      return
+    end
+    for i = 1, n do
+      local lim = L[i]
+      if booked_in(mk, i) and not lim.concurrent then
+        shifts[i] = shifts[i] + by
+        stored[i] = math.max(stored[i] + by, now + lim.cost * lim.interval)
+        write_rate(lim.key, stored[i], paused[i], shifts[i])
+      end
     end
   end
-end
-if waiting_on_lease then
-  -- Nothing is booked: rate slots held for a task that may not get its
-  -- lease then would be lost.  It comes back at its paced time and asks.
-  if horizon < 0 then
-    return { 0, wait, blocking, 0, now, 0, 0, 0 }
+
+  local function all_booked(mk)
+    for i = 1, n do
+      if L[i].concurrent or not booked_in(mk, i) then
+        return false
+      end
+    end
+    return true
   end
-  return { 2, wait, blocking, now + wait, now, 0, epoch(), 0 }
-end
-if horizon >= 0 and wait <= horizon then
-  local booked = 0
+
+  if claim > 0 and claim_valid() then
+    -- Settlements and late starts since the booking moved the slot this much.
+    local due = claim + math.max(0, shift_of(mask) - claim_shift)
+    if now < due then
+      if all_booked(mask) and due - now <= grace then
+        -- Admitted for `due` itself: the caller sleeps the rest and starts
+        -- without asking again (another round trip would arrive late).
+        return { 1, due - now, 0, claim, now, mask, claim_epoch, claim_shift }
+      end
+      return { 3, due - now, 0, claim, now, mask, claim_epoch, claim_shift }
+    end
+    if now <= due + grace then
+      -- The booked limits were charged at booking; the others must admit now.
+      local busy, stuck = 0, false
+      for i = 1, n do
+        if not booked_in(mask, i) and waits[i] > 0 then
+          busy = math.max(busy, waits[i])
+          stuck = stuck or L[i].concurrent == true -- a lease cannot be booked ahead
+        end
+      end
+      if busy == 0 then
+        for i = 1, n do
+          if not booked_in(mask, i) then
+            charge(i, now)
+          end
+        end
+        push_back(mask, now - due)
+        return { 1, 0, 0, claim, now, mask, claim_epoch, claim_shift }
+      end
+      if not stuck and now + busy <= due + grace then
+        -- An unbooked limit frees up within the grace (a shared limit another
+        -- task just took): book it there and answer "early", so the caller
+        -- sleeps that long and claims again, rather than losing a slot of
+        -- every booked limit for a wait shorter than the grace.  The slot is
+        -- now that moment, and the limits booked before move back to it.
+        local start = now + busy
+        push_back(mask, start - due)
+        local more = mask
+        for i = 1, n do
+          if not booked_in(mask, i) then
+            charge(i, start)
+            more = more + 2 ^ (i - 1)
+          end
+        end
+        return { 3, busy, 0, start, now, more, claim_epoch, shift_of(more) }
+      end
+    end
+    -- Late, or an unbooked limit is busy: the old slot is lost, decide afresh.
+  end
+  -- (A void claim, from an older epoch or a bucket that lost it, decides afresh too.)
+
+  if wait <= 0 then
+    for i = 1, n do
+      charge(i, now)
+    end
+    return 1 -- the hot path: a bare integer is cheaper to parse than an array
+  end
+  local waiting_on_lease = false
   for i = 1, n do
-    local interval, _, cost = limit(i)
-    if wait - math.max(waits[i], 0) <= cost * interval then
-      charge(i, now + wait)
-      booked = booked + 2 ^ (i - 1)
+    local lim = L[i]
+    if lim.concurrent and waits[i] > 0 then
+      waiting_on_lease = true
+      if steps[i] then -- full: the next waiter comes back one step after this one
+        redis.call('HSET', lim.meta, 'next', us(now + waits[i] + steps[i]))
+        keep_at_least(lim.meta, META_TTL_MS)
+      end
     end
   end
-  return { 2, wait, blocking, now + wait, now, booked, epoch(), shift_of(booked) }
+  if waiting_on_lease then
+    -- Nothing is booked: rate slots held for a task that may not get its
+    -- lease then would be lost.  It comes back at its paced time and asks.
+    if horizon < 0 then
+      return { 0, wait, blocking, 0, now, 0, 0, 0 }
+    end
+    return { 2, wait, blocking, now + wait, now, 0, epoch(), 0 }
+  end
+  if horizon >= 0 and wait <= horizon then
+    local booked = 0
+    for i = 1, n do
+      local lim = L[i] -- a free concurrency limit is not booked: its lease is taken at the claim
+      if not lim.concurrent and wait - math.max(waits[i], 0) <= lim.cost * lim.interval then
+        charge(i, now + wait)
+        booked = booked + 2 ^ (i - 1)
+      end
+    end
+    return { 2, wait, blocking, now + wait, now, booked, epoch(), shift_of(booked) }
+  end
+  return { 0, wait, blocking, 0, now, 0, 0, 0 }
 end
-return { 0, wait, blocking, 0, now, 0, 0, 0 }
+
+-- ---------------------------------------------------------------------------
+-- Dispatch: once, here.
+local OPS = { a = decide, release = release, extend = extend, pause = pause, settle = settle,
+              inspect = inspect }
+local run = OPS[op]
+if not run then
+  return redis.error_reply('celery_throttle gate.lua: unknown op ' .. tostring(op))
+end
+return run()

@@ -65,20 +65,26 @@ def run_one(label: str, task: Any, provider: MockProvider | RemoteProvider, n: i
     started = time.time()
     results = [task.delay(f"document {i}: " + "lorem ipsum " * (5 + i % 20)) for i in range(n)]
     deadline = time.monotonic() + timeout
-    with tqdm(total=n, desc=label, unit="call", file=sys.stdout, ncols=90,
+    # The bar counts finished tasks, the table's "tasks done": the same
+    # snapshot ends both (the bar once counted provider calls, and stopped at
+    # 118 while the table, read seconds later, said 122).
+    pending, succeeded, failed = list(results), [], 0
+    with tqdm(total=n, desc=label, unit="task", file=sys.stdout, ncols=90,
               mininterval=0.5) as bar:
-        done = 0
-        while done < n and time.monotonic() < deadline:
+        while pending and time.monotonic() < deadline:
             time.sleep(0.25)
-            now = provider.stats()
-            bar.set_postfix({"429s": len(now["refused"])})
-            bar.update(len(now["accepted"]) - done)
-            done = len(now["accepted"])
-    # The last provider call may still be writing its result: a short, bounded wait.
-    settle = time.monotonic() + 3.0
-    while time.monotonic() < settle and not all(r.ready() for r in results):
-        time.sleep(0.1)
-    values = [r.get() for r in results if r.successful()]
+            still = []
+            for r in pending:
+                if not r.ready():
+                    still.append(r)
+                elif r.successful():
+                    succeeded.append(r)
+                    bar.update(1)
+                else:
+                    failed += 1
+            pending = still
+            bar.set_postfix({"429s": len(provider.stats()["refused"]), "failed": failed})
+    values = [r.get() for r in succeeded]
     stats = provider.stats()
     finished = max((v["finished"] for v in values), default=time.time())
     if len(values) < n:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from celery_throttle.testing import max_in_window
-from examples.common import stack
+from examples.common import stack, wait_for
 
 
 def main() -> int:
@@ -20,7 +20,8 @@ def main() -> int:
 
         results = [sync_contact.delay(i) for i in range(20)]
         results += [sync_invoice.delay(i) for i in range(10)]
-        starts = sorted(r.get(timeout=60) for r in results)
+        wait_for({"sync_contact": results[:20], "sync_invoice": results[20:]}, timeout=60)
+        starts = sorted(r.get(timeout=5) for r in results)
         app.close()
     span = starts[-1] - starts[0]
     worst = max_in_window(starts, 1.0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.resources
 import secrets
 
-from .keys import task_key
+from .keys import copy_key
 from .store import Runtime
 from .wait_state import WaitState
 
@@ -38,7 +38,7 @@ def move_pointer(runtime: Runtime, task_id: str, retries: int, state: WaitState,
     """
     mine = state.copy_id
     then_value = then + mine if then.endswith(":") else then
-    key = f"{task_key(runtime.config.prefix, 'copy', task_id)}:{retries}"
+    key = copy_key(runtime.config.prefix, task_id, retries)
     ttl_ms = int((runtime.config.visibility_timeout + runtime.config.horizon) * 1000) + 60_000
     script = runtime.gate.client.register_script(_COPIES)  # no I/O: EVALSHA, NOSCRIPT reload
     return bool(script(keys=[key], args=[mine, state.prev, then_value, ttl_ms]))

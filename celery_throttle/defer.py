@@ -24,32 +24,28 @@ from dataclasses import replace
 from typing import Any, NoReturn
 
 import redis
-from celery import Task, signals
+from celery import Task
 from celery.exceptions import Ignore
 
-from . import leases, metrics
+from . import faults, leases, metrics
 from .copies import move_pointer, new_copy
 from .envelope import capture
 from .errors import ThrottleStoreError, ThrottleTimeout
-from .gate import AnyLimit, Concurrency, Decision, Limit, waiters_key
-from .keys import key_digest
+from .gate import AnyLimit, Concurrency, Decision, Limit
+from .keys import key_digest, waiters_key
 from .notes import NOTE_AFTER_MS, wait_note, write_note
 from .releaser import queue_of
 from .store import INSTALLED, Runtime
 from .wait_state import HEADER, WaitState, spacing_of
 
-__all__ = ["admit", "defer_after_start"]
+__all__ = ["admit", "defer_after_start", "release_leases_of", "run_ended"]
 
 logger = logging.getLogger("celery_throttle")
 
-# The store being down is reported once per this many seconds per process,
-# not once per task (hundreds of tasks may be deferred per second).
-_OUTAGE_LOG_EVERY = 30.0
 _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _MAX_SLEEPS = 3
 _STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of a started copy
 _LEASED = "_celery_throttle_leased"  # request attribute: the leases.Held of this run
-_last_outage_log = 0.0
 
 
 def _grace(runtime: Runtime, limits: list[AnyLimit], booked_mask: int) -> float:
@@ -128,13 +124,14 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         request.headers = {**(request.headers or {}), HEADER: spent}
 
 
-def _run_ended(sender: Any = None, task: Any = None, **_: Any) -> None:
+def run_ended(task: Task[Any, Any]) -> None:
     """acks_late: this copy's run ended and its outcome is stored; no copy may run it again.
 
-    A ``task_postrun`` receiver: Celery sends it after the result is stored
-    and callbacks are sent, so a node dying before then leaves "ran:", and
-    the redelivered message runs again (acks_late's at-least-once) instead
-    of being dropped with no result.
+    Called from ``task_postrun`` by the receiver ``install(app)`` connects for
+    its app: Celery sends it after the result is stored and callbacks are
+    sent, so a node dying before then leaves "ran:", and the redelivered
+    message runs again (acks_late's at-least-once) instead of being dropped
+    with no result.
     """
     request = getattr(task, "request", None)
     started = getattr(request, _STARTED, None)
@@ -144,31 +141,16 @@ def _run_ended(sender: Any = None, task: Any = None, **_: Any) -> None:
         _move_pointer(task, runtime, state, "done:")
 
 
-signals.task_postrun.connect(_run_ended, weak=False)
+def release_leases_of(task: Task[Any, Any]) -> None:
+    """Give back the concurrency leases the current run of ``task`` holds, once.
 
-
-def _prepare_metrics(**_: Any) -> None:
-    metrics.prepare()  # in the worker, before the pool forks: never on a task's path
-
-
-signals.worker_init.connect(_prepare_metrics, weak=False)
-
-
-def _release_leases_of(task: Task[Any, Any]) -> None:
-    """Give back the concurrency leases the current run of ``task`` holds, once."""
+    The gated run calls it as the run ends in any state (success, failure,
+    retry, ``Ignore``, soft time limit), and after a provider's pause is written.
+    """
     held = getattr(task.request, _LEASED, None)
     if held is not None:
         setattr(task.request, _LEASED, None)
         leases.release(held)
-
-
-def _release_leases(sender: Any = None, task: Any = None, **_: Any) -> None:
-    """``task_postrun``: the run ended in any state (success, failure, retry, ignore)."""
-    if task is not None and getattr(task, "request", None) is not None:
-        _release_leases_of(task)
-
-
-signals.task_postrun.connect(_release_leases, weak=False)
 
 
 def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
@@ -194,7 +176,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
                        names, type(exc).__name__, exc, task.name, request.id, seconds)
     # Only now: a slot freed before the pause was written could let another
     # call through to the provider that just refused.
-    _release_leases_of(task)
+    release_leases_of(task)
     new = WaitState(deferrals=state.deferrals + 1, since=state.since, copy=new_copy(),
                     prev=state.copy_id, spacing=spacing_of(limits))
     if not _park(task, runtime, new, delay_us=math.ceil(max(seconds, 0.0) * 1e6)):
@@ -357,7 +339,7 @@ def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: in
                           waiters=waiters, was=was)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
-        _log_outage(exc, "re-published with a countdown instead of parked")
+        _log_outage(runtime, exc, "re-published with a countdown instead of parked")
         return False
     return True
 
@@ -414,6 +396,7 @@ def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> None
     # signature_from_request keeps id, args, queue/routing, priority, links,
     # chain, expires, time limits and `retries` (so max_retries is untouched).
     task.signature_from_request(request, countdown=countdown, headers=headers).apply_async()
+    faults.at("defer.after_republish", task)
 
 
 def _expire(task: Task[Any, Any], decision: Decision) -> None:
@@ -427,7 +410,7 @@ def _expire(task: Task[Any, Any], decision: Decision) -> None:
 def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
                   exc: redis.RedisError) -> None:
     policy = runtime.config.on_error
-    _log_outage(exc, f"policy {policy!r}")
+    _log_outage(runtime, exc, f"policy {policy!r}")
     if policy == "allow":
         return
     if policy == "fail":
@@ -445,12 +428,9 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     raise Ignore()
 
 
-def _log_outage(exc: redis.RedisError, what: str) -> None:
-    """Report the store being down once per ``_OUTAGE_LOG_EVERY`` per process, not per task."""
-    global _last_outage_log
-    now = time.monotonic()
-    if now - _last_outage_log >= _OUTAGE_LOG_EVERY:
-        _last_outage_log = now
+def _log_outage(runtime: Runtime, exc: redis.RedisError, what: str) -> None:
+    """Report the store being down once per 30 s per process and app, not per task."""
+    if runtime.outage.due():
         # The exception's text names host and port, never the password.
         logger.warning("throttle: store unavailable (%s: %s); %s", type(exc).__name__, exc,
                        what)

@@ -18,7 +18,17 @@ from typing import Any, Literal
 
 import redis
 
-from .keys import bucket_key, epoch_key, key_digest, room_key, validate_name, validate_prefix
+from .keys import (
+    bucket_key,
+    epoch_key,
+    key_digest,
+    leases_key,
+    meta_key,
+    room_key,
+    validate_name,
+    validate_prefix,
+    waiters_key,
+)
 from .rates import US_PER_SECOND, Rate, parse_rate
 from .values import check_cost, positive_int, units
 
@@ -436,30 +446,20 @@ def _epoch_key(prefix: str) -> bytes:
     return epoch_key(prefix).encode()
 
 
-# A concurrency limit's keys: its leases and its meta hash, next to a rate
-# bucket of the same name and key value without ever being the same key.
-_LEASES, _META = ":leases", ":meta"
-
-
 @functools.lru_cache(maxsize=65536)
 def _cached_key(prefix: str, name: str, key: object, leases: bool = False) -> bytes:
-    return (bucket_key(prefix, name, key) + (_LEASES if leases else "")).encode()
+    return (leases_key if leases else bucket_key)(prefix, name, key).encode()
 
 
 def _key_bytes(prefix: str, name: str, key: object, leases: bool = False) -> bytes:
     try:
         return _cached_key(prefix, name, key, leases)
     except TypeError:  # an unhashable key value (bytearray): hash it every time
-        return (bucket_key(prefix, name, key) + (_LEASES if leases else "")).encode()
+        return (leases_key if leases else bucket_key)(prefix, name, key).encode()
 
 
 def _meta_key(prefix: str, name: str, key: object) -> bytes:
-    return (bucket_key(prefix, name, key) + _META).encode()
-
-
-def waiters_key(prefix: str, name: str, key: object) -> str:
-    """A concurrency limit's list of tasks parked for a slot ("entry holder", oldest first)."""
-    return bucket_key(prefix, name, key) + ":waiters"
+    return meta_key(prefix, name, key).encode()
 
 
 def _to_us(seconds: float) -> int:

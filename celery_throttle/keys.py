@@ -2,8 +2,9 @@
 
 Layout: ``{<prefix>}:<name>`` for a shared bucket and ``{<prefix>}:<name>:k:<digest>``
 for one bucket per caller-supplied key value (tenant id, API key, ...).  A
-concurrency limit of the same name and key keeps two keys beside it, the
-bucket key plus ``:leases`` and ``:meta`` (see gate.py).
+concurrency limit of the same name and key keeps its keys beside it, the
+bucket key plus ``:leases``, ``:meta`` and ``:waiters``.  Every key name is
+built here.
 
 * The prefix is the key's *first* ``{...}`` group, i.e. its Redis Cluster hash
   tag.  One decision may span several buckets (a tenant rate, a provider rate,
@@ -28,8 +29,8 @@ import base64
 import hashlib
 import uuid
 
-__all__ = ["bucket_key", "epoch_key", "key_digest", "room_key", "task_key", "validate_name",
-           "validate_prefix"]
+__all__ = ["bucket_key", "copy_key", "epoch_key", "key_digest", "leases_key", "meta_key",
+           "room_key", "task_key", "validate_name", "validate_prefix", "waiters_key"]
 
 _MAX_NAME = 200
 
@@ -85,6 +86,28 @@ def bucket_key(prefix: str, name: str, key: object = None) -> str:
     if key is None:
         return f"{{{prefix}}}:{name}"
     return f"{{{prefix}}}:{name}:k:{key_digest(key)}"
+
+
+# A concurrency limit's keys sit beside a rate bucket of the same name and
+# key value without ever being the same key.
+def leases_key(prefix: str, name: str, key: object = None) -> str:
+    """A concurrency limit's leases: a sorted set, holder -> lease expiry."""
+    return bucket_key(prefix, name, key) + ":leases"
+
+
+def meta_key(prefix: str, name: str, key: object = None) -> str:
+    """A concurrency limit's hash: average run, holders' starts, pacing cursor, pause."""
+    return bucket_key(prefix, name, key) + ":meta"
+
+
+def waiters_key(prefix: str, name: str, key: object = None) -> str:
+    """A concurrency limit's list of tasks parked for a slot ("entry holder", oldest first)."""
+    return bucket_key(prefix, name, key) + ":waiters"
+
+
+def copy_key(prefix: str, task_id: str, retries: int) -> str:
+    """The copy pointer of one run (``retries``) of a task: which copy may go on."""
+    return f"{task_key(prefix, 'copy', task_id)}:{retries}"
 
 
 def room_key(prefix: str, part: str) -> str:

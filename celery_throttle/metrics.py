@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["WAIT_BUCKETS", "LimitStats", "prepare", "reset", "snapshot"]
 
@@ -37,9 +37,19 @@ class LimitStats:
     store_errors: int = 0
 
 
+class _Prometheus(NamedTuple):
+    """The Prometheus metrics, by the LimitStats field each one mirrors."""
+
+    admitted: Any  # Counter
+    deferred: Any  # Counter
+    waits: Any  # Histogram
+    store_errors: Any  # Counter
+
+
+# This module's state, all of it: the counts, their lock, the Prometheus metrics.
 _lock = threading.Lock()  # the threads pool updates from several threads
 _stats: dict[str, LimitStats] = {}
-_prom: Any = None  # (admitted, deferred, waits, errors) once prometheus_client is loaded
+_prom: _Prometheus | bool | None = None  # False: prometheus_client is not installed
 
 
 def snapshot() -> dict[str, dict[str, float]]:
@@ -56,26 +66,26 @@ def reset() -> None:
 
 def admitted(names: list[str]) -> None:
     """Tasks passed every limit in ``names``."""
-    _count(names, "admitted", 0)
+    _count(names, "admitted")
 
 
 def deferred(name: str, wait: float) -> None:
     """A task was re-scheduled by limit ``name`` to start in ``wait`` seconds."""
     with _lock:
         _stats.setdefault(name, LimitStats()).wait_seconds_sum += wait
-    _count([name], "deferred", 1)
+    _count([name], "deferred")
     prom = _prometheus()
     if prom is not None:
-        prom[2].labels(name).observe(wait)
+        prom.waits.labels(name).observe(wait)
 
 
 def store_error(names: list[str]) -> None:
     """A decision over ``names`` failed because the store did not answer."""
-    _count(names, "store_errors", 3)
+    _count(names, "store_errors")
 
 
-def _count(names: list[str], field: str, metric: int) -> None:
-    """Add one to ``field`` of each limit, here and in Prometheus metric number ``metric``."""
+def _count(names: list[str], field: str) -> None:
+    """Add one to ``field`` of each limit, here and in the Prometheus metric of that name."""
     with _lock:
         for name in names:
             stats = _stats.setdefault(name, LimitStats())
@@ -83,7 +93,7 @@ def _count(names: list[str], field: str, metric: int) -> None:
     prom = _prometheus()
     if prom is not None:
         for name in names:
-            prom[metric].labels(name).inc()
+            getattr(prom, field).labels(name).inc()
 
 
 def prepare() -> None:
@@ -97,7 +107,7 @@ def prepare() -> None:
     _prometheus()
 
 
-def _prometheus() -> Any:
+def _prometheus() -> _Prometheus | None:
     """The Prometheus metrics, created on first use; None without prometheus_client."""
     global _prom
     if _prom is None:
@@ -108,14 +118,15 @@ def _prometheus() -> Any:
             return None
         with _lock:
             if _prom is None:
-                _prom = (
-                    Counter("celery_throttle_admitted", "Tasks admitted by the throttle",
-                            ["limit"]),
-                    Counter("celery_throttle_deferred", "Tasks re-scheduled by a limit",
-                            ["limit"]),
-                    Histogram("celery_throttle_wait_seconds", "Waits given to deferred tasks",
-                              ["limit"], buckets=WAIT_BUCKETS),
-                    Counter("celery_throttle_store_errors", "Decisions the store failed",
-                            ["limit"]),
+                _prom = _Prometheus(
+                    admitted=Counter("celery_throttle_admitted",
+                                     "Tasks admitted by the throttle", ["limit"]),
+                    deferred=Counter("celery_throttle_deferred",
+                                     "Tasks re-scheduled by a limit", ["limit"]),
+                    waits=Histogram("celery_throttle_wait_seconds",
+                                    "Waits given to deferred tasks", ["limit"],
+                                    buckets=WAIT_BUCKETS),
+                    store_errors=Counter("celery_throttle_store_errors",
+                                         "Decisions the store failed", ["limit"]),
                 )
-    return _prom or None
+    return _prom if isinstance(_prom, _Prometheus) else None

@@ -25,13 +25,13 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import redis
 from celery import Celery
 from kombu import Queue
 
+from . import faults
 from .config import Config
 from .envelope import Envelope
 from .waiting_room import Parked, WaitingRoom
@@ -84,9 +84,6 @@ def add_lanes(queues: Any) -> list[str]:
 class Releaser:
     """Releases ``app``'s due parked tasks to their queues, in a daemon thread."""
 
-    #: A seam for fault tests: called with each claimed batch before it is published.
-    before_publish: ClassVar[Callable[[list[Parked]], None] | None] = None
-
     def __init__(self, app: Celery, config: Config, header: str) -> None:
         self.app = app
         self.header = header
@@ -115,9 +112,7 @@ class Releaser:
         """Claim and publish one batch; return seconds until the next is due (None: empty)."""
         wait, parked = self.room.claim_due(BATCH, self.timeout_us)
         if parked:
-            hook = type(self).before_publish
-            if hook is not None:
-                hook(parked)
+            faults.at("release.before_publish", parked)
             self._publish(parked)
         return wait
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 from celery import Celery
@@ -27,6 +28,26 @@ __all__ = ["INSTALLED", "Runtime", "forget", "runtime_for"]
 INSTALLED = "_celery_throttle_installed"
 
 
+class OutageLog:
+    """Whether to report the store being down now: once per ``every`` seconds, not per task.
+
+    Hundreds of tasks may be deferred per second while the store is down;
+    one line per 30 s per process (and app) says it.
+    """
+
+    def __init__(self, every: float = 30.0) -> None:
+        self.every = every
+        self._last = -every
+
+    def due(self) -> bool:
+        """True at most once per ``every`` seconds (a racing thread costs one extra line)."""
+        now = time.monotonic()
+        if now - self._last < self.every:
+            return False
+        self._last = now
+        return True
+
+
 @dataclass(frozen=True)
 class Runtime:
     """An app's validated settings and its gate, for one process."""
@@ -35,6 +56,7 @@ class Runtime:
     gate: Gate
     room: WaitingRoom
     pid: int
+    outage: OutageLog = field(default_factory=OutageLog)
 
 
 _cache: weakref.WeakKeyDictionary[Celery, Runtime] = weakref.WeakKeyDictionary()

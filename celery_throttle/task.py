@@ -22,7 +22,7 @@ from celery.exceptions import Ignore
 from celery.local import PromiseProxy, Proxy
 
 from . import memory
-from .defer import admit, defer_after_start
+from .defer import admit, defer_after_start, release_leases_of
 from .errors import RateLimited
 from .gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit
 from .keys import validate_name
@@ -273,13 +273,17 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         if not admitted:
             _end_run()
         try:
-            return run(*args, **kwargs)
-        except RateLimited as exc:
-            limited = exc
-        # The provider said "not now": hold every worker off these limits,
-        # give back the leases, come back after the pause.
-        with contextlib.suppress(Ignore):  # raised again, shallow
-            defer_after_start(task, runtime, limited.limits_in(limits), limited.retry_after)
+            try:
+                return run(*args, **kwargs)
+            except RateLimited as exc:
+                limited = exc
+            # The provider said "not now": hold every worker off these limits,
+            # give back the leases (only once the pause is written), come back
+            # after the pause.
+            with contextlib.suppress(Ignore):  # raised again, shallow
+                defer_after_start(task, runtime, limited.limits_in(limits), limited.retry_after)
+        finally:
+            release_leases_of(task)  # the run ended, in whatever state
         _end_run()
 
     task.run = gated_run  # type: ignore[method-assign]

@@ -27,8 +27,10 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
+from . import metrics
 from .config import read_config
 from .declared import limits_in_force
+from .defer import run_ended
 from .exporter import serve
 from .memory import freeze_inherited
 from .releaser import Releaser, add_lanes
@@ -64,6 +66,11 @@ def install(app: Celery) -> Celery:
         if _is_ours(sender):
             read_config(app)
             gate_all()
+            metrics.prepare()  # before the pool forks: never on a task's path
+
+    def on_postrun(sender: Any = None, task: Any = None, **_: Any) -> None:
+        if task is not None and getattr(task, "app", None) is app:
+            run_ended(task)
 
     def on_process_init(**_: Any) -> None:
         # A client inherited through fork shares its socket with the parent.
@@ -132,6 +139,7 @@ def install(app: Celery) -> Celery:
     signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_process_shutdown.connect(on_shutdown, weak=False)
     signals.worker_shutdown.connect(on_worker_shutdown, weak=False)
+    signals.task_postrun.connect(on_postrun, weak=False)
     return app
 
 

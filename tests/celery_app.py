@@ -4,8 +4,10 @@ Every task records its start (time, id, retries, deferrals, pid) in a Redis
 list; tests judge only from those records and from the result backend.
 Configured from the environment: CT_REDIS (server URL; broker on db 10, store
 on db 11, results on db 12, records on db 13: high numbers, since the tests
-flush them) and CT_PREFIX (the bucket prefix); the other CT_* variables below
-change one setting each, or inject a fault (a crash, a skewed clock).
+flush them), CT_PREFIX (the bucket prefix) and CT_CONF (settings, as JSON);
+a fault is injected at one of celery_throttle.faults' points (CT_FAULT) or as
+a skewed clock (CT_CLOCK_OFFSET).  CT_PROVIDER, CT_LEASE and CT_NO_SETTLE shape
+the provider tasks, CT_NO_INSTALL leaves install() out.
 """
 
 from __future__ import annotations
@@ -28,46 +30,16 @@ RECORDS_KEY = "records"
 
 app = Celery("ct_tests", broker=f"{REDIS}/10", backend=f"{REDIS}/12")
 app.conf.update(
-    throttle_redis_url=os.environ.get("CT_STORE") or f"{REDIS}/11",
+    throttle_redis_url=f"{REDIS}/11",
     throttle_prefix=os.environ.get("CT_PREFIX", "throttle"),
     throttle_queues={"ext": "10/s", "bursty": {"rate": "10/s", "burst": 3}},
     broker_connection_retry_on_startup=True,
     task_default_queue="celery",
     result_expires=600,
 )
-if os.environ.get("CT_MAX_SLEEP"):
-    app.conf.throttle_max_sleep = float(os.environ["CT_MAX_SLEEP"])
-if os.environ.get("CT_GRACE"):
-    app.conf.throttle_claim_grace = float(os.environ["CT_GRACE"])
-if os.environ.get("CT_ON_ERROR"):
-    app.conf.throttle_on_error = os.environ["CT_ON_ERROR"]
-if os.environ.get("CT_MAX_COUNTDOWN"):
-    app.conf.throttle_max_countdown = float(os.environ["CT_MAX_COUNTDOWN"])
-if os.environ.get("CT_VISIBILITY"):
-    # A short broker visibility timeout, swept every second (kombu's default
-    # sweep is every 100 s), so that stranded messages come back within a test.
-    app.conf.broker_transport_options = {
-        "visibility_timeout": float(os.environ["CT_VISIBILITY"]),
-        "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
-if os.environ.get("CT_METRICS_PORT"):
-    app.conf.throttle_metrics_port = int(os.environ["CT_METRICS_PORT"])
-if os.environ.get("CT_WAITING_ROOM"):
-    # "0": the countdown path (the store-down fallback, and the opt-out for a
-    # store that cannot persist); "1": the waiting room (the default).
-    app.conf.throttle_waiting_room = os.environ["CT_WAITING_ROOM"] == "1"
-if os.environ.get("CT_RELEASE_LEAD"):
-    app.conf.throttle_release_lead = float(os.environ["CT_RELEASE_LEAD"])
-if os.environ.get("CT_RELEASE_TIMEOUT"):
-    app.conf.throttle_release_timeout = float(os.environ["CT_RELEASE_TIMEOUT"])
-if os.environ.get("CT_PICKLE"):
-    # Celery refuses to start as root while accepting pickle unless
-    # C_FORCE_ROOT is set (the test sets both; CI runs as root).
-    app.conf.accept_content = ["json", "pickle", "msgpack"]
-if os.environ.get("CT_GC_FREEZE"):
-    app.conf.throttle_gc_freeze = os.environ["CT_GC_FREEZE"] == "1"
-if os.environ.get("CT_ACKS_LATE"):
-    app.conf.task_acks_late = True
-    app.conf.task_reject_on_worker_lost = True
+# CT_CONF: the settings a test changes, as one JSON object (tests/workers.py
+# writes it from cluster(conf=...)); applied before install() validates them.
+app.conf.update(json.loads(os.environ.get("CT_CONF") or "{}"))
 if not os.environ.get("CT_NO_INSTALL"):  # the forgotten-install warning's test
     celery_throttle.install(app)
 
@@ -266,33 +238,17 @@ def parked_msgpack(self: Task[Any, Any], i: int) -> int:
 
 # --- Fault injection, per worker node (set only in that node's environment) ---
 
-if os.environ.get("CT_CRASH_IN_RELEASE"):
-    # The node dies (SIGKILL, whole process group) after its releaser has
-    # claimed a batch of due tasks and before it publishes them.
-    from celery_throttle.releaser import Releaser
-    from celery_throttle.waiting_room import Parked
+if os.environ.get("CT_FAULT"):
+    # CT_FAULT names a point of celery_throttle.faults: the node dies there
+    # (SIGKILL, whole process group) the first time any node reaches it,
+    # after recording when ("crashed" in the records database).
+    from celery_throttle import faults
 
-    def _die_before_publish(batch: list[Parked]) -> None:
-        if _records.set("crashed", json.dumps({"t": time.time(), "n": len(batch)}), nx=True):
+    def _die_once(*_: object) -> None:
+        if _records.set("crashed", json.dumps({"t": time.time()}), nx=True):
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
-    Releaser.before_publish = _die_before_publish
-
-if os.environ.get("CT_CRASH_AFTER_REPUBLISH"):
-    # The node dies (SIGKILL, whole process group) right after the first
-    # re-publish anywhere in the cluster, before the old message is
-    # acknowledged: the window in which acks_late leaves two copies.
-    import celery_throttle.defer as _defer
-
-    _republish = _defer._republish
-
-    def _republish_then_die(task: Task[Any, Any], state: Any, countdown: float) -> None:
-        _republish(task, state, countdown)
-        if _records.set("crashed", json.dumps({"t": time.time(), "id": task.request.id}),
-                        nx=True):
-            os.killpg(os.getpgid(0), signal.SIGKILL)
-
-    _defer._republish = _republish_then_die
+    faults.inject(os.environ["CT_FAULT"], _die_once)
 
 if os.environ.get("CT_CLOCK_OFFSET"):
     # A node whose wall clock is off by CT_CLOCK_OFFSET seconds, where Celery

@@ -10,6 +10,7 @@ from types import ModuleType
 
 import pytest
 import redis
+from celery import Celery
 
 from celery_throttle import Gate
 from celery_throttle.testing import redis_server, server_url
@@ -80,3 +81,11 @@ def records(redis_base: str, capp: ModuleType) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(f"{redis_base}/13")
     yield client
     client.close()
+
+
+@pytest.fixture
+def app(redis_url: str) -> Iterator[Celery]:
+    """A fresh app whose broker and throttle store are the test server (never started)."""
+    a = Celery("unit", broker=f"{redis_url}/14", set_as_current=False)
+    yield a
+    a.close()

@@ -1,9 +1,8 @@
-"""@throttled and install(): validation at definition time, settings, and the call-path hook."""
+"""@throttled (task.py): validation at definition time, and the call-path hook."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,20 +10,11 @@ from celery import Celery, Task
 from celery.exceptions import Ignore
 
 import celery_throttle
-from celery_throttle import Concurrency, Limit, ThrottleConfigError, throttled
-from celery_throttle.config import read_config
+from celery_throttle import Concurrency, Limit, throttled
 from celery_throttle.task import specs_of
-from celery_throttle.wait_state import HEADER, WaitState
+from celery_throttle.wait_state import HEADER
 
 from .workers import PublishRecorder
-
-
-@pytest.fixture
-def app(redis_url: str) -> Iterator[Celery]:
-    """A fresh app whose broker and throttle store are the test server (never started)."""
-    a = Celery("unit", broker=f"{redis_url}/14", set_as_current=False)
-    yield a
-    a.close()
 
 
 def test_bad_rate_names_task_and_value(app: Celery) -> None:
@@ -119,48 +109,6 @@ def test_direct_and_eager_calls_bypass_the_gate(app: Celery) -> None:
     assert add.apply((2, 3)).get() == 5
 
 
-@pytest.mark.parametrize(
-    ("setting", "value", "message"),
-    [
-        ("throttle_queues", {"llm": "bogus"}, r"throttle_queues\['llm'\]: invalid rate 'bogus'"),
-        ("throttle_queues", {"llm": {"rate": "1/s", "brust": 2}}, r"throttle_queues\['llm'\]"),
-        ("throttle_queues", ["llm"], "expected a dict"),
-        ("throttle_on_error", "ignore", "throttle_on_error='ignore'"),
-        ("throttle_max_wait", "10", "throttle_max_wait='10'"),
-        ("throttle_prefix", "{x}", "throttle_prefix"),
-        ("throttle_redis_url", "amqp://guest@localhost//", "redis://, rediss:// or unix://"),
-        ("throttle_queus", {}, "unknown setting 'throttle_queus'; did you mean 'throttle_queues'"),
-    ],
-)
-def test_bad_settings_fail_at_install(
-    app: Celery, setting: str, value: object, message: str
-) -> None:
-    """install() raises ThrottleConfigError naming the bad or unknown setting."""
-    app.conf[setting] = value
-    with pytest.raises(ThrottleConfigError, match=message):
-        celery_throttle.install(app)
-
-
-def test_config_defaults(app: Celery) -> None:
-    """Defaults: broker URL as store, 'defer', half the visibility timeout as max countdown."""
-    app.conf.broker_transport_options = {"visibility_timeout": 600}
-    config = read_config(app)
-    assert config.redis_url == app.conf.broker_url
-    assert config.on_error == "defer"
-    assert config.max_countdown == 300.0
-    assert "redis://" not in repr(config)  # the URL (and any password) stays out of reprs
-
-
-def test_wait_state_ignores_malformed_headers() -> None:
-    """A malformed or hostile header reads as 'no state', never crashes the task."""
-
-    class Req:
-        def __init__(self) -> None:
-            self.headers = {HEADER: {"slot": "x", "deferrals": -3, "since": 1.5, "booked": None}}
-
-    assert WaitState.from_request(Req()) == WaitState()
-
-
 def test_store_down_policies(app: Celery, caplog: pytest.LogCaptureFixture) -> None:
     """Store unreachable: 'allow' runs with a WARNING, 'fail' raises, 'defer' re-publishes."""
     app.conf.throttle_redis_url = "redis://:s3cret@127.0.0.1:1/0"  # nothing listens there
@@ -184,9 +132,6 @@ def test_store_down_policies(app: Celery, caplog: pytest.LogCaptureFixture) -> N
         finally:
             job.pop_request()
 
-    import celery_throttle.defer as defer_module
-
-    defer_module._last_outage_log = 0.0
     with caplog.at_level(logging.DEBUG, logger="celery_throttle"):
         assert run_with("allow") == "ran"
         with pytest.raises(celery_throttle.ThrottleStoreError):
@@ -221,15 +166,36 @@ def test_key_and_cost_from_positional_or_keyword_arguments(app: Celery) -> None:
         spec.limits(job.name, (1.5, "abc"), {})
 
 
-def test_throttle_timeout_survives_json_and_pickle() -> None:
-    """ThrottleTimeout re-creates from its message (Celery's JSON backend) and pickles whole."""
-    import pickle
 
-    from celery_throttle import ThrottleTimeout
 
-    exc = ThrottleTimeout.exceeded("app.job", "openai", 12.5, 10.0)
-    assert str(ThrottleTimeout(*exc.args)) == str(exc)
-    again = pickle.loads(pickle.dumps(exc))
-    assert (again.task_name, again.limit_name, again.waited, again.max_wait) == (
-        "app.job", "openai", 12.5, 10.0)
-    assert "would wait 12.500s for limit 'openai', past its max_wait of 10.000s" in str(again)
+def test_a_run_gives_its_lease_back_however_it_ends(app: Celery, prefix: str) -> None:
+    """The gated run itself releases its concurrency lease as it ends: returned or raised
+    (no task_postrun receiver needed, so an app that was never installed releases too)."""
+    from celery_throttle import Concurrency as Slots
+    from celery_throttle import Gate
+
+    app.conf.throttle_prefix = prefix
+    held_inside: list[int] = []
+
+    @throttled(concurrency=1, name="one-slot")
+    @app.task(bind=True, shared=False)
+    def job(self: Task[Any, Any], fail: bool) -> str:
+        gate = Gate.from_url(app.conf.broker_url, prefix=prefix)
+        held_inside.append(gate.inspect_leases(Slots("one-slot", 1)).held)
+        if fail:
+            raise RuntimeError("boom")
+        return "ran"
+
+    gate = Gate.from_url(app.conf.broker_url, prefix=prefix)
+    for n, fail in enumerate([False, True, False]):
+        job.push_request(id=f"t-{n}", called_directly=False, delivery_info={}, headers=None)
+        try:
+            if fail:
+                with pytest.raises(RuntimeError, match="boom"):
+                    job.run(fail)
+            else:
+                assert job.run(fail) == "ran"
+        finally:
+            job.pop_request()
+        assert gate.inspect_leases(Slots("one-slot", 1)).held == 0
+    assert held_inside == [1, 1, 1]  # each run held the one slot, and got it: none leaked

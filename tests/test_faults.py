@@ -14,7 +14,16 @@ import redis
 
 from celery_throttle.testing import RedisServer
 
-from .workers import check_window_bound, cluster, logs, read_records, wait_results
+from .workers import (
+    ACKS_LATE,
+    COUNTDOWNS,
+    check_window_bound,
+    cluster,
+    logs,
+    read_records,
+    short_visibility,
+    wait_results,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +40,7 @@ def test_store_killed_mid_run_defers_then_completes_exactly_once(
     capp: ModuleType, records: redis.Redis, redis_base: str, store: RedisServer
 ) -> None:
     """Store SIGKILLed for 3 s under on_error='defer': no start while down, all run once after."""
-    with cluster(redis_base, ("w1", "w2"), env={"CT_STORE": f"{store.url}/0"}):
+    with cluster(redis_base, ("w1", "w2"), conf={"throttle_redis_url": f"{store.url}/0"}):
         results = [capp.steady.delay(i) for i in range(100)]  # 5 s of work at 20/s
         time.sleep(1.5)
         store.kill()
@@ -78,7 +87,8 @@ def test_store_down_policies_in_real_workers(
     """Store unreachable: 'allow' runs every task with a WARNING, 'fail' fails each visibly."""
     store.kill()
     url = f"redis://:hunter2@127.0.0.1:{store.port}/0"  # a password that must not leak
-    with cluster(redis_base, ("w1",), env={"CT_STORE": url, "CT_ON_ERROR": policy}) as nodes:
+    conf = {"throttle_redis_url": url, "throttle_on_error": policy}
+    with cluster(redis_base, ("w1",), conf=conf) as nodes:
         results = [capp.steady.delay(i) for i in range(10)]
         states = wait_results(results, timeout=30)
         text = logs(nodes)
@@ -104,7 +114,7 @@ def test_long_waits_under_short_visibility_timeout_run_once(
     """
     # The countdown path (the waiting room parks such waits instead:
     # test_waiting_room_workers.py has that version).
-    with cluster(redis_base, ("w1", "w2"), env={"CT_VISIBILITY": "8", "CT_WAITING_ROOM": "0"}):
+    with cluster(redis_base, ("w1", "w2"), conf={**short_visibility(8), **COUNTDOWNS}):
         results = [capp.patient.delay(i) for i in range(32)]  # 1/s: the last waits ~31 s
         states = wait_results(results, timeout=75)
         rows = read_records(records, expect=32, timeout=5)
@@ -170,10 +180,9 @@ def test_node_dies_between_republish_and_ack_acks_late(
     # Short in-worker sleeps, so that waits are re-published (the window under
     # test), on the countdown path: the waiting room's own crash windows are
     # in test_waiting_room_workers.py.
-    env = {"CT_VISIBILITY": "8", "CT_ACKS_LATE": "1", "CT_MAX_SLEEP": "0.05",
-           "CT_WAITING_ROOM": "0"}
-    with cluster(redis_base, ("w2",), env=env) as survivors, cluster(
-            redis_base, ("w1",), env={**env, "CT_CRASH_AFTER_REPUBLISH": "1"}) as doomed:
+    conf = {**short_visibility(8), **ACKS_LATE, "throttle_max_sleep": 0.05, **COUNTDOWNS}
+    with cluster(redis_base, ("w2",), conf=conf) as survivors, cluster(
+            redis_base, ("w1",), conf=conf, fault="defer.after_republish") as doomed:
         results = [capp.steady.delay(i) for i in range(100)]  # 5 s at 20/s
         wait_results(results, timeout=45)
         rows = read_records(records, expect=100, timeout=5)
@@ -210,9 +219,9 @@ def test_node_killed_without_acks_late_strands_nothing_deferred(
     most throttle_max_sleep, the re-publish) counts as running time; every
     deferred message the node held unacknowledged comes back and runs once.
     """
-    env = {"CT_VISIBILITY": "8"}
-    with cluster(redis_base, ("w2",), env=env) as survivors, cluster(
-            redis_base, ("w1",), env=env) as doomed:
+    conf = short_visibility(8)
+    with cluster(redis_base, ("w2",), conf=conf) as survivors, cluster(
+            redis_base, ("w1",), conf=conf) as doomed:
         results = [capp.steady.delay(i) for i in range(100)]
         time.sleep(2.0)
         doomed[0].kill()
@@ -242,10 +251,9 @@ def test_skewed_worker_clocks_keep_the_bound(
     """
     # The countdown path: with the waiting room (the default) skew costs
     # nothing (test_skewed_worker_clocks_cost_nothing_with_the_waiting_room).
-    room = {"CT_WAITING_ROOM": "0"}
-    with cluster(redis_base, ("fast",), env={"CT_CLOCK_OFFSET": "3", **room}), cluster(
-            redis_base, ("slow",), env={"CT_CLOCK_OFFSET": "-3", **room}), cluster(
-            redis_base, ("true",), env=room):
+    with cluster(redis_base, ("fast",), conf=COUNTDOWNS, env={"CT_CLOCK_OFFSET": "3"}), cluster(
+            redis_base, ("slow",), conf=COUNTDOWNS, env={"CT_CLOCK_OFFSET": "-3"}), cluster(
+            redis_base, ("true",), conf=COUNTDOWNS):
         sent = time.time()
         results = [capp.steady.delay(i) for i in range(100)]  # 5 s at 20/s
         states = wait_results(results, timeout=90)
@@ -273,3 +281,20 @@ def test_bad_key_value_fails_only_that_task(
     assert alive
     assert isinstance(bad.result, ValueError)
     assert "key argument 'tenant' is None" in str(bad.result)
+
+
+def test_fault_points_are_named_and_unknown_ones_refused() -> None:
+    """The seam: a hook runs at its point with the point's argument; a typo is an error."""
+    from celery_throttle import faults
+
+    seen: list[object] = []
+    faults.inject("release.before_publish", seen.append)
+    try:
+        faults.at("release.before_publish", "batch")
+        faults.at("defer.after_republish", "task")  # no hook there: nothing happens
+    finally:
+        faults.clear()
+    faults.at("release.before_publish", "again")  # cleared
+    assert seen == ["batch"]
+    with pytest.raises(ValueError, match=r"unknown fault point 'release\.before_publish2'"):
+        faults.inject("release.before_publish2", seen.append)

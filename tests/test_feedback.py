@@ -23,6 +23,8 @@ from examples.provider import MockProvider
 
 from .workers import cluster, read_records, wait_results
 
+pytestmark = pytest.mark.integration
+
 # The provider's quotas: 10 requests per second, 3 calls in flight and 350
 # tokens per 2 s window (a "tokens per minute" budget, scaled down so that a
 # run takes seconds).  The task's limits (tests/celery_app.py): 8/s, 3 at once,

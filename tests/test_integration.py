@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 import redis
 
-from .workers import check_window_bound, cluster, logs, read_records, wait_results
+from .workers import COUNTDOWNS, check_window_bound, cluster, logs, read_records, wait_results
 
 pytestmark = pytest.mark.integration
 
@@ -43,10 +43,11 @@ def test_backlog_two_prefork_nodes_keeps_bound_and_rate(
     min_share: float, max_deferrals: float,
 ) -> None:
     """200 tasks at 20/s on two prefork nodes: bound held, rate kept, each run once, SUCCESS."""
-    env = {"CT_MAX_SLEEP": max_sleep.removesuffix("-countdown")} if max_sleep else {}
+    conf: dict[str, object] = ({"throttle_max_sleep": float(max_sleep.removesuffix("-countdown"))}
+                               if max_sleep else {})
     if max_sleep and max_sleep.endswith("-countdown"):
-        env["CT_WAITING_ROOM"] = "0"
-    with cluster(redis_base, ("w1", "w2"), env=env) as nodes:
+        conf.update(COUNTDOWNS)
+    with cluster(redis_base, ("w1", "w2"), conf=conf) as nodes:
         results = [capp.steady.delay(i) for i in range(200)]
         rows = read_records(records, expect=200, timeout=60)
         states = wait_results(results, timeout=30)
@@ -191,7 +192,7 @@ def test_long_waits_hop_within_max_countdown(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """With a 1 s max countdown, 4 s waits take several hops and keep the bound (countdown path)."""
-    with cluster(redis_base, ("w1",), env={"CT_MAX_COUNTDOWN": "1", "CT_WAITING_ROOM": "0"}):
+    with cluster(redis_base, ("w1",), conf={"throttle_max_countdown": 1, **COUNTDOWNS}):
         results = [capp.long_wait.delay(i) for i in range(3)]  # starts at 0, 2 and 4 s
         assert wait_results(results, timeout=30) == ["SUCCESS"] * 3
         rows = read_records(records, expect=3, timeout=5)
@@ -211,7 +212,7 @@ def test_deferrals_leave_no_garbage_behind(capp: ModuleType, records: redis.Redi
     time (``celery_throttle/memory.py`` has the measured cost of that).
     """
     with cluster(redis_base, ("w1",), concurrency=2,
-                 env={"CT_MAX_SLEEP": "0", "CT_GC_FREEZE": freeze}):
+                 conf={"throttle_max_sleep": 0, "throttle_gc_freeze": freeze == "1"}):
         results = [capp.steady.delay(i) for i in range(40)]
         assert wait_results(results, timeout=30) == ["SUCCESS"] * 40
         reports = [capp.garbage_report.delay().get(timeout=10) for _ in range(8)]

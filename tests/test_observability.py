@@ -27,7 +27,7 @@ from celery_throttle.store import forget, runtime_for
 from celery_throttle.testing import free_port
 
 from .clock import T0, StepClock
-from .workers import ROOT, PublishRecorder, cluster, read_records, wait_results
+from .workers import ROOT, PublishRecorder, app_env, cluster, read_records, wait_results
 
 
 @pytest.fixture
@@ -136,7 +136,12 @@ def test_rate_change_keeps_state_and_never_bursts(client: redis.Redis, prefix: s
     # bucket still holds it, else it re-books: never two starts in one slot.
     clock.us = T0 + 100_000
     claim = gate.acquire_many([slower], claim=booked[0].reservation, grace=0.02)
-    assert claim.allowed or claim.retry_after > 0
+    assert (claim.allowed, claim.retry_after) == (True, 0.0)  # the bucket still holds it
+    # ... and it is the only start there: a newcomer at that instant waits
+    # behind every booking (the last, 1.61 s, plus one interval at 1/s).
+    newcomer = gate.acquire_many([slower])
+    assert not newcomer.allowed
+    assert newcomer.retry_after == pytest.approx(1.61 + 1.0 - 0.1)
 
 
 def test_lowered_rate_voids_bookings_made_at_the_old_pace(app: Celery) -> None:
@@ -180,7 +185,7 @@ def test_lowered_rate_voids_bookings_made_at_the_old_pace(app: Celery) -> None:
 
 
 def _celery(args: list[str], redis_base: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CT_REDIS": redis_base, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **app_env(redis_base)}
     return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.celery_app", "throttle",
                            *args], env=env, capture_output=True, text=True, timeout=60,
                           cwd=ROOT, check=False)
@@ -261,9 +266,9 @@ def test_prometheus_endpoint_counts_a_prefork_run(
 ) -> None:
     """A prefork node in multiprocess mode: /metrics adds up every child's counts."""
     port = free_port()
-    env = {"CT_METRICS_PORT": str(port), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
-           "CT_MAX_SLEEP": "0.05"}  # waits are re-published: deferrals to count
-    with cluster(redis_base, ("w1",), env=env):
+    conf = {"throttle_metrics_port": port,
+            "throttle_max_sleep": 0.05}  # waits are re-published: deferrals to count
+    with cluster(redis_base, ("w1",), conf=conf, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}):
         results = [capp.steady.delay(i) for i in range(40)]  # 2 s at 20/s
         assert wait_results(results, timeout=30) == ["SUCCESS"] * 40
         rows = read_records(records, expect=40, timeout=5)
@@ -286,8 +291,8 @@ def test_prometheus_endpoint_counts_a_prefork_run(
 def test_command_with_the_store_down_says_so_in_one_line(redis_base: str) -> None:
     """No traceback: one line naming the store (password masked) and the setting; exit 1."""
     port = free_port()  # nothing listens there
-    env = {**os.environ, "CT_REDIS": redis_base, "PYTHONPATH": str(ROOT),
-           "CT_STORE": f"redis://:s3cret@127.0.0.1:{port}/0"}
+    env = {**os.environ, **app_env(redis_base,
+                                   {"throttle_redis_url": f"redis://:s3cret@127.0.0.1:{port}/0"})}
     done = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.celery_app", "throttle",
                            "status"], env=env, capture_output=True, text=True, timeout=60,
                           cwd=ROOT, check=False)

@@ -184,7 +184,7 @@ def test_a_freed_slot_is_handed_to_the_oldest_parked_waiter(
 ) -> None:
     """release() gives the lease to the first task parked for it and makes it due now (FIFO)."""
     from celery_throttle import Concurrency, Gate
-    from celery_throttle.gate import waiters_key
+    from celery_throttle.keys import waiters_key
 
     gate, room = Gate(client, prefix=prefix), WaitingRoom(client, prefix)
     lim = Concurrency("slot", 1, lease=30)
@@ -218,7 +218,7 @@ def test_release_without_waiters_frees_the_slot(client: redis.Redis, prefix: str
 
 def test_a_waiter_that_waits_again_keeps_its_turn(client: redis.Redis, prefix: str) -> None:
     """Parked again under a new entry, a waiter replaces its old item instead of queueing last."""
-    from celery_throttle.gate import waiters_key
+    from celery_throttle.keys import waiters_key
 
     room = WaitingRoom(client, prefix)
     waiters = waiters_key(prefix, "slot", None)

@@ -19,19 +19,26 @@ import redis
 
 from celery_throttle.testing import RedisServer
 
-from .workers import check_window_bound, cluster, logs, read_records, wait_results
+from .workers import (
+    PICKLE,
+    check_window_bound,
+    cluster,
+    logs,
+    read_records,
+    short_visibility,
+    wait_results,
+)
 
 pytestmark = pytest.mark.integration
 
-ROOM = {"CT_WAITING_ROOM": "1"}
+ROOM: dict[str, object] = {"throttle_waiting_room": True}
 
 
 def test_parked_tasks_run_once_in_their_slots_with_no_eta(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """40 tasks at 5/s (pickle and msgpack): parked, released, each run once, no ETA, bound held."""
-    env = {**ROOM, "CT_PICKLE": "1", "C_FORCE_ROOT": "1"}
-    with cluster(redis_base, ("w1", "w2"), env=env) as nodes:
+    with cluster(redis_base, ("w1", "w2"), conf={**ROOM, **PICKLE}) as nodes:
         results = [capp.parked_pickle.delay(i, payload={1, 2}) for i in range(30)]
         results += [capp.parked_msgpack.delay(i) for i in range(30, 40)]
         rows = read_records(records, expect=40, timeout=40)
@@ -58,7 +65,7 @@ def test_waits_three_times_the_visibility_timeout_with_no_hops(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """Broker visibility_timeout 4 s, waits up to 15 s: parked once, run once, never redelivered."""
-    with cluster(redis_base, ("w1", "w2"), env={**ROOM, "CT_VISIBILITY": "4"}) as nodes:
+    with cluster(redis_base, ("w1", "w2"), conf={**ROOM, **short_visibility(4)}) as nodes:
         results = [capp.patient.delay(i) for i in range(16)]  # 1/s: the last waits ~15 s
         states = wait_results(results, timeout=40)
         time.sleep(2.0)  # a redelivered duplicate would start within the next sweep
@@ -77,8 +84,8 @@ def test_releaser_killed_mid_release_loses_nothing_and_runs_nothing_twice(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """A node dies after its releaser claimed a due task, before publishing: it runs once, later."""
-    env = {**ROOM, "CT_RELEASE_TIMEOUT": "3", "CT_VISIBILITY": "5"}
-    with cluster(redis_base, ("w1",), env={**env, "CT_CRASH_IN_RELEASE": "1"}):
+    conf = {**ROOM, "throttle_release_timeout": 3, **short_visibility(5)}
+    with cluster(redis_base, ("w1",), conf=conf, fault="release.before_publish"):
         results = [capp.patient.delay(i) for i in range(8)]  # 1/s: all parked within 1 s
         deadline = time.monotonic() + 15
         while records.get("crashed") is None and time.monotonic() < deadline:
@@ -86,7 +93,7 @@ def test_releaser_killed_mid_release_loses_nothing_and_runs_nothing_twice(
     crash = records.get("crashed")
     assert crash is not None, "the injected crash did not happen"
     killed = json.loads(crash)["t"]
-    with cluster(redis_base, ("w2",), env=env):
+    with cluster(redis_base, ("w2",), conf=conf):
         states = wait_results(results, timeout=40)
         rows = read_records(records, expect=8, timeout=5)
     assert states == ["SUCCESS"] * 8
@@ -100,7 +107,7 @@ def test_revoked_parked_task_never_runs(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """app.control.revoke on a parked task: it is discarded when released, the others run."""
-    with cluster(redis_base, ("w1",), env=ROOM):
+    with cluster(redis_base, ("w1",), conf=ROOM):
         results = [capp.patient.delay(i) for i in range(5)]  # 1/s: the last waits ~4 s
         time.sleep(0.5)
         capp.app.control.revoke(results[3].id)
@@ -122,8 +129,8 @@ def test_store_killed_with_tasks_parked_runs_each_once_after_restart(
     capp: ModuleType, records: redis.Redis, redis_base: str, aof_store: RedisServer
 ) -> None:
     """Store SIGKILLed for 3 s with tasks parked (AOF on): none starts meanwhile, all run once."""
-    env = {**ROOM, "CT_STORE": f"{aof_store.url}/0"}
-    with cluster(redis_base, ("w1", "w2"), env=env) as nodes:
+    with cluster(redis_base, ("w1", "w2"),
+                 conf={**ROOM, "throttle_redis_url": f"{aof_store.url}/0"}) as nodes:
         results = [capp.patient.delay(i) for i in range(10)]  # 1/s: 9 s of waits
         time.sleep(2.5)
         aof_store.kill()
@@ -150,7 +157,7 @@ def test_commands_show_parked_tasks_and_why_one_waits(
     """`celery throttle status` counts the parked tasks; `why` names a parked task's limit."""
     from .test_observability import _celery
 
-    with cluster(redis_base, ("w1",), env=ROOM):
+    with cluster(redis_base, ("w1",), conf=ROOM):
         results = [capp.patient.delay(i) for i in range(12)]  # 1/s: an 11 s queue
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and records.llen("records") < 2:
@@ -181,10 +188,10 @@ def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(
     another's.  Parked tasks have no ETA; their release and their claim are
     judged on the server's clock.
     """
-    env = {**ROOM, "CT_PICKLE": "1", "C_FORCE_ROOT": "1"}
-    with cluster(redis_base, ("fast",), env={**env, "CT_CLOCK_OFFSET": "3"}), cluster(
-            redis_base, ("slow",), env={**env, "CT_CLOCK_OFFSET": "-3"}), cluster(
-            redis_base, ("true",), env=env):
+    conf = {**ROOM, **PICKLE}
+    with cluster(redis_base, ("fast",), conf=conf, env={"CT_CLOCK_OFFSET": "3"}), cluster(
+            redis_base, ("slow",), conf=conf, env={"CT_CLOCK_OFFSET": "-3"}), cluster(
+            redis_base, ("true",), conf=conf):
         results = [capp.parked_msgpack.delay(i) for i in range(40)]  # 7.8 s at 5/s
         states = wait_results(results, timeout=40)
         rows = read_records(records, expect=40, timeout=5)
@@ -203,7 +210,7 @@ def test_a_freed_concurrency_slot_goes_to_the_oldest_waiter_at_once(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """concurrency=1: parked waiters start in their order, each right after the last ends."""
-    with cluster(redis_base, ("w1", "w2"), env=ROOM):
+    with cluster(redis_base, ("w1", "w2"), conf=ROOM):
         first = capp.one_slot.delay(1.0)
         time.sleep(0.3)  # the first holds the slot before the waiters arrive
         waiters = []

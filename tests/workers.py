@@ -6,7 +6,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +17,52 @@ from celery_throttle.testing import WorkerProcess, max_in_window, workers
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: Settings of the countdown path (the waiting room off).
+COUNTDOWNS: dict[str, object] = {"throttle_waiting_room": False}
+
+
+def short_visibility(seconds: float) -> dict[str, object]:
+    """A short broker visibility timeout, swept every second (kombu's default sweep is every
+    100 s), so that stranded messages come back within a test."""
+    return {"broker_transport_options": {"visibility_timeout": seconds,
+                                         "unacked_restore_interval": 1,
+                                         "unacked_restore_throttle": 1}}
+
+
+#: acks_late, and a message of a worker that died is given back (the crash tests).
+ACKS_LATE: dict[str, object] = {"task_acks_late": True, "task_reject_on_worker_lost": True}
+
+#: Accept pickle (Celery refuses to start as root with it unless C_FORCE_ROOT
+#: is set; CI runs as root) as well as msgpack.
+PICKLE: dict[str, object] = {"accept_content": ["json", "pickle", "msgpack"]}
+
+
+def app_env(redis_base: str, conf: Mapping[str, object] | None = None,
+            fault: str | None = None) -> dict[str, str]:
+    """The environment of a tests.celery_app process: servers, settings, an injected fault."""
+    env = {"CT_REDIS": redis_base, "PYTHONPATH": str(ROOT), "CT_CONF": json.dumps(dict(conf or {}))}
+    if fault is not None:
+        env["CT_FAULT"] = fault
+    if "accept_content" in (conf or {}):
+        env["C_FORCE_ROOT"] = "1"
+    return env
+
+
 @contextlib.contextmanager
 def cluster(redis_base: str, names: tuple[str, ...] = ("w1", "w2"), *, pool: str = "prefork",
-            concurrency: int = 4, env: dict[str, str] | None = None,
+            concurrency: int = 4, conf: Mapping[str, object] | None = None,
+            fault: str | None = None, env: dict[str, str] | None = None,
             queues: tuple[str, ...] = ("celery", "ext", "bursty"),
             ) -> Iterator[list[WorkerProcess]]:
-    """Worker nodes of tests.celery_app (on every test queue by default), against ``redis_base``."""
+    """Worker nodes of tests.celery_app (on every test queue by default), against ``redis_base``.
+
+    ``conf``: settings of the app (``CT_CONF``); ``fault``: a point of
+    ``celery_throttle.faults`` where the node dies (``CT_FAULT``); ``env``:
+    anything else the process needs.
+    """
     with workers("tests.celery_app", names, pool=pool, concurrency=concurrency,
                  queues=queues, cwd=ROOT,
-                 env={"CT_REDIS": redis_base, "PYTHONPATH": str(ROOT), **(env or {})}) as nodes:
+                 env={**app_env(redis_base, conf, fault), **(env or {})}) as nodes:
         yield nodes
 
 

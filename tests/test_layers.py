@@ -56,3 +56,34 @@ def test_the_leaves_import_nothing_from_the_package() -> None:
     graph = _imports()
     leaves = ("rates", "keys", "errors", "values", "metrics", "faults")
     assert {name: graph[name] for name in leaves} == {name: set() for name in leaves}
+
+
+# Every piece of process-wide state in the package, and why it is one: a new
+# module-level variable fails the test below until it is named here.
+PROCESS_STATE = {
+    "faults._hooks": "fault hooks a test's worker registered",
+    "leases._heartbeat": "one thread per process renews the leases its runs hold",
+    "memory._frozen": "this pool process froze what it inherited",
+    "memory._pending": "a deferral left garbage for the next run to collect",
+    "metrics._lock": "the counts below are updated from the threads pool's threads",
+    "metrics._stats": "this process's counts per limit (what snapshot() reads)",
+    "metrics._prom": "the Prometheus metrics: one registry per process",
+    "store._cache": "each app's runtime (settings, client) in this process, weakly keyed",
+    "store._lock": "the threads pool may build a runtime concurrently",
+    "task._shared_specs": "@throttled on shared tasks, by task name: each app's copy gets them",
+}
+
+
+def test_process_wide_state_is_all_named() -> None:
+    """Module-level mutable state is the list above (lower-case, underscored module globals;
+    constants are upper-case): nothing hidden, each with its reason."""
+    found = set()
+    for path in PACKAGE.glob("*.py"):
+        for stmt in ast.parse(path.read_text()).body:
+            targets = ([t for t in stmt.targets if isinstance(t, ast.Name)]
+                       if isinstance(stmt, ast.Assign) else
+                       [stmt.target] if isinstance(stmt, ast.AnnAssign)
+                       and isinstance(stmt.target, ast.Name) else [])
+            found |= {f"{path.stem}.{t.id}" for t in targets
+                      if t.id.startswith("_") and not t.id.startswith("__") and not t.id.isupper()}
+    assert found == set(PROCESS_STATE)

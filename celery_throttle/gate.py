@@ -287,12 +287,13 @@ class Gate:
         status, wait_us, blocking, slot_us, now_us, mask, epoch, shift = reply
         blocked = limits[blocking - 1] if blocking else None
         retry_after = wait_us / US_PER_SECOND
-        booking = Reservation(slot_us, mask, epoch, shift) if slot_us else None
+        booking = (Reservation(slot=slot_us, booked=mask, epoch=epoch, shift=shift)
+                   if slot_us else None)
         if status == _ALLOWED:  # a claim honoured, at once or for its slot just ahead
-            return Decision(True, retry_after, None, booking, now_us)
+            return Decision(True, retry_after, reservation=booking, now=now_us)
         if status == _EARLY:
-            return Decision(False, retry_after, None, booking, now_us, early=True)
-        return Decision(False, retry_after, blocked, booking, now_us)
+            return Decision(False, retry_after, reservation=booking, now=now_us, early=True)
+        return Decision(False, retry_after, limit=blocked, reservation=booking, now=now_us)
 
     def release(self, limits: Sequence[AnyLimit], holder: str, ran_for: float = 0.0) -> int:
         """Give back ``holder``'s leases in the concurrency limits among ``limits``.
@@ -381,13 +382,15 @@ class Gate:
         exists, ahead, next_free, pttl, now, paused = self._read(limit)
         used = ahead / limit.rate.interval_us  # the bucket's content, in starts
         booked = max(0, math.ceil(used - 1e-9) - limit.burst)
-        return BucketState(limit, bool(exists), used, next_free / US_PER_SECOND, booked,
-                           max(0, pttl) / 1000, now, paused / US_PER_SECOND)
+        return BucketState(limit=limit, exists=bool(exists), used=used,
+                           next_free=next_free / US_PER_SECOND, booked_ahead=booked,
+                           ttl=max(0, pttl) / 1000, now=now, paused=paused / US_PER_SECOND)
 
     def inspect_leases(self, limit: Concurrency) -> LeaseState:
         """Count ``limit``'s unexpired leases and read its pause, without changing them."""
         held, paused, run, _now = self._read(limit)
-        return LeaseState(limit, held, paused / US_PER_SECOND, run / US_PER_SECOND)
+        return LeaseState(limit=limit, held=held, paused=paused / US_PER_SECOND,
+                          average_run=run / US_PER_SECOND)
 
     def _read(self, limit: AnyLimit) -> list[int]:
         args = [*_head_args(now=self._now_us(), op=b"inspect"), *self._limit_args([limit])]

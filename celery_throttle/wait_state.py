@@ -70,7 +70,8 @@ class WaitState:
     @property
     def claim(self) -> Reservation | None:
         """The reservation to claim on arrival, if any."""
-        return (Reservation(self.slot, self.booked, self.epoch, self.shift) if self.slot
+        return (Reservation(slot=self.slot, booked=self.booked, epoch=self.epoch,
+                            shift=self.shift) if self.slot
                 else None)
 
     def claim_under(self, limits: list[AnyLimit]) -> Reservation | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .async_gate import AsyncGate
 from .declared import limits_in_force
 from .errors import (
     RateLimited,
@@ -23,6 +24,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "HEADER",
+    "AsyncGate",
     "Concurrency",
     "Decision",
     "Gate",

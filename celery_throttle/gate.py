@@ -30,12 +30,13 @@ from .keys import (
     waiters_key,
 )
 from .rates import US_PER_SECOND, Rate, parse_rate
-from .values import check_cost, positive_int, units
+from .values import check_cost, positive_int, to_us, units
 
-__all__ = ["AnyLimit", "BucketState", "Concurrency", "Decision", "Gate", "LeaseState", "Limit",
-           "Reservation"]
+__all__ = ["SCRIPT", "AnyLimit", "BucketState", "Clock", "Concurrency", "Decision", "Gate",
+           "GateCalls", "LeaseState", "Limit", "Reservation"]
 
-_SCRIPT = importlib.resources.files(__package__).joinpath("lua/gate.lua").read_text("utf-8")
+#: gate.lua, the one copy of the algorithm (Gate and AsyncGate both run it).
+SCRIPT = importlib.resources.files(__package__).joinpath("lua/gate.lua").read_text("utf-8")
 
 # Reply status codes of gate.lua (0 denied and 2 reserved are told apart by the booking).
 _ALLOWED, _EARLY = 1, 3
@@ -192,96 +193,47 @@ class LeaseState:
     average_run: float  # seconds, the moving average of released runs (0: none yet)
 
 
-class Gate:
-    """Atomic multi-limit GCRA decisions on one Redis client.
+Clock = Literal["server", "local"] | Callable[[], float]
+Call = tuple[list[bytes], list[bytes]]  # (KEYS, ARGV) of one gate.lua call
 
-    ``clock``: ``"server"`` (default) uses the Redis server's ``TIME``, so
-    every caller agrees whatever its own clock says.  ``"local"`` passes this
-    process's ``time.time()`` (looked up at each call, so freezegun applies),
-    for servers that refuse ``TIME`` in scripts; any callable returning
-    seconds may stand in for it.
+
+class GateCalls:
+    """What a gate sends and how it reads the answer, without the I/O.
+
+    :class:`Gate` (redis-py) and :class:`~celery_throttle.AsyncGate`
+    (``redis.asyncio``) are this plus one line of I/O per method, so both
+    send the same script the same arguments and read its replies one way.
     """
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        *,
-        prefix: str = "throttle",
-        clock: Literal["server", "local"] | Callable[[], float] = "server",
-    ) -> None:
+    def __init__(self, prefix: str, clock: Clock) -> None:
         if clock not in ("server", "local") and not callable(clock):
             raise ValueError(f"invalid clock {clock!r}: expected 'server', 'local' or a callable")
-        self.client = client
         self.prefix = validate_prefix(prefix)
         self.clock = clock
-        # redis-py's Script does EVALSHA and reloads the body on NOSCRIPT
-        # (after SCRIPT FLUSH or a restart), so no SHA cache of our own.
-        self._script = client.register_script(_SCRIPT)
-
-    @classmethod
-    def from_url(cls, url: str, **options: Any) -> Gate:
-        """A gate on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``)."""
-        return cls(redis.Redis.from_url(url), **options)
 
     def __repr__(self) -> str:
-        # The client's repr names host and db but never the password.
+        # No client in the repr: a client's names host and db, a URL may hold a password.
         clock = self.clock if isinstance(self.clock, str) else "caller"
-        return f"Gate(prefix={self.prefix!r}, clock={clock!r})"
-
-    def preload(self) -> None:
-        """Load the script now, so the first decision is a plain EVALSHA."""
-        self.client.script_load(_SCRIPT)
+        return f"{type(self).__name__}(prefix={self.prefix!r}, clock={clock!r})"
 
     def key_of(self, limit: AnyLimit) -> str:
         """The Redis key of ``limit``'s bucket (a concurrency limit's: its leases)."""
         return _key_bytes(self.prefix, limit.name, limit.key,
                           isinstance(limit, Concurrency)).decode()
 
-    def acquire(
-        self,
-        name: str,
-        rate: str | Rate,
-        *,
-        burst: int = 1,
-        key: object = None,
-        cost: int = 1,
-    ) -> Decision:
-        """Try to start one job under a single limit; charged only if allowed."""
-        return self.acquire_many([Limit(name, parse_rate(rate), burst, key, cost)])
-
-    def acquire_many(
-        self,
-        limits: Sequence[AnyLimit],
-        *,
-        reserve: float | None = None,
-        claim: Reservation | None = None,
-        grace: float = 0.0,
-        holder: str = "",
-    ) -> Decision:
-        """Pass every limit in ``limits`` at once, or none of them.
-
-        ``reserve``: when denied and the wait is at most this many seconds, book
-        the earliest common slot (``Decision.reserved``).  ``claim``: a
-        reservation from an earlier call with the same ``limits``; honoured
-        from its slot until ``grace`` seconds after it, if the limits it is not
-        booked in admit then (``Decision.early`` while it is still ahead; up to
-        ``grace`` ahead and booked in every limit, ``allowed`` with
-        ``retry_after`` until the slot); otherwise void, and a fresh decision
-        is made.  A start later than its slot moves the later slots back by as
-        much, so starts keep the full interval.  ``holder``: the lease
-        owner (required with a :class:`Concurrency` limit; the same holder
-        asking again keeps its one lease).  A full concurrency limit books
-        nothing: with ``reserve`` the decision is ``reserved`` with nothing
-        booked (``Reservation.booked == 0``) at the holder's paced return time.
-        """
+    def _decide_call(self, limits: Sequence[AnyLimit], reserve: float | None,
+                     claim: Reservation | None, grace: float, holder: str) -> Call:
         if not limits or len(limits) > _MAX_LIMITS:
             raise ValueError(f"acquire_many takes 1 to {_MAX_LIMITS} limits, got {len(limits)}")
         if not holder and any(isinstance(lim, Concurrency) for lim in limits):
             raise ValueError("a Concurrency limit needs a holder (the lease owner's id)")
         args = list(_head_args(now=self._now_us(),
-                               horizon=_NEVER if reserve is None else _to_us(reserve),
-                               claim=claim, grace=_to_us(grace), holder=holder))
-        reply = self._script(keys=self._keys(limits), args=args + self._limit_args(limits))
+                               horizon=_NEVER if reserve is None else to_us(reserve),
+                               claim=claim, grace=to_us(grace), holder=holder))
+        return self._keys(limits), args + self._limit_args(limits)
+
+    @staticmethod
+    def _decision(limits: Sequence[AnyLimit], reply: Any) -> Decision:
         if reply == _ALLOWED:  # the hot path replies with a bare integer
             return _ADMITTED
         status, wait_us, blocking, slot_us, now_us, mask, epoch, shift = reply
@@ -295,57 +247,9 @@ class Gate:
             return Decision(False, retry_after, reservation=booking, now=now_us, early=True)
         return Decision(False, retry_after, limit=blocked, reservation=booking, now=now_us)
 
-    def release(self, limits: Sequence[AnyLimit], holder: str, ran_for: float = 0.0) -> int:
-        """Give back ``holder``'s leases in the concurrency limits among ``limits``.
-
-        ``ran_for`` (seconds) feeds the average run that paces waiters.  A
-        freed slot goes at once to the oldest task parked for it in the
-        waiting room (its lease is taken in its name).  Returns how many
-        leases were released (0: none held, e.g. expired).
-        """
-        return self._op(limits, "release", _to_us(ran_for), holder)
-
-    def extend(self, limits: Sequence[AnyLimit], holder: str) -> int:
-        """Renew ``holder``'s leases for another lease time (a running task's heartbeat).
-
-        A lease that expired is taken again if a slot is free.  Returns how
-        many leases are lost (all slots taken by others meanwhile): 0 is good.
-        """
-        return self._op(limits, "extend", 0, holder)
-
-    def pause(self, limits: Sequence[AnyLimit], seconds: float) -> float:
-        """Admit nothing in any of ``limits`` for ``seconds`` (a provider's ``Retry-After``).
-
-        Every worker sees it at its next decision; slots booked before the
-        pause ends are void (their tasks book again after it).  A longer
-        pause already set is kept.  Returns the seconds the pause lasts.
-        """
-        if not limits:
+    def _op_call(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> Call:
+        if op == "pause" and not limits:
             raise ValueError("pause needs at least one limit")
-        return self._op(limits, "pause", _to_us(seconds), "") / US_PER_SECOND
-
-    def settle(self, limit: Limit, actual: int, *, charged: int | None = None) -> None:
-        """Correct ``limit``'s charge from its estimated ``cost`` to the ``actual`` units.
-
-        The bucket is charged the difference (more than estimated), and
-        every slot booked in it before moves that much later too (booked at
-        the estimates' pace, they would otherwise start too close together);
-        or it is refunded the difference (less; never past a full bucket,
-        and only while no slot is booked beyond the burst: a lower TAT would
-        hand a booked slot's time out twice).  ``actual`` may exceed the
-        burst: the bucket then owes.  ``charged``: what was charged if not
-        ``limit.cost`` (an earlier settlement).
-        """
-        diff = (units("actual cost", actual)
-                - (limit.cost if charged is None else units("charged cost", charged)))
-        if diff == 0:
-            return
-        args = [*_head_args(now=self._now_us(), op=b"settle"),
-                str(limit.rate.interval_us).encode(), str(limit.burst).encode(),
-                str(diff).encode()]
-        self._script(keys=self._keys([limit]), args=args)
-
-    def _op(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> int:
         args = list(_head_args(now=self._now_us(), holder=holder, op=op.encode(), op_arg=arg))
         keys = self._keys(limits)
         if op == "release":
@@ -353,7 +257,42 @@ class Gate:
                      if isinstance(lim, Concurrency)]
             keys += [room_key(self.prefix, part).encode() for part in ("parked", "messages",
                                                                        "wake")]
-        return int(self._script(keys=keys, args=args + self._limit_args(limits)))
+        return keys, args + self._limit_args(limits)
+
+    def _settle_call(self, limit: Limit, actual: int, charged: int | None) -> Call | None:
+        diff = (units("actual cost", actual)
+                - (limit.cost if charged is None else units("charged cost", charged)))
+        if diff == 0:
+            return None
+        args = [*_head_args(now=self._now_us(), op=b"settle"),
+                str(limit.rate.interval_us).encode(), str(limit.burst).encode(),
+                str(diff).encode()]
+        return self._keys([limit]), args
+
+    def _inspect_call(self, limit: AnyLimit) -> Call:
+        args = [*_head_args(now=self._now_us(), op=b"inspect"), *self._limit_args([limit])]
+        return self._keys([limit]), args
+
+    @staticmethod
+    def _bucket_state(limit: Limit, reply: Any) -> BucketState:
+        exists, ahead, next_free, pttl, now, paused = (int(v) for v in reply)
+        used = ahead / limit.rate.interval_us  # the bucket's content, in starts
+        booked = max(0, math.ceil(used - 1e-9) - limit.burst)
+        return BucketState(limit=limit, exists=bool(exists), used=used,
+                           next_free=next_free / US_PER_SECOND, booked_ahead=booked,
+                           ttl=max(0, pttl) / 1000, now=now, paused=paused / US_PER_SECOND)
+
+    @staticmethod
+    def _lease_state(limit: Concurrency, reply: Any) -> LeaseState:
+        held, paused, run, _now = (int(v) for v in reply)
+        return LeaseState(limit=limit, held=held, paused=paused / US_PER_SECOND,
+                          average_run=run / US_PER_SECOND)
+
+    def _reset_keys(self, limit: AnyLimit) -> list[str | bytes]:
+        keys: list[str | bytes] = [self.key_of(limit)]
+        if isinstance(limit, Concurrency):
+            keys.append(_meta_key(self.prefix, limit.name, limit.key))
+        return keys
 
     def _keys(self, limits: Sequence[AnyLimit]) -> list[bytes]:
         keys = [_key_bytes(self.prefix, lim.name, lim.key, isinstance(lim, Concurrency))
@@ -373,41 +312,132 @@ class Gate:
                 args += _limit_args(lim.rate.interval_us, lim.burst, lim.cost)
         return args
 
+    def _now_us(self) -> int:
+        if self.clock == "server":
+            return 0  # the script reads TIME
+        now = time.time() if self.clock == "local" else self.clock()
+        return int(now * US_PER_SECOND)
+
+
+class Gate(GateCalls):
+    """Atomic multi-limit GCRA decisions on one Redis client.
+
+    ``clock``: ``"server"`` (default) uses the Redis server's ``TIME``, so
+    every caller agrees whatever its own clock says.  ``"local"`` passes this
+    process's ``time.time()`` (looked up at each call, so freezegun applies),
+    for servers that refuse ``TIME`` in scripts; any callable returning
+    seconds may stand in for it.  :class:`~celery_throttle.AsyncGate` is the
+    same on ``redis.asyncio``.
+    """
+
+    def __init__(self, client: redis.Redis, *, prefix: str = "throttle",
+                 clock: Clock = "server") -> None:
+        super().__init__(prefix, clock)
+        self.client = client
+        # redis-py's Script does EVALSHA and reloads the body on NOSCRIPT
+        # (after SCRIPT FLUSH or a restart), so no SHA cache of our own.
+        self._script = client.register_script(SCRIPT)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Gate:
+        """A gate on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``)."""
+        return cls(redis.Redis.from_url(url), **options)
+
+    def preload(self) -> None:
+        """Load the script now, so the first decision is a plain EVALSHA."""
+        self.client.script_load(SCRIPT)
+
+    def acquire(self, name: str, rate: str | Rate, *, burst: int = 1, key: object = None,
+                cost: int = 1) -> Decision:
+        """Try to start one job under a single limit; charged only if allowed."""
+        return self.acquire_many([Limit(name, parse_rate(rate), burst, key, cost)])
+
+    def acquire_many(self, limits: Sequence[AnyLimit], *, reserve: float | None = None,
+                     claim: Reservation | None = None, grace: float = 0.0,
+                     holder: str = "") -> Decision:
+        """Pass every limit in ``limits`` at once, or none of them.
+
+        ``reserve``: when denied and the wait is at most this many seconds, book
+        the earliest common slot (``Decision.reserved``).  ``claim``: a
+        reservation from an earlier call with the same ``limits``; honoured
+        from its slot until ``grace`` seconds after it, if the limits it is not
+        booked in admit then (``Decision.early`` while it is still ahead; up to
+        ``grace`` ahead and booked in every limit, ``allowed`` with
+        ``retry_after`` until the slot); otherwise void, and a fresh decision
+        is made.  A start later than its slot moves the later slots back by as
+        much, so starts keep the full interval.  ``holder``: the lease
+        owner (required with a :class:`Concurrency` limit; the same holder
+        asking again keeps its one lease).  A full concurrency limit books
+        nothing: with ``reserve`` the decision is ``reserved`` with nothing
+        booked (``Reservation.booked == 0``) at the holder's paced return time.
+        """
+        keys, args = self._decide_call(limits, reserve, claim, grace, holder)
+        return self._decision(limits, self._script(keys=keys, args=args))
+
+    def release(self, limits: Sequence[AnyLimit], holder: str, ran_for: float = 0.0) -> int:
+        """Give back ``holder``'s leases in the concurrency limits among ``limits``.
+
+        ``ran_for`` (seconds) feeds the average run that paces waiters.  A
+        freed slot goes at once to the oldest task parked for it in the
+        waiting room (its lease is taken in its name).  Returns how many
+        leases were released (0: none held, e.g. expired).
+        """
+        return self._op(limits, "release", to_us(ran_for), holder)
+
+    def extend(self, limits: Sequence[AnyLimit], holder: str) -> int:
+        """Renew ``holder``'s leases for another lease time (a running task's heartbeat).
+
+        A lease that expired is taken again if a slot is free.  Returns how
+        many leases are lost (all slots taken by others meanwhile): 0 is good.
+        """
+        return self._op(limits, "extend", 0, holder)
+
+    def pause(self, limits: Sequence[AnyLimit], seconds: float) -> float:
+        """Admit nothing in any of ``limits`` for ``seconds`` (a provider's ``Retry-After``).
+
+        Every worker sees it at its next decision; slots booked before the
+        pause ends are void (their tasks book again after it).  A longer
+        pause already set is kept.  Returns the seconds the pause lasts.
+        """
+        return self._op(limits, "pause", to_us(seconds), "") / US_PER_SECOND
+
+    def settle(self, limit: Limit, actual: int, *, charged: int | None = None) -> None:
+        """Correct ``limit``'s charge from its estimated ``cost`` to the ``actual`` units.
+
+        The bucket is charged the difference (more than estimated), and
+        every slot booked in it before moves that much later too (booked at
+        the estimates' pace, they would otherwise start too close together);
+        or it is refunded the difference (less; never past a full bucket,
+        and only while no slot is booked beyond the burst: a lower TAT would
+        hand a booked slot's time out twice).  ``actual`` may exceed the
+        burst: the bucket then owes.  ``charged``: what was charged if not
+        ``limit.cost`` (an earlier settlement).
+        """
+        call = self._settle_call(limit, actual, charged)
+        if call is not None:
+            self._script(keys=call[0], args=call[1])
+
     def inspect(self, limit: Limit) -> BucketState:
         """Read ``limit``'s bucket without charging it (for status commands and metrics).
 
         The script's ``inspect`` operation answers, so "when is the next start
         free" is gate.lua's own admission test, not a copy of it.
         """
-        exists, ahead, next_free, pttl, now, paused = self._read(limit)
-        used = ahead / limit.rate.interval_us  # the bucket's content, in starts
-        booked = max(0, math.ceil(used - 1e-9) - limit.burst)
-        return BucketState(limit=limit, exists=bool(exists), used=used,
-                           next_free=next_free / US_PER_SECOND, booked_ahead=booked,
-                           ttl=max(0, pttl) / 1000, now=now, paused=paused / US_PER_SECOND)
+        keys, args = self._inspect_call(limit)
+        return self._bucket_state(limit, self._script(keys=keys, args=args))
 
     def inspect_leases(self, limit: Concurrency) -> LeaseState:
         """Count ``limit``'s unexpired leases and read its pause, without changing them."""
-        held, paused, run, _now = self._read(limit)
-        return LeaseState(limit=limit, held=held, paused=paused / US_PER_SECOND,
-                          average_run=run / US_PER_SECOND)
-
-    def _read(self, limit: AnyLimit) -> list[int]:
-        args = [*_head_args(now=self._now_us(), op=b"inspect"), *self._limit_args([limit])]
-        return [int(v) for v in self._script(keys=self._keys([limit]), args=args)]
+        keys, args = self._inspect_call(limit)
+        return self._lease_state(limit, self._script(keys=keys, args=args))
 
     def reset(self, limit: AnyLimit) -> bool:
         """Forget ``limit``'s bucket (full again; a concurrency limit: its leases, pause)."""
-        keys: list[str | bytes] = [self.key_of(limit)]
-        if isinstance(limit, Concurrency):
-            keys.append(_meta_key(self.prefix, limit.name, limit.key))
-        return bool(self.client.delete(*keys))
+        return bool(self.client.delete(*self._reset_keys(limit)))
 
-    def _now_us(self) -> int:
-        if self.clock == "server":
-            return 0  # the script reads TIME
-        now = time.time() if self.clock == "local" else self.clock()
-        return int(now * US_PER_SECOND)
+    def _op(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> int:
+        keys, args = self._op_call(limits, op, arg, holder)
+        return int(self._script(keys=keys, args=args))
 
 
 # The arguments of a limit and a bucket's key are encoded once, not per call:
@@ -463,9 +493,3 @@ def _key_bytes(prefix: str, name: str, key: object, leases: bool = False) -> byt
 
 def _meta_key(prefix: str, name: str, key: object) -> bytes:
     return meta_key(prefix, name, key).encode()
-
-
-def _to_us(seconds: float) -> int:
-    if seconds < 0 or math.isnan(seconds):
-        raise ValueError(f"invalid duration {seconds!r}: expected seconds >= 0")
-    return math.ceil(seconds * US_PER_SECOND)

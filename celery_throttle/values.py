@@ -7,7 +7,9 @@ from one place.
 
 from __future__ import annotations
 
-__all__ = ["check_cost", "positive_int", "units"]
+import math
+
+__all__ = ["check_cost", "positive_int", "to_us", "units"]
 
 
 def positive_int(what: str, value: object) -> int:
@@ -38,3 +40,10 @@ def check_cost(cost: object, burst: int, limit: str | None = None) -> int:
         raise ValueError(f"cost {value} exceeds burst {burst}{of}: it could never pass; "
                          "raise the burst or split the job")
     return value
+
+
+def to_us(seconds: float) -> int:
+    """A duration in whole microseconds (rounded up), for the scripts; >= 0 or a ValueError."""
+    if seconds < 0 or math.isnan(seconds):
+        raise ValueError(f"invalid duration {seconds!r}: expected seconds >= 0")
+    return math.ceil(seconds * 1_000_000)

@@ -7,6 +7,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any, cast
 
 import pytest
 import redis
@@ -15,6 +16,7 @@ from celery import Celery
 from celery_throttle import Gate
 from celery_throttle.testing import redis_server, server_url
 
+from .aio import BlockingAsyncGate
 from .clock import StepClock
 
 
@@ -39,10 +41,27 @@ def prefix() -> str:
     return f"t-{uuid.uuid4().hex[:12]}"
 
 
+@pytest.fixture(params=["sync", "async"])
+def gate_kind(request: pytest.FixtureRequest) -> str:
+    """Which gate the gate fixtures make: Gate, or AsyncGate behind a blocking facade."""
+    return str(request.param)
+
+
+def _make_gate(kind: str, client: redis.Redis, redis_url: str, **options: Any) -> Iterator[Gate]:
+    if kind == "sync":
+        yield Gate(client, **options)
+        return
+    facade = BlockingAsyncGate(redis_url, **options)
+    try:
+        yield cast(Gate, facade)  # the same methods, blocking: the tests cannot tell
+    finally:
+        facade.close()
+
+
 @pytest.fixture
-def gate(client: redis.Redis, prefix: str) -> Gate:
-    """A gate on the server clock with this test's own prefix."""
-    return Gate(client, prefix=prefix)
+def gate(gate_kind: str, client: redis.Redis, redis_url: str, prefix: str) -> Iterator[Gate]:
+    """A gate on the server clock with this test's own prefix (each test runs on both)."""
+    yield from _make_gate(gate_kind, client, redis_url, prefix=prefix)
 
 
 @pytest.fixture
@@ -52,9 +71,10 @@ def clock() -> StepClock:
 
 
 @pytest.fixture
-def cgate(client: redis.Redis, prefix: str, clock: StepClock) -> Gate:
-    """A gate on the explicit test clock."""
-    return Gate(client, prefix=prefix, clock=clock)
+def cgate(gate_kind: str, client: redis.Redis, redis_url: str, prefix: str,
+          clock: StepClock) -> Iterator[Gate]:
+    """A gate on the explicit test clock (each test runs on both gates)."""
+    yield from _make_gate(gate_kind, client, redis_url, prefix=prefix, clock=clock)
 
 
 @pytest.fixture(scope="session")

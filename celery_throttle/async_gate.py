@@ -1,0 +1,108 @@
+"""The gate for asyncio code (FastAPI, Starlette, aiohttp): :class:`AsyncGate`.
+
+The same decisions as :class:`~celery_throttle.Gate`, on a ``redis.asyncio``
+client: the same script (one copy of the algorithm), the same arguments and
+the same replies (:class:`~celery_throttle.gate.GateCalls` builds and reads
+them for both), and NOSCRIPT recovery by redis-py's ``AsyncScript``.  A web
+handler and the Celery workers beside it spend one quota.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from .gate import (
+    SCRIPT,
+    AnyLimit,
+    BucketState,
+    Clock,
+    Concurrency,
+    Decision,
+    GateCalls,
+    LeaseState,
+    Limit,
+    Reservation,
+)
+from .rates import US_PER_SECOND, Rate, parse_rate
+from .values import to_us
+
+__all__ = ["AsyncGate"]
+
+
+class AsyncGate(GateCalls):
+    """:class:`~celery_throttle.Gate` on ``redis.asyncio``: every method is a coroutine.
+
+    ``clock`` as for the sync gate: ``"server"`` (Redis' ``TIME``, the
+    default), ``"local"`` or a callable returning seconds.
+    """
+
+    def __init__(self, client: aioredis.Redis, *, prefix: str = "throttle",
+                 clock: Clock = "server") -> None:
+        super().__init__(prefix, clock)
+        self.client = client
+        self._script = client.register_script(SCRIPT)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> AsyncGate:
+        """A gate on a new ``redis.asyncio`` client for ``url``."""
+        return cls(aioredis.Redis.from_url(url), **options)
+
+    async def preload(self) -> None:
+        """Load the script now, so the first decision is a plain EVALSHA."""
+        await self.client.script_load(SCRIPT)
+
+    async def acquire(self, name: str, rate: str | Rate, *, burst: int = 1,
+                      key: object = None, cost: int = 1) -> Decision:
+        """Try to start one job under a single limit; charged only if allowed."""
+        return await self.acquire_many([Limit(name, parse_rate(rate), burst, key, cost)])
+
+    async def acquire_many(self, limits: Sequence[AnyLimit], *, reserve: float | None = None,
+                           claim: Reservation | None = None, grace: float = 0.0,
+                           holder: str = "") -> Decision:
+        """Pass every limit at once, or none of them (see :meth:`Gate.acquire_many`)."""
+        keys, args = self._decide_call(limits, reserve, claim, grace, holder)
+        return self._decision(limits, await self._script(keys=keys, args=args))
+
+    async def release(self, limits: Sequence[AnyLimit], holder: str,
+                      ran_for: float = 0.0) -> int:
+        """Give back ``holder``'s leases (see :meth:`Gate.release`)."""
+        return await self._op(limits, "release", to_us(ran_for), holder)
+
+    async def extend(self, limits: Sequence[AnyLimit], holder: str) -> int:
+        """Renew ``holder``'s leases; returns how many are lost (see :meth:`Gate.extend`)."""
+        return await self._op(limits, "extend", 0, holder)
+
+    async def pause(self, limits: Sequence[AnyLimit], seconds: float) -> float:
+        """Admit nothing in ``limits`` for ``seconds`` (see :meth:`Gate.pause`)."""
+        return await self._op(limits, "pause", to_us(seconds), "") / US_PER_SECOND
+
+    async def settle(self, limit: Limit, actual: int, *, charged: int | None = None) -> None:
+        """Correct ``limit``'s charge to the ``actual`` units (see :meth:`Gate.settle`)."""
+        call = self._settle_call(limit, actual, charged)
+        if call is not None:
+            await self._script(keys=call[0], args=call[1])
+
+    async def inspect(self, limit: Limit) -> BucketState:
+        """Read ``limit``'s bucket without charging it (see :meth:`Gate.inspect`)."""
+        keys, args = self._inspect_call(limit)
+        return self._bucket_state(limit, await self._script(keys=keys, args=args))
+
+    async def inspect_leases(self, limit: Concurrency) -> LeaseState:
+        """Count ``limit``'s unexpired leases and read its pause."""
+        keys, args = self._inspect_call(limit)
+        return self._lease_state(limit, await self._script(keys=keys, args=args))
+
+    async def reset(self, limit: AnyLimit) -> bool:
+        """Forget ``limit``'s bucket (see :meth:`Gate.reset`)."""
+        return bool(await self.client.delete(*self._reset_keys(limit)))
+
+    async def aclose(self) -> None:
+        """Close the client (its connection pool)."""
+        await self.client.aclose()
+
+    async def _op(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> int:
+        keys, args = self._op_call(limits, op, arg, holder)
+        return int(await self._script(keys=keys, args=args))

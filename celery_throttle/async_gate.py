@@ -9,18 +9,22 @@ handler and the Celery workers beside it spend one quota.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from . import waiting
 from .gate import (
+    DEFAULT_LEASE,
     SCRIPT,
     AnyLimit,
     BucketState,
     Clock,
     Concurrency,
     Decision,
+    F,
     GateCalls,
     LeaseState,
     Limit,
@@ -66,6 +70,27 @@ class AsyncGate(GateCalls):
         keys, args = self._decide_call(limits, reserve, claim, grace, holder)
         return self._decision(limits, await self._script(keys=keys, args=args))
 
+    async def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
+                   holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:
+        """Wait for one start (see :meth:`Gate.wait`); a cancelled waiter gives its booking
+        back."""
+        return await waiting.await_slot(self, limits, timeout=timeout, holder=holder,
+                                        grace=grace)
+
+    def slot(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
+             holder: str | None = None) -> contextlib.AbstractAsyncContextManager[Decision]:
+        """``async with gate.slot(limits):`` wait for a start, run the block; leases are
+        renewed by a task while it runs and given back when it exits."""
+        return waiting.ahold(self, limits, timeout=timeout, holder=holder)
+
+    def limit(self, rate: str | Rate | None = None, *, name: str, burst: int = 1,
+              cost: int = 1, key: object = None, concurrency: int | None = None,
+              lease: float = DEFAULT_LEASE,
+              timeout: float | None = None) -> Callable[[F], F]:
+        """Decorate a coroutine function: every call awaits a start (see :meth:`Gate.limit`)."""
+        declared = self._declared(rate, name, burst, cost, key, concurrency, lease)
+        return waiting.limited(self, declared, timeout)
+
     async def release(self, limits: Sequence[AnyLimit], holder: str,
                       ran_for: float = 0.0) -> int:
         """Give back ``holder``'s leases (see :meth:`Gate.release`)."""
@@ -78,6 +103,11 @@ class AsyncGate(GateCalls):
     async def pause(self, limits: Sequence[AnyLimit], seconds: float) -> float:
         """Admit nothing in ``limits`` for ``seconds`` (see :meth:`Gate.pause`)."""
         return await self._op(limits, "pause", to_us(seconds), "") / US_PER_SECOND
+
+    async def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int:
+        """Give back an unused booking (see :meth:`Gate.cancel`)."""
+        keys, args = self._cancel_call(limits, booking)
+        return int(await self._script(keys=keys, args=args))
 
     async def settle(self, limit: Limit, actual: int, *, charged: int | None = None) -> None:
         """Correct ``limit``'s charge to the ``actual`` units (see :meth:`Gate.settle`)."""

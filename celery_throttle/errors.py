@@ -40,8 +40,8 @@ class ThrottleError(Exception):
     """Base class of celery_throttle's exceptions."""
 
 
-class ThrottleTimeout(ThrottleError):
-    """A task's start would come later than its ``max_wait`` allows.
+class ThrottleTimeout(ThrottleError, TimeoutError):
+    """A start would come later than a ``max_wait`` (a task's) or a ``timeout`` (a waiter's) allows.
 
     Constructible from its message alone: Celery's JSON result backend
     re-creates an exception as ``cls(*args)``.

@@ -8,32 +8,43 @@ clock by default so that workers with drifting clocks still agree.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.resources
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import redis
 
+from . import waiting
 from .keys import (
     bucket_key,
     epoch_key,
-    key_digest,
     leases_key,
     meta_key,
     room_key,
-    validate_name,
     validate_prefix,
     waiters_key,
 )
+from .limits import (
+    ADMITTED,
+    DEFAULT_LEASE,
+    AnyLimit,
+    BucketState,
+    Concurrency,
+    Decision,
+    LeaseState,
+    Limit,
+    Reservation,
+)
 from .rates import US_PER_SECOND, Rate, parse_rate
-from .values import check_cost, positive_int, to_us, units
+from .values import to_us, units
 
-__all__ = ["SCRIPT", "AnyLimit", "BucketState", "Clock", "Concurrency", "Decision", "Gate",
-           "GateCalls", "LeaseState", "Limit", "Reservation"]
+# The records live in limits.py; they are re-exported here, where they were first.
+__all__ = ["DEFAULT_LEASE", "SCRIPT", "AnyLimit", "BucketState", "Clock", "Concurrency",
+           "Decision", "Gate", "GateCalls", "LeaseState", "Limit", "Reservation"]
 
 #: gate.lua, the one copy of the algorithm (Gate and AsyncGate both run it).
 SCRIPT = importlib.resources.files(__package__).joinpath("lua/gate.lua").read_text("utf-8")
@@ -41,159 +52,12 @@ SCRIPT = importlib.resources.files(__package__).joinpath("lua/gate.lua").read_te
 # Reply status codes of gate.lua (0 denied and 2 reserved are told apart by the booking).
 _ALLOWED, _EARLY = 1, 3
 _NEVER = -1
-#: A lease a heartbeat does not extend ends this long after it was taken.
-DEFAULT_LEASE = 30.0
 # The booked-limits mask travels as an integer (exact in a Lua double).
 _MAX_LIMITS = 50
 
 
-@dataclass(frozen=True, slots=True)
-class Limit:
-    """One bucket to pass: ``name`` (and ``key``) at ``rate`` with ``burst``, charged ``cost``.
-
-    ``burst`` starts may happen at the same instant; over any window of length
-    ``w`` at most ``burst - 1 + ceil(w * rate)`` units pass.  ``cost`` units are
-    charged per start; a cost above the burst could never pass and is refused.
-    """
-
-    name: str
-    rate: Rate
-    burst: int = 1
-    key: object = field(default=None, repr=False)  # may be a secret: never shown
-    cost: int = 1
-
-    def __post_init__(self) -> None:
-        validate_name(self.name)
-        object.__setattr__(self, "rate", parse_rate(self.rate))
-        check_cost(self.cost, positive_int("burst", self.burst), self.name)
-        if self.key is not None:
-            key_digest(self.key)  # a TypeError naming the type, now rather than at the call
-
-
-@dataclass(frozen=True, slots=True)
-class Concurrency:
-    """At most ``slots`` holders of ``name`` (and ``key``) at once, each on a lease.
-
-    A holder (a task id) takes a slot when admitted and gives it back with
-    :meth:`Gate.release`; :meth:`Gate.extend` renews the lease while it runs.
-    A holder that never does either (its worker was killed) loses the slot
-    ``lease`` seconds after it last renewed it.
-    """
-
-    name: str
-    slots: int
-    key: object = field(default=None, repr=False)  # may be a secret: never shown
-    lease: float = DEFAULT_LEASE
-
-    def __post_init__(self) -> None:
-        validate_name(self.name)
-        positive_int("concurrency", self.slots)
-        if self.key is not None:
-            key_digest(self.key)
-        if (isinstance(self.lease, bool) or not isinstance(self.lease, int | float)
-                or not 0.1 <= self.lease <= 86400):
-            raise ValueError(f"invalid lease {self.lease!r}: expected seconds from 0.1 "
-                             "to 86400")
-
-    @property
-    def lease_us(self) -> int:
-        """The lease in microseconds."""
-        return math.ceil(self.lease * US_PER_SECOND)
-
-
-#: Either kind of limit; :meth:`Gate.acquire_many` decides them together.
-AnyLimit = Limit | Concurrency
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """A booked start: ``slot`` (server clock, microseconds) and the limits it is booked in.
-
-    ``booked`` has bit ``i`` set for ``limits[i]`` of the call that booked it;
-    the other limits are charged when the reservation is claimed.  ``epoch``
-    identifies the store's lifetime: after a Redis restart or flush the
-    buckets are empty and older reservations are void.  ``shift``: the booked
-    limits' settlement shift when it was booked (microseconds): settlements
-    that charged more than their estimates since then move the slot later.
-    """
-
-    slot: int
-    booked: int
-    epoch: int = 0
-    shift: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The gate's answer.
-
-    ``allowed``: start now, or, for a claim admitted for its slot just ahead of
-    it, after ``retry_after`` seconds (at most the claim grace; the slot is
-    the start's, so start then, not earlier).  Otherwise ``retry_after`` seconds is the exact
-    wait, ``limit`` the limit that forced it and, when the call asked for a
-    reservation and got one (or claimed one too early), ``reservation`` is the
-    booked start to hand back as ``claim=`` when the job returns.  ``now`` is
-    the decision's clock (microseconds), 0 on a plain "allowed" (kept off the
-    hot path's reply).
-    """
-
-    allowed: bool
-    retry_after: float
-    limit: AnyLimit | None = None
-    reservation: Reservation | None = None
-    now: int = 0
-    early: bool = False
-
-    @property
-    def reserved(self) -> bool:
-        """A slot is booked for this caller (it must wait ``retry_after``, then claim it)."""
-        return not self.allowed and self.reservation is not None
-
-    @property
-    def slot(self) -> int | None:
-        """The booked (or claimed) slot, server clock microseconds."""
-        return self.reservation.slot if self.reservation is not None else None
-
-
-_ADMITTED = Decision(True, 0.0)
-
-
-@dataclass(frozen=True, slots=True)
-class BucketState:
-    """What a bucket holds right now, read without changing it (:meth:`Gate.inspect`).
-
-    ``used``: units taken out of the burst (0 = full bucket; with bookings it
-    goes past ``burst``).  ``next_free``: seconds until one start of the
-    limit's cost would be admitted (0 = now).  ``booked_ahead``: starts booked
-    beyond what the burst holds, i.e. deferred tasks waiting in this limit
-    with a booked slot (tasks booked only in another of their limits, or
-    waiting beyond the horizon, are not counted).  ``ttl``: seconds until the
-    key expires (the bucket is full again then), 0 when absent.  ``paused``:
-    seconds until a pause set by :meth:`Gate.pause` ends (``next_free``
-    includes it).
-    """
-
-    limit: Limit
-    exists: bool
-    used: float
-    next_free: float
-    booked_ahead: int
-    ttl: float
-    now: int  # the clock the state was read at (microseconds)
-    paused: float = 0.0  # seconds until a provider's pause ends (0: not paused)
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseState:
-    """What a concurrency limit holds right now (:meth:`Gate.inspect_leases`)."""
-
-    limit: Concurrency
-    held: int  # unexpired leases
-    paused: float  # seconds until a pause ends (0: not paused)
-    average_run: float  # seconds, the moving average of released runs (0: none yet)
-
-
 Clock = Literal["server", "local"] | Callable[[], float]
+F = TypeVar("F", bound=Callable[..., Any])
 Call = tuple[list[bytes], list[bytes]]  # (KEYS, ARGV) of one gate.lua call
 
 
@@ -221,6 +85,19 @@ class GateCalls:
         return _key_bytes(self.prefix, limit.name, limit.key,
                           isinstance(limit, Concurrency)).decode()
 
+    @staticmethod
+    def _declared(rate: str | Rate | None, name: str, burst: int, cost: int, key: object,
+                  concurrency: int | None, lease: float) -> list[AnyLimit]:
+        """The limits ``limit()`` declares: a rate, a concurrency, or both, of one name."""
+        if rate is None and concurrency is None:
+            raise ValueError("give a rate, a concurrency, or both")
+        limits: list[AnyLimit] = []
+        if rate is not None:
+            limits.append(Limit(name, parse_rate(rate), burst, key, cost))
+        if concurrency is not None:
+            limits.append(Concurrency(name, concurrency, key, lease))
+        return limits
+
     def _decide_call(self, limits: Sequence[AnyLimit], reserve: float | None,
                      claim: Reservation | None, grace: float, holder: str) -> Call:
         if not limits or len(limits) > _MAX_LIMITS:
@@ -235,7 +112,7 @@ class GateCalls:
     @staticmethod
     def _decision(limits: Sequence[AnyLimit], reply: Any) -> Decision:
         if reply == _ALLOWED:  # the hot path replies with a bare integer
-            return _ADMITTED
+            return ADMITTED
         status, wait_us, blocking, slot_us, now_us, mask, epoch, shift = reply
         blocked = limits[blocking - 1] if blocking else None
         retry_after = wait_us / US_PER_SECOND
@@ -258,6 +135,10 @@ class GateCalls:
             keys += [room_key(self.prefix, part).encode() for part in ("parked", "messages",
                                                                        "wake")]
         return keys, args + self._limit_args(limits)
+
+    def _cancel_call(self, limits: Sequence[AnyLimit], booking: Reservation) -> Call:
+        args = list(_head_args(now=self._now_us(), claim=booking, op=b"cancel"))
+        return self._keys(limits), args + self._limit_args(limits)
 
     def _settle_call(self, limit: Limit, actual: int, charged: int | None) -> Call | None:
         diff = (units("actual cost", actual)
@@ -374,6 +255,42 @@ class Gate(GateCalls):
         keys, args = self._decide_call(limits, reserve, claim, grace, holder)
         return self._decision(limits, self._script(keys=keys, args=args))
 
+    def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
+             holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:
+        """Block until ``limits`` admit one start, and return that admission.
+
+        The earliest slot is booked, so N waiters get N distinct, evenly
+        spaced starts (no herd, no polling); the call sleeps until it and
+        claims it.  Raises :class:`~celery_throttle.ThrottleTimeout` at once,
+        booking nothing, when the start is further than ``timeout`` seconds
+        away.  Interrupted (KeyboardInterrupt), it gives its booking back.
+        ``holder``: the lease owner when a :class:`Concurrency` limit takes
+        part (give the leases back with :meth:`release`, or use :meth:`slot`).
+        """
+        return waiting.wait(self, limits, timeout=timeout, holder=holder, grace=grace)
+
+    def slot(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
+             holder: str | None = None) -> contextlib.AbstractContextManager[Decision]:
+        """``with gate.slot(limits):`` wait for a start (:meth:`wait`), run the block.
+
+        Concurrency leases are renewed by a thread while the block runs and
+        given back when it exits, however it exits.
+        """
+        return waiting.hold(self, limits, timeout=timeout, holder=holder)
+
+    def limit(self, rate: str | Rate | None = None, *, name: str, burst: int = 1,
+              cost: int = 1, key: object = None, concurrency: int | None = None,
+              lease: float = DEFAULT_LEASE,
+              timeout: float | None = None) -> Callable[[F], F]:
+        """Decorate a plain function: every call waits for a start of limit ``name``.
+
+        ``rate`` and/or ``concurrency`` as for ``@throttled``; the same
+        ``name`` in the workers' ``@throttled`` shares the same bucket.
+        Coroutine functions take :meth:`AsyncGate.limit` instead.
+        """
+        declared = self._declared(rate, name, burst, cost, key, concurrency, lease)
+        return waiting.limited(self, declared, timeout)
+
     def release(self, limits: Sequence[AnyLimit], holder: str, ran_for: float = 0.0) -> int:
         """Give back ``holder``'s leases in the concurrency limits among ``limits``.
 
@@ -400,6 +317,17 @@ class Gate(GateCalls):
         pause already set is kept.  Returns the seconds the pause lasts.
         """
         return self._op(limits, "pause", to_us(seconds), "") / US_PER_SECOND
+
+    def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int:
+        """Give back ``booking`` (from :meth:`acquire_many` with the same ``limits``) unused.
+
+        Only a bucket's last booking can be given back (its TAT moves back to
+        the slot); one that later bookings or charges moved on keeps it, a
+        hole that costs throughput but never lets two starts share a slot.
+        Returns how many limits gave it back.
+        """
+        keys, args = self._cancel_call(limits, booking)
+        return int(self._script(keys=keys, args=args))
 
     def settle(self, limit: Limit, actual: int, *, charged: int | None = None) -> None:
         """Correct ``limit``'s charge from its estimated ``cost`` to the ``actual`` units.

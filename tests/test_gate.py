@@ -573,3 +573,23 @@ def test_inspect_of_a_missing_bucket_creates_nothing(cgate: Gate, client: redis.
     state = cgate.inspect(limit)
     assert (state.exists, state.used, state.next_free, state.ttl) == (False, 0.0, 0.0, 0.0)
     assert client.exists(cgate.key_of(limit)) == 0
+
+
+def test_cancel_gives_back_only_the_last_booking(cgate: Gate, clock: StepClock) -> None:
+    """A waiter that gives up returns its slot if nobody booked after it; else the slot
+    stays taken (a hole), never handed out twice."""
+    limit = Limit("api", parse_rate("10/s"))
+    assert cgate.acquire_many([limit]).allowed
+    first = cgate.acquire_many([limit], reserve=60)
+    second = cgate.acquire_many([limit], reserve=60)
+    assert first.retry_after == 0.1
+    assert second.retry_after == pytest.approx(0.2)
+    assert first.reservation is not None
+    assert second.reservation is not None
+    assert cgate.cancel([limit], first.reservation) == 0  # second booked after it: kept
+    assert cgate.cancel([limit], second.reservation) == 1  # the last: given back
+    assert cgate.cancel([limit], second.reservation) == 0  # once
+    again = cgate.acquire_many([limit], reserve=60)
+    assert again.retry_after == pytest.approx(0.2)  # the returned slot, to the next waiter
+    clock.us += 100_000
+    assert cgate.acquire_many([limit], claim=first.reservation, grace=0.02).allowed

@@ -74,11 +74,13 @@ ARGV[6]   claim epoch: the epoch the claimed slot was booked in; 0 without.
 ARGV[7]   holder: the lease owner's id (a task id) when a concurrency limit
           takes part, else ""
 ARGV[8]   op: "a" decide (the reply below); "release", "extend", "pause",
-          "settle", "inspect" (one function each, near the end of the script)
+          "settle", "cancel" (a booking given back: the claim fields name
+          it), "inspect" (one function each, near the end of the script)
 ARGV[9]   op argument (microseconds): release: how long the holder ran;
           pause: for how long; otherwise 0.  release, extend, pause and
           settle reply with a count: leases released, leases lost (extend),
-          limits settled, or for pause the longest pause now in force (us).
+          limits settled, or for pause the longest pause now in force (us);
+          cancel: the limits whose booking was given back.
           inspect reads its one limit without writing anything and replies
             a rate limit:  { exists, tat_ahead_us, next_free_us, pttl_ms, now, paused_us }
             a concurrency limit: { held, paused_us, average_run_us, now }
@@ -384,6 +386,29 @@ local function settle()
   return count
 end
 
+-- Give back a booking its holder will not use (a waiter cancelled before its
+-- slot): the claim fields name it.  Only the last booking of a bucket can be
+-- given back, its TAT moved back to the slot; a bucket that moved on since
+-- (any later booking, charge or shift) keeps it: a hole costs throughput, a
+-- slot handed out twice would break the bound.  Returns the limits given back.
+local function cancel()
+  local count = 0
+  if claim <= 0 or claim_epoch ~= tonumber(redis.call('GET', epoch_key) or 0) then
+    return 0
+  end
+  for i = 1, n do
+    local lim = L[i]
+    if not lim.concurrent and booked_in(mask, i) then
+      local tat, paused, shift = read_rate(lim.key)
+      if tat == claim + lim.cost * lim.interval and tat > now then
+        write_rate(lim.key, math.max(claim, now), paused, shift)
+        count = count + 1
+      end
+    end
+  end
+  return count
+end
+
 -- Read the one limit given, writing nothing (status commands, metrics).
 local function inspect()
   local lim = L[1]
@@ -601,7 +626,7 @@ end
 -- ---------------------------------------------------------------------------
 -- Dispatch: once, here.
 local OPS = { a = decide, release = release, extend = extend, pause = pause, settle = settle,
-              inspect = inspect }
+              cancel = cancel, inspect = inspect }
 local run = OPS[op]
 if not run then
   return redis.error_reply('celery_throttle gate.lua: unknown op ' .. tostring(op))

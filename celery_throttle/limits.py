@@ -1,0 +1,167 @@
+"""The records a decision is about: the limits, and what the gate answers.
+
+Plain frozen dataclasses, below the gate and the waiting helpers in the
+layers (they import only rates, keys and values), so that every layer above
+may use them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .keys import key_digest, validate_name
+from .rates import US_PER_SECOND, Rate, parse_rate
+from .values import check_cost, positive_int
+
+__all__ = ["DEFAULT_LEASE", "AnyLimit", "BucketState", "Concurrency", "Decision", "LeaseState",
+           "Limit", "Reservation"]
+
+#: A lease a heartbeat does not extend ends this long after it was taken.
+DEFAULT_LEASE = 30.0
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One bucket to pass: ``name`` (and ``key``) at ``rate`` with ``burst``, charged ``cost``.
+
+    ``burst`` starts may happen at the same instant; over any window of length
+    ``w`` at most ``burst - 1 + ceil(w * rate)`` units pass.  ``cost`` units are
+    charged per start; a cost above the burst could never pass and is refused.
+    """
+
+    name: str
+    rate: Rate
+    burst: int = 1
+    key: object = field(default=None, repr=False)  # may be a secret: never shown
+    cost: int = 1
+
+    def __post_init__(self) -> None:
+        validate_name(self.name)
+        object.__setattr__(self, "rate", parse_rate(self.rate))
+        check_cost(self.cost, positive_int("burst", self.burst), self.name)
+        if self.key is not None:
+            key_digest(self.key)  # a TypeError naming the type, now rather than at the call
+
+
+@dataclass(frozen=True, slots=True)
+class Concurrency:
+    """At most ``slots`` holders of ``name`` (and ``key``) at once, each on a lease.
+
+    A holder (a task id) takes a slot when admitted and gives it back with
+    :meth:`Gate.release`; :meth:`Gate.extend` renews the lease while it runs.
+    A holder that never does either (its worker was killed) loses the slot
+    ``lease`` seconds after it last renewed it.
+    """
+
+    name: str
+    slots: int
+    key: object = field(default=None, repr=False)  # may be a secret: never shown
+    lease: float = DEFAULT_LEASE
+
+    def __post_init__(self) -> None:
+        validate_name(self.name)
+        positive_int("concurrency", self.slots)
+        if self.key is not None:
+            key_digest(self.key)
+        if (isinstance(self.lease, bool) or not isinstance(self.lease, int | float)
+                or not 0.1 <= self.lease <= 86400):
+            raise ValueError(f"invalid lease {self.lease!r}: expected seconds from 0.1 "
+                             "to 86400")
+
+    @property
+    def lease_us(self) -> int:
+        """The lease in microseconds."""
+        return math.ceil(self.lease * US_PER_SECOND)
+
+
+#: Either kind of limit; :meth:`Gate.acquire_many` decides them together.
+AnyLimit = Limit | Concurrency
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A booked start: ``slot`` (server clock, microseconds) and the limits it is booked in.
+
+    ``booked`` has bit ``i`` set for ``limits[i]`` of the call that booked it;
+    the other limits are charged when the reservation is claimed.  ``epoch``
+    identifies the store's lifetime: after a Redis restart or flush the
+    buckets are empty and older reservations are void.  ``shift``: the booked
+    limits' settlement shift when it was booked (microseconds): settlements
+    that charged more than their estimates since then move the slot later.
+    """
+
+    slot: int
+    booked: int
+    epoch: int = 0
+    shift: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The gate's answer.
+
+    ``allowed``: start now, or, for a claim admitted for its slot just ahead of
+    it, after ``retry_after`` seconds (at most the claim grace; the slot is
+    the start's, so start then, not earlier).  Otherwise ``retry_after`` seconds is the exact
+    wait, ``limit`` the limit that forced it and, when the call asked for a
+    reservation and got one (or claimed one too early), ``reservation`` is the
+    booked start to hand back as ``claim=`` when the job returns.  ``now`` is
+    the decision's clock (microseconds), 0 on a plain "allowed" (kept off the
+    hot path's reply).
+    """
+
+    allowed: bool
+    retry_after: float
+    limit: AnyLimit | None = None
+    reservation: Reservation | None = None
+    now: int = 0
+    early: bool = False
+
+    @property
+    def reserved(self) -> bool:
+        """A slot is booked for this caller (it must wait ``retry_after``, then claim it)."""
+        return not self.allowed and self.reservation is not None
+
+    @property
+    def slot(self) -> int | None:
+        """The booked (or claimed) slot, server clock microseconds."""
+        return self.reservation.slot if self.reservation is not None else None
+
+
+#: The hot path's answer, one shared object: start now.
+ADMITTED = Decision(True, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class BucketState:
+    """What a bucket holds right now, read without changing it (:meth:`Gate.inspect`).
+
+    ``used``: units taken out of the burst (0 = full bucket; with bookings it
+    goes past ``burst``).  ``next_free``: seconds until one start of the
+    limit's cost would be admitted (0 = now).  ``booked_ahead``: starts booked
+    beyond what the burst holds, i.e. deferred tasks waiting in this limit
+    with a booked slot (tasks booked only in another of their limits, or
+    waiting beyond the horizon, are not counted).  ``ttl``: seconds until the
+    key expires (the bucket is full again then), 0 when absent.  ``paused``:
+    seconds until a pause set by :meth:`Gate.pause` ends (``next_free``
+    includes it).
+    """
+
+    limit: Limit
+    exists: bool
+    used: float
+    next_free: float
+    booked_ahead: int
+    ttl: float
+    now: int  # the clock the state was read at (microseconds)
+    paused: float = 0.0  # seconds until a provider's pause ends (0: not paused)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseState:
+    """What a concurrency limit holds right now (:meth:`Gate.inspect_leases`)."""
+
+    limit: Concurrency
+    held: int  # unexpired leases
+    paused: float  # seconds until a pause ends (0: not paused)
+    average_run: float  # seconds, the moving average of released runs (0: none yet)

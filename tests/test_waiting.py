@@ -1,0 +1,202 @@
+"""Waiting for a slot outside Celery (waiting.py): Gate.wait/slot/limit and their async twins.
+
+Real Redis and real time (rates of 20/s keep the tests short).  Booked slots
+are the gate's own numbers, so spacing is checked on them exactly; the
+callers' clocks only bound the totals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from celery_throttle import (
+    AsyncGate,
+    Concurrency,
+    Decision,
+    Gate,
+    Limit,
+    ThrottleTimeout,
+    parse_rate,
+)
+
+RATE = Limit("api", parse_rate("20/s"))
+INTERVAL_US = 50_000
+
+
+class Counting(Gate):
+    """A Gate that counts its decisions (a herd would show as many per waiter)."""
+
+    calls = 0
+
+    def acquire_many(self, *args: Any, **kwargs: Any) -> Decision:
+        type(self).calls += 1
+        return super().acquire_many(*args, **kwargs)
+
+
+@pytest.fixture
+def sgate(client: redis.Redis, prefix: str) -> Gate:
+    Counting.calls = 0
+    return Counting(client, prefix=prefix)
+
+
+def _spaced(decisions: list[Decision]) -> None:
+    """Every waiter got its own slot, at least one interval after the one before."""
+    slots = sorted(d.reservation.slot for d in decisions if d.reservation is not None)
+    assert len(slots) == len(set(slots)) == len(decisions) - 1  # the first started at once
+    assert all(b - a >= INTERVAL_US for a, b in itertools.pairwise(slots))
+
+
+def test_waiters_in_threads_get_distinct_spaced_slots_without_a_herd(sgate: Gate) -> None:
+    """10 threads wait on 20/s: 10 distinct slots 50 ms apart, ~2 decisions each, ~0.45 s."""
+    decisions: list[Decision] = []
+    start = time.monotonic()
+    threads = [threading.Thread(target=lambda: decisions.append(sgate.wait([RATE], timeout=5)))
+               for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    span = time.monotonic() - start
+    assert len(decisions) == 10
+    assert all(d.allowed for d in decisions)
+    _spaced(decisions)
+    assert Counting.calls <= 10 * 3  # book, claim (and at most one re-ask): no polling
+    assert 0.4 <= span < 2.0
+
+
+def test_async_waiters_get_distinct_spaced_slots(redis_url: str, prefix: str) -> None:
+    """The same with 10 coroutines on AsyncGate."""
+    async def main() -> list[Decision]:
+        gate = AsyncGate.from_url(redis_url, prefix=prefix)
+        try:
+            return list(await asyncio.gather(*(gate.wait([RATE], timeout=5)
+                                               for _ in range(10))))
+        finally:
+            await gate.aclose()
+
+    decisions = asyncio.run(main())
+    assert all(d.allowed for d in decisions)
+    _spaced(decisions)
+
+
+def test_a_wait_past_the_timeout_fails_at_once_and_books_nothing(sgate: Gate) -> None:
+    """1/s, slot taken: a 0.2 s timeout raises ThrottleTimeout naming the limit, at once."""
+    slow = Limit("slow", parse_rate("1/s"))
+    assert sgate.acquire_many([slow]).allowed
+    before = sgate.inspect(slow).next_free
+    started = time.monotonic()
+    with pytest.raises(ThrottleTimeout, match=r"limit 'slow' would take 0\.9\d+s, past the "
+                                               r"timeout of 0\.200s"):
+        sgate.wait([slow], timeout=0.2)
+    assert time.monotonic() - started < 0.5
+    assert sgate.inspect(slow).next_free <= before  # nothing booked
+    assert isinstance(ThrottleTimeout("x"), TimeoutError)
+
+
+def test_an_interrupted_waiter_gives_its_slot_back(sgate: Gate) -> None:
+    """KeyboardInterrupt while waiting for a slot 1 s away: the slot is free again."""
+    slow = Limit("slow", parse_rate("1/s"))
+    assert sgate.acquire_many([slow]).allowed
+    free_at = sgate.inspect(slow).next_free
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sgate.wait([slow], timeout=5)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    # Without the give-back the next start would be one interval later (2 s).
+    assert sgate.inspect(slow).next_free <= free_at
+
+
+def test_a_cancelled_coroutine_gives_its_slot_back(redis_url: str, prefix: str) -> None:
+    """asyncio cancellation of a waiter: its booking is returned; the next waiter gets it."""
+    slow = Limit("slow", parse_rate("1/s"))
+
+    async def main() -> tuple[float, float]:
+        gate = AsyncGate.from_url(redis_url, prefix=prefix)
+        try:
+            assert (await gate.acquire_many([slow])).allowed
+            waiter = asyncio.ensure_future(gate.wait([slow], timeout=5))
+            await asyncio.sleep(0.1)
+            booked = (await gate.inspect(slow)).next_free
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            return booked, (await gate.inspect(slow)).next_free
+        finally:
+            await gate.aclose()
+
+    while_booked, after = asyncio.run(main())
+    assert while_booked > 1.5  # the waiter's slot (~0.9 s) was taken: next free after it
+    assert after < 1.0  # given back
+
+
+def test_slot_holds_a_concurrency_slot_past_its_lease_and_gives_it_back(sgate: Gate) -> None:
+    """concurrency=1, lease 0.6 s, blocks of 1 s: renewed while held, so never two at once."""
+    one = Concurrency("one", 1, lease=0.6)
+    inside: list[tuple[float, float]] = []
+
+    def block() -> None:
+        with sgate.slot([one], timeout=10):
+            entered = time.monotonic()
+            time.sleep(1.0)
+            inside.append((entered, time.monotonic()))
+
+    threads = [threading.Thread(target=block) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert len(inside) == 2
+    (_a_in, a_out), (b_in, _) = sorted(inside)
+    assert b_in >= a_out - 0.01  # the second entered after the first left, not at lease end
+    assert sgate.inspect_leases(one).held == 0
+
+
+def test_limit_decorates_functions_and_coroutines_of_the_right_gate(
+        sgate: Gate, redis_url: str, prefix: str) -> None:
+    """Gate.limit on a function, AsyncGate.limit on a coroutine; the wrong pairing is a clear
+    TypeError at decoration."""
+    calls: list[float] = []
+
+    @sgate.limit("20/s", name="deco")
+    def call(i: int) -> int:
+        calls.append(time.monotonic())
+        return i
+
+    assert [call(i) for i in range(4)] == [0, 1, 2, 3]
+    assert calls[-1] - calls[0] >= 3 * 0.05 - 0.02
+    with pytest.raises(TypeError, match="coroutine function: decorate plain functions"):
+        @sgate.limit("1/s", name="x")
+        async def wrong() -> None: ...
+
+    async def main() -> list[int]:
+        agate = AsyncGate.from_url(redis_url, prefix=prefix)
+        try:
+            @agate.limit(concurrency=1, name="adeco")
+            async def acall(i: int) -> int:
+                await asyncio.sleep(0.05)
+                return i
+
+            with pytest.raises(TypeError, match="plain function"):
+                @agate.limit("1/s", name="y")
+                def wrong_too() -> None: ...
+            return list(await asyncio.gather(*(acall(i) for i in range(3))))
+        finally:
+            await agate.aclose()
+
+    assert asyncio.run(main()) == [0, 1, 2]

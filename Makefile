@@ -10,11 +10,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,demo,docs]'
+	$(BIN)/python -m pip install -q -e '.[test,demo,docs,web]'
 	touch $@
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,demo,docs,bench]'
+	$(BIN)/python -m pip install -q -e '.[test,demo,docs,web,bench]'
 	touch $@
 
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("example", ["examples.llm_quota", "examples.external_api"])
+@pytest.mark.parametrize("example", ["examples.llm_quota", "examples.external_api",
+                                     "examples.web_api"])
 def test_example_runs(example: str, redis_url: str) -> None:
     """`python -m <example>` exits 0: its own checks (no 429, limits kept) passed."""
     env = {**os.environ, "REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}

@@ -10,14 +10,17 @@ ratios hold whatever the machine.  Prints a table; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import time
+import timeit
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis
+import redis.asyncio as aioredis
 
-from celery_throttle import Gate, Limit, parse_rate
+from celery_throttle import AsyncGate, Gate, Limit, parse_rate
 from celery_throttle.testing import redis_server
 
 
@@ -59,6 +62,10 @@ def run(url: str, n: int) -> None:
     trivial = client.register_script("return 1")
     trivial_args = ([gate.key_of(fast[0]), f"{{{prefix}}}:epoch"],
                     [b"0", b"-1", b"0", b"0", b"0", b"0", b"1", b"1000", b"1"])
+    # The same gate without the pre-packed plain path (redis-py's Script for
+    # every call, as before it): what the packing buys, side by side.
+    unpacked = Gate(client, prefix=prefix)
+    unpacked._lean = False  # the benchmark's switch; no setting needed outside it
     ops: dict[str, Callable[[], object]] = {
         "PING": client.ping,
         "INCR": lambda: client.incr(counter),
@@ -66,6 +73,7 @@ def run(url: str, n: int) -> None:
         # difference to it is the gate's own Lua work.
         "EVALSHA `return 1`, same arguments": lambda: trivial(*trivial_args),
         "gate, 1 limit": lambda: gate.acquire_many(fast),
+        "gate, 1 limit, unpacked (redis-py Script per call)": lambda: unpacked.acquire_many(fast),
         "gate, 2 limits": lambda: gate.acquire_many(two),
         "gate, denied + reserved": lambda: gate.acquire_many(
             [Limit("slow", parse_rate("1/h"))], reserve=1e9),
@@ -124,6 +132,12 @@ def run(url: str, n: int) -> None:
           f"{per_call - floor:.0f} us is the script's extra Redis CPU, the rest the "
           "gate's Python side and scheduling noise.")
 
+    print()
+    print(asyncio.run(_async_table(url, prefix, n)))
+    print(f"\nPython side of a decision, without I/O (timeit): building its arguments "
+          f"{_python_side(gate, fast):.1f} us (only on a plain decision's first call and on "
+          "claims, leases and local clocks: a plain decision's packed bytes are reused)")
+
     print("\n### First call after SCRIPT FLUSH (NOSCRIPT, reload, EVALSHA)\n")
     cold = []
     for _ in range(20):
@@ -136,6 +150,53 @@ def run(url: str, n: int) -> None:
           f"({statistics.median(cold) / warm:.1f}x a warm call)")
     client.delete(counter)
     client.close()
+
+
+async def _async_table(url: str, prefix: str, n: int) -> str:
+    """The same comparison on redis.asyncio: PING, AsyncGate packed and unpacked."""
+    aclient = aioredis.Redis.from_url(url)
+    gate = AsyncGate(aclient, prefix=prefix)
+    unpacked = AsyncGate(aclient, prefix=prefix)
+    unpacked._lean = False
+    await gate.preload()
+    fast = [Limit("fast", parse_rate("1000000/s"), burst=1000)]
+    ops: dict[str, Callable[[], Awaitable[object]]] = {
+        "async PING": aclient.ping,
+        "AsyncGate, 1 limit": lambda: gate.acquire_many(fast),
+        "AsyncGate, 1 limit, unpacked": lambda: unpacked.acquire_many(fast),
+    }
+
+    async def timings(fn: Callable[[], Awaitable[object]], count: int) -> list[float]:
+        out = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            await fn()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    for fn in ops.values():
+        await timings(fn, 200)
+    results: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(10):
+        for name, fn in ops.items():
+            results[name] += await timings(fn, n // 10)
+    await aclient.aclose()
+    ping50 = statistics.median(results["async PING"])
+    lines = [f"### The same on redis.asyncio (one connection, {n} awaits each, interleaved)\n",
+             "| operation | p50 us | p99 us | p50 / async PING p50 |", "|---|---:|---:|---:|"]
+    for name, values in results.items():
+        p50 = statistics.median(values)
+        lines.append(f"| {name} | {p50 * 1e6:.0f} | {_pct(values, 0.99) * 1e6:.0f} | "
+                     f"{p50 / ping50:.2f} |")
+    return "\n".join(lines)
+
+
+def _python_side(gate: Gate, limits: list[Limit]) -> float:
+    """Microseconds to build a decision's KEYS and ARGV (no I/O), by timeit."""
+    count = 100_000
+    spent = timeit.timeit(lambda: gate._decide_call(limits, None, None, 0.0, ""), number=count)
+    empty = timeit.timeit(lambda: None, number=count)
+    return (spent - empty) / count * 1e6
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from . import waiting
 from .gate import (
@@ -48,6 +49,9 @@ class AsyncGate(GateCalls):
         super().__init__(prefix, clock)
         self.client = client
         self._script = client.register_script(SCRIPT)
+        # Pre-packed plain decisions need a pooled client (not a single-connection one).
+        self._lean = (isinstance(client, aioredis.Redis)
+                      and getattr(client, "connection", None) is None)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> AsyncGate:
@@ -67,8 +71,35 @@ class AsyncGate(GateCalls):
                            claim: Reservation | None = None, grace: float = 0.0,
                            holder: str = "") -> Decision:
         """Pass every limit at once, or none of them (see :meth:`Gate.acquire_many`)."""
+        packed_key = self._lean and self._packed_key(limits, reserve, grace, claim, holder)
+        if packed_key:
+            reply = await self._send_packed(packed_key, limits, reserve, grace)
+            if reply is not None:
+                return self._decision(limits, reply)
         keys, args = self._decide_call(limits, reserve, claim, grace, holder)
         return self._decision(limits, await self._script(keys=keys, args=args))
+
+    async def _send_packed(self, packed_key: tuple[Any, ...], limits: Sequence[AnyLimit],
+                           reserve: float | None, grace: float) -> Any:
+        """:meth:`Gate._send_packed` on ``redis.asyncio``: a plain decision as pre-packed
+        bytes; None: take the full path (NOSCRIPT, or a connection error)."""
+        pool = self.client.connection_pool
+        conn: Any = await pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            packed = self._packed.get(packed_key)
+            if packed is None:
+                keys, args = self._decide_call(limits, reserve, None, grace, "")
+                packed = conn.pack_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+                self._remember(packed_key, packed)
+            await conn.send_packed_command(packed)
+            return await conn.read_response()
+        except NoScriptError:
+            return None
+        except (aioredis.ConnectionError, aioredis.TimeoutError):
+            await conn.disconnect()
+            return None
+        finally:
+            await pool.release(conn)
 
     async def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
                    holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:

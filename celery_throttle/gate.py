@@ -54,6 +54,8 @@ _ALLOWED, _EARLY = 1, 3
 _NEVER = -1
 # The booked-limits mask travels as an integer (exact in a Lua double).
 _MAX_LIMITS = 50
+# Packed plain decisions kept per gate (one per limits/horizon/grace combination).
+_MAX_PACKED = 4096
 
 
 Clock = Literal["server", "local"] | Callable[[], float]
@@ -74,6 +76,7 @@ class GateCalls:
             raise ValueError(f"invalid clock {clock!r}: expected 'server', 'local' or a callable")
         self.prefix = validate_prefix(prefix)
         self.clock = clock
+        self._packed: dict[tuple[Any, ...], list[bytes]] = {}
 
     def __repr__(self) -> str:
         # No client in the repr: a client's names host and db, a URL may hold a password.
@@ -97,6 +100,29 @@ class GateCalls:
         if concurrency is not None:
             limits.append(Concurrency(name, concurrency, key, lease))
         return limits
+
+    def _packed_key(self, limits: Sequence[AnyLimit], reserve: float | None, grace: float,
+                    claim: Reservation | None, holder: str) -> tuple[Any, ...] | None:
+        """The cache key of a plain decision's packed command, or None (not cacheable).
+
+        A plain decision (server clock, no claim, no holder) sends the same
+        bytes every time for the same limits, horizon and grace: packed once,
+        it skips redis-py's per-call argument packing and command machinery,
+        most of a decision's client-side cost (BENCHMARKS.md section 2).
+        """
+        if claim is not None or holder or self.clock != "server":
+            return None
+        try:
+            key = (tuple(limits), reserve, grace)
+            hash(key)
+        except TypeError:  # an unhashable key value (bytearray): the full path
+            return None
+        return key
+
+    def _remember(self, key: tuple[Any, ...], packed: list[bytes]) -> None:
+        if len(self._packed) >= _MAX_PACKED:  # bounded: per-key limits may be many
+            self._packed.clear()
+        self._packed[key] = packed
 
     def _decide_call(self, limits: Sequence[AnyLimit], reserve: float | None,
                      claim: Reservation | None, grace: float, holder: str) -> Call:
@@ -218,6 +244,11 @@ class Gate(GateCalls):
         # redis-py's Script does EVALSHA and reloads the body on NOSCRIPT
         # (after SCRIPT FLUSH or a restart), so no SHA cache of our own.
         self._script = client.register_script(SCRIPT)
+        # Pre-packed plain decisions need a pooled client of its own (not a
+        # pipeline, not a single-connection client, not a cluster client).
+        self._lean = (isinstance(client, redis.Redis)
+                      and not isinstance(client, redis.client.Pipeline)
+                      and getattr(client, "connection", None) is None)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Gate:
@@ -252,8 +283,35 @@ class Gate(GateCalls):
         nothing: with ``reserve`` the decision is ``reserved`` with nothing
         booked (``Reservation.booked == 0``) at the holder's paced return time.
         """
+        packed_key = self._lean and self._packed_key(limits, reserve, grace, claim, holder)
+        if packed_key:
+            reply = self._send_packed(packed_key, limits, reserve, grace)
+            if reply is not None:
+                return self._decision(limits, reply)
         keys, args = self._decide_call(limits, reserve, claim, grace, holder)
         return self._decision(limits, self._script(keys=keys, args=args))
+
+    def _send_packed(self, packed_key: tuple[Any, ...], limits: Sequence[AnyLimit],
+                     reserve: float | None, grace: float) -> Any:
+        """A plain decision as pre-packed bytes on a pooled connection; None: take the full
+        path (NOSCRIPT, or a connection error: redis-py's path reloads or reconnects)."""
+        pool = self.client.connection_pool
+        conn: Any = pool.get_connection()  # (redis-py's Connection methods are untyped)
+        try:
+            packed = self._packed.get(packed_key)
+            if packed is None:
+                keys, args = self._decide_call(limits, reserve, None, grace, "")
+                packed = conn.pack_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+                self._remember(packed_key, packed)
+            conn.send_packed_command(packed)
+            return conn.read_response()
+        except redis.exceptions.NoScriptError:
+            return None
+        except (redis.ConnectionError, redis.TimeoutError):
+            conn.disconnect()
+            return None
+        finally:
+            pool.release(conn)
 
     def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
              holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:

@@ -593,3 +593,31 @@ def test_cancel_gives_back_only_the_last_booking(cgate: Gate, clock: StepClock) 
     assert again.retry_after == pytest.approx(0.2)  # the returned slot, to the next waiter
     clock.us += 100_000
     assert cgate.acquire_many([limit], claim=first.reservation, grace=0.02).allowed
+
+
+def test_plain_decisions_survive_a_killed_connection_without_double_charging(
+        gate: Gate, client: redis.Redis, redis_url: str) -> None:
+    """A pooled connection killed by the server: the next decision reconnects (the packed
+    plain path falls back to redis-py's) and charges exactly once."""
+    limit = Limit("k", parse_rate("1/h"), burst=3)
+    assert gate.acquire_many([limit]).allowed
+    killer = redis.Redis.from_url(redis_url)
+    try:
+        killer.execute_command(  # type: ignore[no-untyped-call]
+            "CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    finally:
+        killer.close()
+    assert [gate.acquire_many([limit]).allowed for _ in range(3)] == [True, True, False]
+
+
+def test_packed_plain_decisions_keep_their_arguments_apart(gate: Gate) -> None:
+    """The same limits with another horizon, or an unhashable key value, decide correctly."""
+    limit = Limit("p", parse_rate("10/s"))
+    assert gate.acquire_many([limit]).allowed
+    denied = gate.acquire_many([limit])
+    assert not denied.allowed
+    assert not denied.reserved  # no horizon: nothing booked
+    assert gate.acquire_many([limit], reserve=60).reserved  # another packing: books
+    raw = Limit("p", parse_rate("10/s"), key=bytearray(b"tenant"))
+    assert gate.acquire_many([raw]).allowed
+    assert not gate.acquire_many([raw]).allowed

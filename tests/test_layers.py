@@ -87,3 +87,14 @@ def test_process_wide_state_is_all_named() -> None:
             found |= {f"{path.stem}.{t.id}" for t in targets
                       if t.id.startswith("_") and not t.id.startswith("__") and not t.id.isupper()}
     assert found == set(PROCESS_STATE)
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    """`from .x import _name` across modules is a rule living in the wrong place: none."""
+    private = []
+    for path in PACKAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    assert private == []

@@ -10,11 +10,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,demo,docs,web]'
+	$(BIN)/python -m pip install -q -e '.[test,demo,docs,web,langchain]'
 	touch $@
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,demo,docs,web,bench]'
+	$(BIN)/python -m pip install -q -e '.[test,demo,docs,web,langchain,bench]'
 	touch $@
 
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python

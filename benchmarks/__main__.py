@@ -25,7 +25,7 @@ import redis
 
 from celery_throttle.testing import redis_server
 
-from . import gate_compare, gate_latency, provider_view
+from . import gate_compare, gate_latency, provider_view, waiters
 
 ROOT = Path(__file__).resolve().parent.parent
 CHARTS = ROOT / "benchmarks" / "charts"
@@ -80,7 +80,13 @@ def main(argv: list[str] | None = None) -> None:
                 "window\n",
                 "CPU: every command's time in INFO commandstats per decision; memory: MEMORY "
                 "USAGE of each library's keys for one limit, filled to the limit.\n",
-                gate_compare.compare_table(url) + "\n"]
+                gate_compare.compare_table(url) + "\n",
+                "\n### Waiting outside Celery: threads and coroutines on one limit\n",
+                "`python -m benchmarks.waiters`: celery_throttle's `Gate.wait`/`AsyncGate.wait` "
+                "next to steindamm's Redis token bucket and llmratelimiter (what an AI team "
+                "would pick instead), one after the other on the same server. See the module's "
+                "docstring for the measures.\n",
+                waiters.table(url, (8,) if args.quick else (8, 32)) + "\n"]
     print("section 3: scale", file=sys.stderr, flush=True)
     doc.append("## 3. Scale\n")
     for n, rate, measure in ((("2000", "5", "40"), ("2000", "50", "40")) if args.quick

@@ -52,6 +52,7 @@ class AsyncGate(GateCalls):
         # Pre-packed plain decisions need a pooled client (not a single-connection one).
         self._lean = (isinstance(client, aioredis.Redis)
                       and getattr(client, "connection", None) is None)
+        self._idle: list[Any] = []  # connections of packed decisions, between calls
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> AsyncGate:
@@ -81,10 +82,14 @@ class AsyncGate(GateCalls):
 
     async def _send_packed(self, packed_key: tuple[Any, ...], limits: Sequence[AnyLimit],
                            reserve: float | None, grace: float) -> Any:
-        """:meth:`Gate._send_packed` on ``redis.asyncio``: a plain decision as pre-packed
-        bytes; None: take the full path (NOSCRIPT, or a connection error)."""
+        """:meth:`Gate._send_packed` on ``redis.asyncio``, on a connection the gate keeps
+        between calls; None: take the full path (NOSCRIPT, or a connection error)."""
         pool = self.client.connection_pool
-        conn: Any = await pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            conn: Any = self._idle.pop()
+        except IndexError:
+            conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+        healthy = False
         try:
             packed = self._packed.get(packed_key)
             if packed is None:
@@ -92,14 +97,20 @@ class AsyncGate(GateCalls):
                 packed = conn.pack_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
                 self._remember(packed_key, packed)
             await conn.send_packed_command(packed)
-            return await conn.read_response()
+            reply = await conn.read_response()
+            healthy = True
+            return reply
         except NoScriptError:
+            healthy = True  # a full reply was read: the connection is fine
             return None
         except (aioredis.ConnectionError, aioredis.TimeoutError):
-            await conn.disconnect()
             return None
         finally:
-            await pool.release(conn)
+            if healthy:
+                self._idle.append(conn)
+            else:  # cancelled or broken mid-call: a reply may still come, never reuse it
+                await conn.disconnect(nowait=True)
+                await pool.release(conn)
 
     async def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
                    holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:

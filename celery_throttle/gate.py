@@ -12,6 +12,7 @@ import contextlib
 import functools
 import importlib.resources
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
@@ -249,6 +250,8 @@ class Gate(GateCalls):
         self._lean = (isinstance(client, redis.Redis)
                       and not isinstance(client, redis.client.Pipeline)
                       and getattr(client, "connection", None) is None)
+        self._idle: list[Any] = []  # connections of packed decisions, between calls
+        self._idle_pid = os.getpid()
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Gate:
@@ -293,10 +296,15 @@ class Gate(GateCalls):
 
     def _send_packed(self, packed_key: tuple[Any, ...], limits: Sequence[AnyLimit],
                      reserve: float | None, grace: float) -> Any:
-        """A plain decision as pre-packed bytes on a pooled connection; None: take the full
-        path (NOSCRIPT, or a connection error: redis-py's path reloads or reconnects)."""
-        pool = self.client.connection_pool
-        conn: Any = pool.get_connection()  # (redis-py's Connection methods are untyped)
+        """A plain decision as pre-packed bytes; None: take the full path (NOSCRIPT, or a
+        connection error: redis-py's path reloads or reconnects).
+
+        The connection is one this gate keeps between calls (taken from the
+        client's pool once): checking one out of redis-py's pool per call
+        costs a lock and a readiness poll, a good part of a decision.
+        """
+        conn = self._connection()
+        healthy = False
         try:
             packed = self._packed.get(packed_key)
             if packed is None:
@@ -304,14 +312,28 @@ class Gate(GateCalls):
                 packed = conn.pack_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
                 self._remember(packed_key, packed)
             conn.send_packed_command(packed)
-            return conn.read_response()
+            reply = conn.read_response()
+            healthy = True
+            return reply
         except redis.exceptions.NoScriptError:
+            healthy = True  # a full reply was read: the connection is fine
             return None
         except (redis.ConnectionError, redis.TimeoutError):
-            conn.disconnect()
             return None
         finally:
-            pool.release(conn)
+            if healthy:
+                self._idle.append(conn)
+            else:  # a reply may still be on its way: never hand this socket on
+                conn.disconnect()
+                self.client.connection_pool.release(conn)
+
+    def _connection(self) -> Any:
+        if self._idle_pid != os.getpid():  # forked: the parent's sockets are not ours
+            self._idle, self._idle_pid = [], os.getpid()
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return self.client.connection_pool.get_connection()
 
     def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
              holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:

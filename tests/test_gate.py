@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import threading
 import uuid
 
@@ -621,3 +622,28 @@ def test_packed_plain_decisions_keep_their_arguments_apart(gate: Gate) -> None:
     raw = Limit("p", parse_rate("10/s"), key=bytearray(b"tenant"))
     assert gate.acquire_many([raw]).allowed
     assert not gate.acquire_many([raw]).allowed
+
+
+def test_a_forked_child_never_shares_the_gates_connection(client: redis.Redis,
+                                                          prefix: str) -> None:
+    """A Gate made before a fork (prefork pools, multiprocessing): parent and child decide
+    at the same time, each on its own socket.  Their replies differ (the child's limit
+    denies, the parent's admits), so a shared socket would hand each the other's."""
+    import multiprocessing
+
+    gate = Gate(client, prefix=prefix)
+    admits = [Limit("admits", parse_rate("1/h"), burst=100_000)]
+    denies = [Limit("denies", parse_rate("1/h"))]
+    assert gate.acquire_many(denies).allowed  # now full; and the gate holds a connection
+
+    def child() -> None:
+        ok = not any(gate.acquire_many(denies).allowed for _ in range(500))
+        os._exit(0 if ok else 1)
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    mine = [gate.acquire_many(admits).allowed for _ in range(500)]
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert all(mine)
+    assert gate.inspect(admits[0]).used == pytest.approx(500)  # each charged once

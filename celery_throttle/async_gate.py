@@ -91,12 +91,8 @@ class AsyncGate(GateCalls):
             conn = await pool.get_connection()  # type: ignore[no-untyped-call]
         healthy = False
         try:
-            packed = self._packed.get(packed_key)
-            if packed is None:
-                keys, args = self._decide_call(limits, reserve, None, grace, "")
-                packed = conn.pack_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
-                self._remember(packed_key, packed)
-            await conn.send_packed_command(packed)
+            await conn.send_packed_command(self._packed_call(conn, packed_key, limits, reserve,
+                                                             grace, self._script.sha))
             reply = await conn.read_response()
             healthy = True
             return reply

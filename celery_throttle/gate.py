@@ -120,10 +120,17 @@ class GateCalls:
             return None
         return key
 
-    def _remember(self, key: tuple[Any, ...], packed: list[bytes]) -> None:
-        if len(self._packed) >= _MAX_PACKED:  # bounded: per-key limits may be many
-            self._packed.clear()
-        self._packed[key] = packed
+    def _packed_call(self, conn: Any, key: tuple[Any, ...], limits: Sequence[AnyLimit],
+                     reserve: float | None, grace: float, sha: str) -> list[bytes]:
+        """The packed EVALSHA of a plain decision: from the cache, or packed now by ``conn``."""
+        packed = self._packed.get(key)
+        if packed is None:
+            keys, args = self._decide_call(limits, reserve, None, grace, "")
+            packed = conn.pack_command("EVALSHA", sha, len(keys), *keys, *args)
+            if len(self._packed) >= _MAX_PACKED:  # bounded: per-key limits may be many
+                self._packed.clear()
+            self._packed[key] = packed
+        return packed
 
     def _decide_call(self, limits: Sequence[AnyLimit], reserve: float | None,
                      claim: Reservation | None, grace: float, holder: str) -> Call:
@@ -306,12 +313,8 @@ class Gate(GateCalls):
         conn = self._connection()
         healthy = False
         try:
-            packed = self._packed.get(packed_key)
-            if packed is None:
-                keys, args = self._decide_call(limits, reserve, None, grace, "")
-                packed = conn.pack_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
-                self._remember(packed_key, packed)
-            conn.send_packed_command(packed)
+            conn.send_packed_command(self._packed_call(conn, packed_key, limits, reserve, grace,
+                                                       self._script.sha))
             reply = conn.read_response()
             healthy = True
             return reply

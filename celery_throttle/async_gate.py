@@ -19,6 +19,7 @@ from redis.exceptions import NoScriptError
 from . import waiting
 from .gate import (
     DEFAULT_LEASE,
+    IDLE_CONNECTIONS,
     SCRIPT,
     AnyLimit,
     BucketState,
@@ -91,9 +92,16 @@ class AsyncGate(GateCalls):
             conn = await pool.get_connection()  # type: ignore[no-untyped-call]
         healthy = False
         try:
-            await conn.send_packed_command(self._packed_call(conn, packed_key, limits, reserve,
-                                                             grace, self._script.sha))
-            reply = await conn.read_response()
+            packed = self._packed_call(conn, packed_key, limits, reserve, grace,
+                                       self._script.sha)
+            await conn.send_packed_command(packed)
+            try:
+                reply = await conn.read_response()
+            except NoScriptError:  # lost by the server: load it here and ask again
+                await conn.send_command("SCRIPT", "LOAD", SCRIPT)
+                await conn.read_response()
+                await conn.send_packed_command(packed)
+                reply = await conn.read_response()
             healthy = True
             return reply
         except NoScriptError:
@@ -102,10 +110,11 @@ class AsyncGate(GateCalls):
         except (aioredis.ConnectionError, aioredis.TimeoutError):
             return None
         finally:
-            if healthy:
+            if healthy and len(self._idle) < IDLE_CONNECTIONS:
                 self._idle.append(conn)
-            else:  # cancelled or broken mid-call: a reply may still come, never reuse it
-                await conn.disconnect(nowait=True)
+            else:
+                if not healthy:  # cancelled or broken mid-call: a reply may still come
+                    await conn.disconnect(nowait=True)
                 await pool.release(conn)
 
     async def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,

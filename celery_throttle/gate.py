@@ -44,8 +44,8 @@ from .rates import US_PER_SECOND, Rate, parse_rate
 from .values import to_us, units
 
 # The records live in limits.py; they are re-exported here, where they were first.
-__all__ = ["DEFAULT_LEASE", "SCRIPT", "AnyLimit", "BucketState", "Clock", "Concurrency",
-           "Decision", "Gate", "GateCalls", "LeaseState", "Limit", "Reservation"]
+__all__ = ["DEFAULT_LEASE", "IDLE_CONNECTIONS", "SCRIPT", "AnyLimit", "BucketState", "Clock",
+           "Concurrency", "Decision", "Gate", "GateCalls", "LeaseState", "Limit", "Reservation"]
 
 #: gate.lua, the one copy of the algorithm (Gate and AsyncGate both run it).
 SCRIPT = importlib.resources.files(__package__).joinpath("lua/gate.lua").read_text("utf-8")
@@ -57,6 +57,9 @@ _NEVER = -1
 _MAX_LIMITS = 50
 # Packed plain decisions kept per gate (one per limits/horizon/grace combination).
 _MAX_PACKED = 4096
+#: Connections a gate keeps between packed decisions, at most; the rest go back
+#: to the client's pool (which other commands, and claims, need too).
+IDLE_CONNECTIONS = 8
 
 
 Clock = Literal["server", "local"] | Callable[[], float]
@@ -313,9 +316,18 @@ class Gate(GateCalls):
         conn = self._connection()
         healthy = False
         try:
-            conn.send_packed_command(self._packed_call(conn, packed_key, limits, reserve, grace,
-                                                       self._script.sha))
-            reply = conn.read_response()
+            packed = self._packed_call(conn, packed_key, limits, reserve, grace,
+                                       self._script.sha)
+            conn.send_packed_command(packed)
+            try:
+                reply = conn.read_response()
+            except redis.exceptions.NoScriptError:
+                # The server lost the script (a restart, SCRIPT FLUSH): load it on
+                # this connection and ask again; a NOSCRIPT reply charged nothing.
+                conn.send_command("SCRIPT", "LOAD", SCRIPT)
+                conn.read_response()
+                conn.send_packed_command(packed)
+                reply = conn.read_response()
             healthy = True
             return reply
         except redis.exceptions.NoScriptError:
@@ -324,10 +336,11 @@ class Gate(GateCalls):
         except (redis.ConnectionError, redis.TimeoutError):
             return None
         finally:
-            if healthy:
+            if healthy and len(self._idle) < IDLE_CONNECTIONS:
                 self._idle.append(conn)
-            else:  # a reply may still be on its way: never hand this socket on
-                conn.disconnect()
+            else:
+                if not healthy:  # a reply may still be on its way: never hand this socket on
+                    conn.disconnect()
                 self.client.connection_pool.release(conn)
 
     def _connection(self) -> Any:

@@ -30,6 +30,7 @@ from .gate import (
     GateCalls,
     LeaseState,
     Limit,
+    Plain,
     Reservation,
 )
 from .rates import US_PER_SECOND, Rate, parse_rate
@@ -73,16 +74,15 @@ class AsyncGate(GateCalls):
                            claim: Reservation | None = None, grace: float = 0.0,
                            holder: str = "") -> Decision:
         """Pass every limit at once, or none of them (see :meth:`Gate.acquire_many`)."""
-        packed_key = self._lean and self._packed_key(limits, reserve, grace, claim, holder)
-        if packed_key:
-            reply = await self._send_packed(packed_key, limits, reserve, grace)
+        plain = self._plain(limits, reserve, grace, claim, holder)
+        if plain is not None:
+            reply = await self._send_packed(plain)
             if reply is not None:
                 return self._decision(limits, reply)
         keys, args = self._decide_call(limits, reserve, claim, grace, holder)
         return self._decision(limits, await self._script(keys=keys, args=args))
 
-    async def _send_packed(self, packed_key: tuple[Any, ...], limits: Sequence[AnyLimit],
-                           reserve: float | None, grace: float) -> Any:
+    async def _send_packed(self, plain: Plain) -> Any:
         """:meth:`Gate._send_packed` on ``redis.asyncio``, on a connection the gate keeps
         between calls; None: take the full path (NOSCRIPT, or a connection error)."""
         pool = self.client.connection_pool
@@ -92,8 +92,7 @@ class AsyncGate(GateCalls):
             conn = await pool.get_connection()  # type: ignore[no-untyped-call]
         healthy = False
         try:
-            packed = self._packed_call(conn, packed_key, limits, reserve, grace,
-                                       self._script.sha)
+            packed = self._pack(conn, plain, self._script.sha)
             await conn.send_packed_command(packed)
             try:
                 reply = await conn.read_response()

@@ -45,7 +45,8 @@ from .values import to_us, units
 
 # The records live in limits.py; they are re-exported here, where they were first.
 __all__ = ["DEFAULT_LEASE", "IDLE_CONNECTIONS", "SCRIPT", "AnyLimit", "BucketState", "Clock",
-           "Concurrency", "Decision", "Gate", "GateCalls", "LeaseState", "Limit", "Reservation"]
+           "Concurrency", "Decision", "Gate", "GateCalls", "LeaseState", "Limit", "Plain",
+           "Reservation"]
 
 #: gate.lua, the one copy of the algorithm (Gate and AsyncGate both run it).
 SCRIPT = importlib.resources.files(__package__).joinpath("lua/gate.lua").read_text("utf-8")
@@ -65,6 +66,8 @@ IDLE_CONNECTIONS = 8
 Clock = Literal["server", "local"] | Callable[[], float]
 F = TypeVar("F", bound=Callable[..., Any])
 Call = tuple[list[bytes], list[bytes]]  # (KEYS, ARGV) of one gate.lua call
+# A plain decision: its cache key, and its packed command or the call to pack.
+Plain = tuple[tuple[Any, ...], "list[bytes] | Call"]
 
 
 class GateCalls:
@@ -81,6 +84,7 @@ class GateCalls:
         self.prefix = validate_prefix(prefix)
         self.clock = clock
         self._packed: dict[tuple[Any, ...], list[bytes]] = {}
+        self._lean = False  # a gate whose client can take packed decisions sets it
 
     def __repr__(self) -> str:
         # No client in the repr: a client's names host and db, a URL may hold a password.
@@ -105,34 +109,36 @@ class GateCalls:
             limits.append(Concurrency(name, concurrency, key, lease))
         return limits
 
-    def _packed_key(self, limits: Sequence[AnyLimit], reserve: float | None, grace: float,
-                    claim: Reservation | None, holder: str) -> tuple[Any, ...] | None:
-        """The cache key of a plain decision's packed command, or None (not cacheable).
+    def _plain(self, limits: Sequence[AnyLimit], reserve: float | None, grace: float,
+               claim: Reservation | None, holder: str) -> Plain | None:
+        """A plain decision's cache key and its packed command (or, the first time, its KEYS
+        and ARGV, validated before any I/O); None: not a plain decision, the full path.
 
         A plain decision (server clock, no claim, no holder) sends the same
         bytes every time for the same limits, horizon and grace: packed once,
         it skips redis-py's per-call argument packing and command machinery,
         most of a decision's client-side cost (BENCHMARKS.md section 2).
         """
-        if claim is not None or holder or self.clock != "server":
+        if not self._lean or claim is not None or holder or self.clock != "server":
             return None
+        key = (tuple(limits), reserve, grace)
         try:
-            key = (tuple(limits), reserve, grace)
-            hash(key)
+            packed = self._packed.get(key)  # the one hash of the key
         except TypeError:  # an unhashable key value (bytearray): the full path
             return None
-        return key
+        return key, packed if packed is not None else self._decide_call(
+            limits, reserve, None, grace, "")
 
-    def _packed_call(self, conn: Any, key: tuple[Any, ...], limits: Sequence[AnyLimit],
-                     reserve: float | None, grace: float, sha: str) -> list[bytes]:
-        """The packed EVALSHA of a plain decision: from the cache, or packed now by ``conn``."""
-        packed = self._packed.get(key)
-        if packed is None:
-            keys, args = self._decide_call(limits, reserve, None, grace, "")
-            packed = conn.pack_command("EVALSHA", sha, len(keys), *keys, *args)
-            if len(self._packed) >= _MAX_PACKED:  # bounded: per-key limits may be many
-                self._packed.clear()
-            self._packed[key] = packed
+    def _pack(self, conn: Any, plain: Plain, sha: str) -> list[bytes]:
+        """The packed EVALSHA of a plain decision: cached, or packed now by ``conn``."""
+        key, ready = plain
+        if not isinstance(ready, tuple):
+            return ready
+        keys, args = ready
+        packed: list[bytes] = conn.pack_command("EVALSHA", sha, len(keys), *keys, *args)
+        if len(self._packed) >= _MAX_PACKED:  # bounded: per-key limits may be many
+            self._packed.clear()
+        self._packed[key] = packed
         return packed
 
     def _decide_call(self, limits: Sequence[AnyLimit], reserve: float | None,
@@ -296,16 +302,15 @@ class Gate(GateCalls):
         nothing: with ``reserve`` the decision is ``reserved`` with nothing
         booked (``Reservation.booked == 0``) at the holder's paced return time.
         """
-        packed_key = self._lean and self._packed_key(limits, reserve, grace, claim, holder)
-        if packed_key:
-            reply = self._send_packed(packed_key, limits, reserve, grace)
+        plain = self._plain(limits, reserve, grace, claim, holder)
+        if plain is not None:
+            reply = self._send_packed(plain)
             if reply is not None:
                 return self._decision(limits, reply)
         keys, args = self._decide_call(limits, reserve, claim, grace, holder)
         return self._decision(limits, self._script(keys=keys, args=args))
 
-    def _send_packed(self, packed_key: tuple[Any, ...], limits: Sequence[AnyLimit],
-                     reserve: float | None, grace: float) -> Any:
+    def _send_packed(self, plain: Plain) -> Any:
         """A plain decision as pre-packed bytes; None: take the full path (NOSCRIPT, or a
         connection error: redis-py's path reloads or reconnects).
 
@@ -316,8 +321,7 @@ class Gate(GateCalls):
         conn = self._connection()
         healthy = False
         try:
-            packed = self._packed_call(conn, packed_key, limits, reserve, grace,
-                                       self._script.sha)
+            packed = self._pack(conn, plain, self._script.sha)
             conn.send_packed_command(packed)
             try:
                 reply = conn.read_response()
@@ -487,15 +491,6 @@ def _head_args(*, now: int = 0, horizon: int = _NEVER, claim: Reservation | None
 def _plain_head(horizon: int, grace: int) -> tuple[bytes, ...]:
     return (b"0", str(horizon).encode(), b"0", str(grace).encode(), b"0", b"0", b"", b"a",
             b"0", b"0")
-
-
-def _parse_bucket(raw: bytes | None) -> tuple[int, int]:
-    """A rate bucket's TAT and pause: ``TAT``, ``TAT:until``, ``TAT:until:shift`` (gate.lua)."""
-    if raw is None:
-        return 0, 0
-    tat, _, rest = raw.partition(b":")
-    paused, _, _shift = rest.partition(b":")
-    return int(tat), int(paused or 0)
 
 
 @functools.lru_cache(maxsize=64)

@@ -101,11 +101,9 @@ class Throttle:
         assert self.rate is not None
         cost = self.cost(*args, **kwargs) if callable(self.cost) else self.cost
         try:
-            check_cost(cost, self.burst, name)  # a computed cost is known only now
+            return Limit(name, self.rate, self.burst, key, cost)  # checks the computed cost
         except ValueError as exc:
             raise ValueError(f"task {task_name!r}: {exc}") from None
-        try:
-            return Limit(name, self.rate, self.burst, key, cost)
         except TypeError as exc:  # a key value of an unsupported type
             raise TypeError(f"task {task_name!r}, limit {name!r}: {exc}") from None
 

@@ -29,10 +29,11 @@ def units(what: str, value: object) -> int:
 def check_cost(cost: object, burst: int, limit: str | None = None) -> int:
     """The cost of one start: an integer from 1 to the ``burst`` of ``limit``.
 
-    The one home of "cost <= burst", checked where a limit is declared, where
-    a computed cost is known and where a :class:`~celery_throttle.Limit` is
-    made: a bucket never holds more than its burst, so a larger cost could
-    never pass and is refused with an error instead of waiting forever.
+    The one home of "cost <= burst", checked where ``@throttled`` declares a
+    limit and where a :class:`~celery_throttle.Limit` is made (which is where a
+    computed cost is checked): a bucket never holds more than its burst, so a
+    larger cost could never pass and is refused with an error instead of
+    waiting forever.
     """
     value = positive_int("cost", cost)
     if value > burst:

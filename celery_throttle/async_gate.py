@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError
 
 from . import waiting
+from .connect import connect_async
 from .gate import (
     DEFAULT_LEASE,
     IDLE_CONNECTIONS,
@@ -46,7 +48,7 @@ class AsyncGate(GateCalls):
     default), ``"local"`` or a callable returning seconds.
     """
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str = "throttle",
+    def __init__(self, client: aioredis.Redis | AsyncRedisCluster, *, prefix: str = "throttle",
                  clock: Clock = "server") -> None:
         super().__init__(prefix, clock)
         self.client = client
@@ -57,9 +59,11 @@ class AsyncGate(GateCalls):
         self._idle: list[Any] = []  # connections of packed decisions, between calls
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> AsyncGate:
-        """A gate on a new ``redis.asyncio`` client for ``url``."""
-        return cls(aioredis.Redis.from_url(url), **options)
+    def from_url(cls, url: str, *, master_name: str | None = None,
+                 **options: Any) -> AsyncGate:
+        """A gate on a new ``redis.asyncio`` client for ``url`` (the forms of
+        :meth:`Gate.from_url <celery_throttle.Gate.from_url>`)."""
+        return cls(connect_async(url, master_name=master_name), **options)
 
     async def preload(self) -> None:
         """Load the script now, so the first decision is a plain EVALSHA."""
@@ -85,11 +89,12 @@ class AsyncGate(GateCalls):
     async def _send_packed(self, plain: Plain) -> Any:
         """:meth:`Gate._send_packed` on ``redis.asyncio``, on a connection the gate keeps
         between calls; None: take the full path (NOSCRIPT, or a connection error)."""
-        pool = self.client.connection_pool
+        # Only a plain redis.asyncio.Redis takes this path (self._lean).
+        pool: Any = cast(aioredis.Redis, self.client).connection_pool
         try:
             conn: Any = self._idle.pop()
         except IndexError:
-            conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+            conn = await pool.get_connection()
         healthy = False
         try:
             packed = self._pack(conn, plain, self._script.sha)

@@ -16,6 +16,7 @@ from typing import Any
 
 from celery import Celery
 
+from .connect import check_url, connect, kind_of
 from .errors import ThrottleConfigError
 from .gate import Limit
 from .keys import validate_prefix
@@ -23,13 +24,22 @@ from .rates import parse_rate
 
 __all__ = ["SETTINGS", "Config", "QueueLimit", "read_config"]
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _POLICIES = ("defer", "allow", "fail")
 
 #: Every setting: (default, meaning); docs/guide/settings.md tables the same (test_docs).
 SETTINGS: dict[str, tuple[object, str]] = {
     "throttle_redis_url": (
-        None, "Redis for the buckets; default: broker_url when it is a Redis URL"),
+        None, "Redis for the buckets (redis://, rediss://, unix://, sentinel://, "
+        "redis+cluster://); default: broker_url when it is one of those"),
+    "throttle_sentinel_master": (
+        None, "the master's name for a sentinel:// store; default: "
+        "broker_transport_options['master_name']"),
+    "throttle_sentinel_kwargs": (
+        None, "options of the connections to the sentinels themselves (e.g. their "
+        "password); default: broker_transport_options['sentinel_kwargs']"),
+    "throttle_park_replicas": (
+        None, "a parked task is acknowledged once this many replicas have it (WAIT, up to "
+        "0.5 s); default: 1 with a sentinel:// store, else 0"),
     "throttle_prefix": ("throttle", "key prefix and Redis Cluster hash tag of every bucket"),
     "throttle_queues": ({}, "{queue: rate} or {queue: {'rate': r, 'burst': b}}: a limit on "
                         "every task consumed from that queue"),
@@ -76,6 +86,9 @@ class Config:
     """The settings of one app, validated (defaults live in :data:`SETTINGS` only)."""
 
     redis_url: str = field(repr=False)  # may carry a password
+    sentinel_master: str | None
+    sentinel_kwargs: Mapping[str, Any] | None = field(repr=False)  # may carry a password
+    park_replicas: int
     prefix: str
     queues: tuple[QueueLimit, ...]
     on_error: str
@@ -92,6 +105,11 @@ class Config:
     # Not a throttle_* setting: the broker's, read for max_countdown and for
     # how long a duplicate copy of an acks_late message can still turn up.
     visibility_timeout: float
+
+    def connect(self, **options: Any) -> Any:
+        """A new client of the store (one server, Sentinel's master, or a Cluster)."""
+        return connect(self.redis_url, master_name=self.sentinel_master,
+                       sentinel_kwargs=self.sentinel_kwargs, **options)
 
     def queue_limit(self, queue: str | None) -> Limit | None:
         """The limit of ``queue``, if it has one."""
@@ -164,11 +182,26 @@ def read_config(app: Celery) -> Config:
         return conf.get(name, SETTINGS[name][0])
 
     url = get("throttle_redis_url") or conf.broker_url or ""
-    if not isinstance(url, str) or not url.startswith(_REDIS_SCHEMES):
-        scheme = url.split("://", 1)[0] if isinstance(url, str) else type(url).__name__
+    transport = conf.broker_transport_options or {}
+    master = get("throttle_sentinel_master") or transport.get("master_name")
+    sentinel_kwargs = get("throttle_sentinel_kwargs") or transport.get("sentinel_kwargs")
+    if sentinel_kwargs is not None and not isinstance(sentinel_kwargs, Mapping):
         raise ThrottleConfigError(
-            "setting throttle_redis_url: a redis://, rediss:// or unix:// URL is needed "
-            f"(the broker URL's scheme is {scheme!r})")
+            f"setting throttle_sentinel_kwargs: expected a dict (got {type(sentinel_kwargs)})")
+    try:
+        check_url(url, master)
+    except ValueError as exc:
+        raise ThrottleConfigError(f"setting throttle_redis_url: {exc}") from None
+    replicas = get("throttle_park_replicas")
+    if replicas is None:
+        replicas = 1 if kind_of(url) == "sentinel" else 0
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise ThrottleConfigError(
+            f"setting throttle_park_replicas={replicas!r}: expected an integer >= 0")
+    if replicas and kind_of(url) == "cluster":
+        raise ThrottleConfigError(
+            f"setting throttle_park_replicas={replicas!r}: not available with a "
+            "redis+cluster:// store (WAIT goes through a pipeline there); use 0")
     on_error = get("throttle_on_error")
     if on_error not in _POLICIES:
         raise ThrottleConfigError(
@@ -183,6 +216,9 @@ def read_config(app: Celery) -> Config:
     waiting_room = _flag("throttle_waiting_room", get("throttle_waiting_room"))
     return Config(
         redis_url=url,
+        sentinel_master=master,
+        sentinel_kwargs=sentinel_kwargs,
+        park_replicas=replicas,
         prefix=prefix,
         queues=_queue_limits(get("throttle_queues")),
         on_error=on_error,

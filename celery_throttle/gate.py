@@ -15,11 +15,13 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import redis
+from redis.cluster import RedisCluster
 
 from . import waiting
+from .connect import connect
 from .keys import (
     bucket_key,
     epoch_key,
@@ -254,7 +256,7 @@ class Gate(GateCalls):
     same on ``redis.asyncio``.
     """
 
-    def __init__(self, client: redis.Redis, *, prefix: str = "throttle",
+    def __init__(self, client: redis.Redis | RedisCluster, *, prefix: str = "throttle",
                  clock: Clock = "server") -> None:
         super().__init__(prefix, clock)
         self.client = client
@@ -270,9 +272,10 @@ class Gate(GateCalls):
         self._idle_pid = os.getpid()
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> Gate:
-        """A gate on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``)."""
-        return cls(redis.Redis.from_url(url), **options)
+    def from_url(cls, url: str, *, master_name: str | None = None, **options: Any) -> Gate:
+        """A gate on a new client for ``url``: ``redis://``, ``rediss://``, ``unix://``,
+        ``sentinel://`` (with ``master_name``) or ``redis+cluster://`` (see ``connect``)."""
+        return cls(connect(url, master_name=master_name), **options)
 
     def preload(self) -> None:
         """Load the script now, so the first decision is a plain EVALSHA."""
@@ -345,7 +348,11 @@ class Gate(GateCalls):
             else:
                 if not healthy:  # a reply may still be on its way: never hand this socket on
                     conn.disconnect()
-                self.client.connection_pool.release(conn)
+                self._pool().release(conn)
+
+    def _pool(self) -> Any:
+        # Only the lean path asks, and it is only taken by a plain redis.Redis.
+        return cast(redis.Redis, self.client).connection_pool
 
     def _connection(self) -> Any:
         if self._idle_pid != os.getpid():  # forked: the parent's sockets are not ours
@@ -353,7 +360,7 @@ class Gate(GateCalls):
         try:
             return self._idle.pop()
         except IndexError:
-            return self.client.connection_pool.get_connection()
+            return self._pool().get_connection()
 
     def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
              holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:

@@ -57,11 +57,8 @@ def write_note(task: Task[Any, Any], runtime: Runtime, note: str, wait: float) -
 
 def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
     """What the last deferral of ``task_id`` recorded, with times relative to now (or None)."""
-    pipe = runtime.gate.client.pipeline(transaction=False)
-    pipe.get(_wait_key(runtime, task_id))
-    pipe.time()
-    raw, (sec, usec) = pipe.execute()
-    if raw is None:
+    sec, usec, raw = runtime.room.look(keys=[_wait_key(runtime, task_id)], args=["note"])
+    if not raw:
         return None
     note = json.loads(raw)
     now = int(sec) * 1_000_000 + int(usec)

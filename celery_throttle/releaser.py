@@ -90,8 +90,8 @@ class Releaser:
         self.timeout_us = math.ceil(config.release_timeout * 1_000_000)
         # A client of its own: its blocking pop must not hold the tasks'
         # connection, and its read timeout must outlast the pop.
-        self.client = redis.Redis.from_url(config.redis_url, socket_timeout=IDLE + 5,
-                                           socket_connect_timeout=2, health_check_interval=30)
+        self.client = config.connect(socket_timeout=IDLE + 5, socket_connect_timeout=2,
+                                     health_check_interval=30)
         self.room = WaitingRoom(self.client, config.prefix)
         self.released = 0
         self._stop = threading.Event()

@@ -14,7 +14,6 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-import redis
 from celery import Celery
 
 from .config import Config, read_config
@@ -74,12 +73,11 @@ def runtime_for(app: Celery) -> Runtime:
             config = read_config(app)
             # Short timeouts: a dead store must turn into the on_error policy
             # quickly, not hold a worker process for the OS TCP timeout.
-            client = redis.Redis.from_url(
-                config.redis_url, socket_timeout=5, socket_connect_timeout=2,
-                health_check_interval=30,
-            )
+            client = config.connect(socket_timeout=5, socket_connect_timeout=2,
+                                    health_check_interval=30)
             rt = Runtime(config, Gate(client, prefix=config.prefix),
-                         WaitingRoom(client, config.prefix), os.getpid())
+                         WaitingRoom(client, config.prefix, replicas=config.park_replicas),
+                         os.getpid())
             _cache[app] = rt
         return rt
 

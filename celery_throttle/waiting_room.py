@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 
 import redis
+from redis.cluster import RedisCluster
 
 from .keys import epoch_key, room_key, task_key
 
@@ -41,6 +43,11 @@ def _script(name: str) -> str:
 
 
 _PARK, _RELEASE, _ARRIVE = _script("park.lua"), _script("release.lua"), _script("arrive.lua")
+_LOOK = _script("look.lua")
+
+#: How long a park waits for its replicas (``throttle_park_replicas``).
+REPLICA_WAIT_MS = 500
+logger = logging.getLogger("celery_throttle")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +82,11 @@ class RoomState:
 class WaitingRoom:
     """The waiting room of one key prefix, on one Redis client."""
 
-    def __init__(self, client: redis.Redis, prefix: str) -> None:
+    def __init__(self, client: redis.Redis | RedisCluster, prefix: str, *,
+                 replicas: int = 0) -> None:
         self.client = client
         self.prefix = prefix
+        self.replicas = replicas  # a park returns once this many replicas have it
         self.parked, self.messages = room_key(prefix, "parked"), room_key(prefix, "messages")
         self.claimed, self.wake = room_key(prefix, "claimed"), room_key(prefix, "wake")
         self.trip = room_key(prefix, "trip")
@@ -86,6 +95,7 @@ class WaitingRoom:
         self._park = client.register_script(_PARK)
         self._release = client.register_script(_RELEASE)
         self._arrive = client.register_script(_ARRIVE)
+        self.look = client.register_script(_LOOK)  # reads on the server clock (notes.py too)
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
              delay_us: int = 0, note: str = "", note_ttl_ms: int = 60_000,
@@ -99,12 +109,26 @@ class WaitingRoom:
         lease holder); ``was``: the entry it had there before, whose turn it
         keeps.  Returns the release time (server clock, microseconds).
         """
-        at, _now = self._park(
-            keys=[self.parked, self.messages, self.wake, task_key(self.prefix, "wait", task_id),
-                  waiters or self.wake],
-            args=[entry, message, at_us, delay_us, note, note_ttl_ms,
-                  f"{entry} {task_id}" if waiters else "",
-                  f"{was} {task_id}" if waiters and was else ""])
+        keys = [self.parked, self.messages, self.wake, task_key(self.prefix, "wait", task_id),
+                waiters or self.wake]
+        args: list[str | bytes | int] = [entry, message, at_us, delay_us, note, note_ttl_ms,
+                f"{entry} {task_id}" if waiters else "",
+                f"{was} {task_id}" if waiters and was else ""]
+        if not self.replicas:
+            at, _now = self._park(keys=keys, args=args)
+            return int(at)
+        # The caller acknowledges the task's broker message after this: a
+        # failover to a replica that never got the park would lose the task.
+        # WAIT counts the replicas that have this connection's writes, so it
+        # goes on the script's connection (one pipeline, not a transaction).
+        pipe = self.client.pipeline(transaction=False)
+        self._park(keys=keys, args=args, client=pipe)
+        pipe.execute_command("WAIT", self.replicas, REPLICA_WAIT_MS)
+        (at, _now), acked = pipe.execute()
+        if int(acked) < self.replicas:
+            logger.warning("celery_throttle: a parked task reached %d of %d replicas within "
+                           "%d ms: a failover now could lose it", int(acked), self.replicas,
+                           REPLICA_WAIT_MS)
         return int(at)
 
     def claim_due(self, batch: int, timeout_us: int) -> tuple[float | None, list[Parked]]:
@@ -140,40 +164,35 @@ class WaitingRoom:
 
     def next_parked(self, count: int) -> list[Waiting]:
         """The ``count`` parked tasks released next, with their messages and notes."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.time()
-        pipe.zrange(self.parked, 0, count - 1, withscores=True)
-        (sec, usec), first = pipe.execute()
-        now = int(sec) * 1_000_000 + int(usec)
-        entries = [e.decode() for e, _ in first]
-        if not entries:
+        reply = self.look(keys=[self.parked, self.messages], args=["peek", count])
+        now = _micros(reply[0], reply[1])
+        items = reply[2:]
+        if not items:
             return []
-        # The client returns bytes (no decode_responses): the casts say so.
-        messages = [_raw(m) for m in self.client.hmget(self.messages, entries)]
+        entries = [items[i].decode() for i in range(0, len(items), 3)]
+        scores = [int(float(items[i + 1])) for i in range(0, len(items), 3)]
+        messages = [_raw(items[i + 2]) for i in range(0, len(items), 3)]
+        # Every note key carries the prefix's hash tag: one MGET, on one node.
         notes = [_raw(n) or None for n in self.client.mget([
             task_key(self.prefix, "wait", _task_id(m)) for m in messages])]
         return [Waiting(e, (score - now) / 1e6, m, n)
-                for e, (_, score), m, n in zip(entries, first, messages, notes, strict=True)]
+                for e, score, m, n in zip(entries, scores, messages, notes, strict=True)]
 
     def purge(self) -> int:
         """Drop every parked and every released-but-not-arrived task; return how many."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hlen(self.messages)
-        pipe.delete(self.parked, self.messages, self.claimed, self.wake)
-        count, _ = pipe.execute()
-        return int(count)
+        return int(self.look(keys=[self.parked, self.messages, self.claimed, self.wake],
+                             args=["purge"]))
 
     def state(self) -> RoomState:
         """Counts and the next release time, read in one round trip."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.zcard(self.parked)
-        pipe.zcard(self.claimed)
-        pipe.zrange(self.parked, 0, 0, withscores=True)
-        pipe.time()
-        parked, claimed, first, (sec, usec) = pipe.execute()
-        now = int(sec) * 1_000_000 + int(usec)
-        nxt = (first[0][1] - now) / 1e6 if first else None
+        sec, usec, parked, claimed, first = self.look(keys=[self.parked, self.claimed],
+                                                      args=["state"])
+        nxt = (int(float(first)) - _micros(sec, usec)) / 1e6 if first else None
         return RoomState(int(parked), int(claimed), nxt)
+
+
+def _micros(sec: bytes | int, usec: bytes | int) -> int:
+    return int(sec) * 1_000_000 + int(usec)
 
 
 def _raw(value: bytes | str | None) -> bytes:

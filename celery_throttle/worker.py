@@ -26,6 +26,7 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
+from redis.cluster import RedisCluster
 
 from . import metrics
 from .config import read_config
@@ -143,7 +144,8 @@ def install(app: Celery) -> Celery:
     return app
 
 
-def store_warnings(client: redis.Redis, *, waiting_room: bool = False) -> list[str]:
+def store_warnings(client: redis.Redis | RedisCluster, *,
+                   waiting_room: bool = False) -> list[str]:
     """What about the store's configuration could break the limits (empty if nothing).
 
     An evicted bucket forgets its recent starts and lets one extra burst

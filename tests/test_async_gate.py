@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import redis
+import redis.asyncio as aioredis
 
 from celery_throttle import AsyncGate, Gate, Limit, parse_rate
 from celery_throttle.gate import IDLE_CONNECTIONS
@@ -20,7 +22,7 @@ def test_hundred_concurrent_coroutines_pass_exactly_the_burst(redis_url: str,
         try:
             decisions = await asyncio.gather(
                 *(gate.acquire("api", "5/s", burst=5) for _ in range(100)))
-            kept = len(gate.client.connection_pool._in_use_connections)
+            kept = len(cast(aioredis.Redis, gate.client).connection_pool._in_use_connections)
             return [d.allowed for d in decisions], kept
         finally:
             await gate.aclose()

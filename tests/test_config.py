@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+from unittest import mock
+
 import pytest
+import redis
 from celery import Celery
+from redis.exceptions import RedisClusterException
 
 import celery_throttle
 from celery_throttle import ThrottleConfigError
 from celery_throttle.config import read_config
+from celery_throttle.connect import connect
+from celery_throttle.testing import free_port
 
 
 @pytest.mark.parametrize(
@@ -19,7 +26,14 @@ from celery_throttle.config import read_config
         ("throttle_on_error", "ignore", "throttle_on_error='ignore'"),
         ("throttle_max_wait", "10", "throttle_max_wait='10'"),
         ("throttle_prefix", "{x}", "throttle_prefix"),
-        ("throttle_redis_url", "amqp://guest@localhost//", "redis://, rediss:// or unix://"),
+        ("throttle_redis_url", "amqp://guest@localhost//",
+         r"redis://, rediss://, unix://, sentinel:// or redis\+cluster:// URL is needed "
+         r"\(the scheme is 'amqp'\)"),
+        ("throttle_redis_url", "sentinel://127.0.0.1:26379", "needs the master's name"),
+        ("throttle_redis_url", "redis+cluster://127.0.0.1:7000/3", "only database 0"),
+        ("throttle_redis_url", "redis+cluster:///", "names host:port"),
+        ("throttle_park_replicas", -1, "throttle_park_replicas=-1"),
+        ("throttle_sentinel_kwargs", "x", "expected a dict"),
         ("throttle_queus", {}, "unknown setting 'throttle_queus'; did you mean 'throttle_queues'"),
     ],
 )
@@ -41,3 +55,47 @@ def test_config_defaults(app: Celery) -> None:
     assert config.on_error == "defer"
     assert config.max_countdown == 300.0
     assert "redis://" not in repr(config)  # the URL (and any password) stays out of reprs
+    assert config.park_replicas == 0  # one server: nothing to wait for
+
+
+def test_sentinel_broker_is_the_default_store_with_its_master_name(app: Celery) -> None:
+    """A sentinel:// broker is the store, with the broker's master_name and sentinel_kwargs."""
+    app.conf["broker_url"] = "sentinel://:pw@127.0.0.1:26379/2;sentinel://127.0.0.1:26380"
+    app.conf.broker_transport_options = {"master_name": "mymaster",
+                                         "sentinel_kwargs": {"password": "spw"}}
+    config = read_config(app)
+    assert (config.redis_url, config.sentinel_master) == (app.conf.broker_url, "mymaster")
+    assert config.park_replicas == 1  # a parked task waits until a replica has it
+    assert "pw" not in repr(config)
+    client = config.connect()
+    try:
+        pool = client.connection_pool
+        assert (pool.service_name, pool.connection_kwargs["password"],
+                pool.connection_kwargs["db"]) == ("mymaster", "pw", 2)
+        sentinels = pool.sentinel_manager.sentinels
+        assert [s.connection_pool.connection_kwargs["port"] for s in sentinels] == [26379, 26380]
+        assert sentinels[0].connection_pool.connection_kwargs["password"] == "spw"
+    finally:
+        client.close()
+    app.conf.throttle_sentinel_master = "other"  # the setting beats the broker's option
+    assert read_config(app).sentinel_master == "other"
+
+
+def test_cluster_url_makes_a_cluster_client_of_every_start_node() -> None:
+    """redis+cluster:// with ';'-joined start nodes, credentials from the first part."""
+    port = free_port()  # nothing listens there: the client is made at its first use
+    client = connect(f"rediss+cluster://u:p%40ss@127.0.0.1:{port};"
+                     "redis+cluster://127.0.0.1:7001", socket_timeout=1)
+    made = []
+
+    def record(**kwargs: Any) -> Any:
+        made.append(kwargs)
+        raise RedisClusterException("Redis Cluster cannot be connected")
+
+    with mock.patch("celery_throttle.connect.RedisCluster", record), \
+            pytest.raises(redis.ConnectionError, match="cannot be connected"):
+        client.ping()  # an unreachable cluster is a RedisError: on_error's policy applies
+    (kwargs,) = made
+    assert [(n.host, n.port) for n in kwargs.pop("startup_nodes")] == [
+        ("127.0.0.1", port), ("127.0.0.1", 7001)]
+    assert kwargs == {"ssl": True, "password": "p@ss", "username": "u", "socket_timeout": 1}

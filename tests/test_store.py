@@ -133,10 +133,11 @@ def test_no_key_scans_and_no_user_input_as_code() -> None:
     for path in sources:
         text = path.read_text()
         assert not re.search(r"\.(keys|scan|scan_iter)\(|\"KEYS\"|'KEYS'", text), path
-        for call in re.findall(r"(?:register_script|eval|evalsha|script_load)\(([^)]*)\)",
-                               text):
+        # (A definition, connect.LazyCluster's register_script, is not a call.)
+        for call in re.findall(
+                r"(?<!def )(?:register_script|eval|evalsha|script_load)\(([^)]*)\)", text):
             assert call.strip().split(",")[0].strip() in {
-                "SCRIPT", "_COPIES", "_PARK", "_RELEASE", "_ARRIVE"}, (path, call)
+                "SCRIPT", "_COPIES", "_PARK", "_RELEASE", "_ARRIVE", "_LOOK"}, (path, call)
     for path in lua:
         body = re.sub(r"--[^\n]*", "", path.read_text())  # comments may name KEYS
         assert not re.search(r"redis\.call\(\s*'(KEYS|SCAN)'", body, re.I), path

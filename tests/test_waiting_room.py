@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import redis
+from redis.cluster import RedisCluster
 
 from celery_throttle.keys import epoch_key
 from celery_throttle.waiting_room import Parked, WaitingRoom
@@ -13,7 +14,7 @@ from celery_throttle.waiting_room import Parked, WaitingRoom
 LATER_US = 3_600 * 1_000_000
 
 
-def _now_us(client: redis.Redis) -> int:
+def _now_us(client: redis.Redis | RedisCluster) -> int:
     sec, usec = client.time()
     return int(sec) * 1_000_000 + int(usec)
 

@@ -1,0 +1,211 @@
+"""From a store URL to a Redis client: one server, Sentinel, or Cluster.
+
+The URL forms, and what each makes (sync, or ``redis.asyncio`` with
+:func:`connect_async`):
+
+* ``redis://``, ``rediss://``, ``unix://``: one server, ``Redis.from_url``.
+* ``sentinel://host:26379;sentinel://host2:26379``: the form Celery's own
+  broker URL takes (kombu's).  The client follows the master that the
+  sentinels name ``master_name`` (``throttle_sentinel_master``, by default the
+  broker's ``broker_transport_options["master_name"]``), through redis-py's
+  ``Sentinel``, so a failover needs no restart.  A password, user name and
+  database in the first URL are the master's (as kombu reads them); the
+  sentinels' own are ``sentinel_kwargs``.
+* ``redis+cluster://host:7000`` (``rediss+cluster://`` with TLS; several
+  start nodes joined by ``;``): a Redis Cluster through redis-py's
+  ``RedisCluster``, which follows ``MOVED`` and ``ASK`` after a resharding.
+  Every key of one prefix carries the prefix as its hash tag (``keys.py``),
+  so one decision's keys are in one slot: one shard carries a prefix.
+
+Everything here is a lower layer than the gates: it knows URLs and redis-py,
+nothing of limits.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+from urllib.parse import unquote, urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis._parsers.encoders import Encoder
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.cluster import ClusterNode, RedisCluster
+from redis.commands.core import Script
+from redis.exceptions import RedisClusterException
+from redis.sentinel import Sentinel
+
+__all__ = ["SCHEMES", "LazyCluster", "check_url", "connect", "connect_async", "kind_of"]
+
+#: The accepted schemes, by the kind of store each reaches.
+SCHEMES: dict[str, str] = {
+    "redis": "server", "rediss": "server", "unix": "server",
+    "sentinel": "sentinel",
+    "redis+cluster": "cluster", "rediss+cluster": "cluster",
+}
+
+#: Seconds a sentinel query may take: a dead sentinel is skipped, not waited for.
+SENTINEL_TIMEOUT = 0.5
+
+
+def kind_of(url: object) -> str:
+    """``"server"``, ``"sentinel"`` or ``"cluster"``; ``ValueError`` naming the scheme."""
+    scheme = url.split("://", 1)[0] if isinstance(url, str) and "://" in url else None
+    if scheme not in SCHEMES:
+        shown = scheme if scheme is not None else (
+            url if not isinstance(url, str) else "no scheme")
+        raise ValueError(
+            f"a redis://, rediss://, unix://, sentinel:// or redis+cluster:// URL is needed "
+            f"(the scheme is {shown!r})")
+    return SCHEMES[scheme]
+
+
+def check_url(url: object, master_name: object = None) -> str:
+    """Return ``url`` if a client can be made of it (with ``master_name`` for Sentinel)."""
+    kind = kind_of(url)
+    assert isinstance(url, str)
+    for part in _parts(url):
+        if kind != "server" and not part.hostname:
+            raise ValueError(f"a {kind} URL names host:port in each ';'-separated part")
+        if kind == "cluster" and part.path.strip("/") not in ("", "0"):
+            raise ValueError("a Redis Cluster has only database 0 (the URL names "
+                             f"{part.path.strip('/')!r})")
+    if kind == "sentinel" and (not isinstance(master_name, str) or not master_name):
+        raise ValueError(f"a sentinel:// URL needs the master's name (got {master_name!r}): "
+                         "set throttle_sentinel_master, or broker_transport_options"
+                         "['master_name'] when the store is the broker")
+    return url
+
+
+def connect(url: str, *, master_name: str | None = None,
+            sentinel_kwargs: Mapping[str, Any] | None = None,
+            **options: Any) -> redis.Redis | RedisCluster:
+    """A client for ``url``; ``options`` (timeouts, ...) go to every connection it makes."""
+    kind = kind_of(check_url(url, master_name))
+    if kind == "server":
+        return redis.Redis.from_url(url, **options)
+    first, nodes, auth = _split(url)
+    if kind == "cluster":
+        cluster_opts = {k: v for k, v in options.items() if k != "health_check_interval"}
+        node: Any = ClusterNode  # untyped in redis-py
+
+        def make() -> RedisCluster:
+            return RedisCluster(startup_nodes=[node(h, p) for h, p in nodes],
+                                ssl=first.scheme.startswith("rediss"), **auth, **cluster_opts)
+
+        # It quacks as a RedisCluster (every attribute is the real client's).
+        return cast(RedisCluster, LazyCluster(make))
+    # redis-py's sync Sentinel has no annotations.
+    sentinel: Any = cast(Any, Sentinel)(nodes, sentinel_kwargs=_sentinel_kwargs(sentinel_kwargs),
+                                        **options)
+    return cast(redis.Redis, sentinel.master_for(master_name, **auth, **_db(first)))
+
+
+def connect_async(url: str, *, master_name: str | None = None,
+                  sentinel_kwargs: Mapping[str, Any] | None = None,
+                  **options: Any) -> aioredis.Redis | AsyncRedisCluster:
+    """:func:`connect` on ``redis.asyncio``."""
+    kind = kind_of(check_url(url, master_name))
+    if kind == "server":
+        return aioredis.Redis.from_url(url, **options)
+    first, nodes, auth = _split(url)
+    if kind == "cluster":
+        cluster_opts = {k: v for k, v in options.items() if k != "health_check_interval"}
+        return AsyncRedisCluster(startup_nodes=[AsyncClusterNode(h, p) for h, p in nodes],
+                                 ssl=first.scheme.startswith("rediss"), **auth, **cluster_opts)
+    asentinel: Any = cast(Any, AsyncSentinel)(
+        nodes, sentinel_kwargs=_sentinel_kwargs(sentinel_kwargs), **options)
+    return cast(aioredis.Redis, asentinel.master_for(str(master_name), **auth, **_db(first)))
+
+
+class LazyCluster:
+    """A sync ``RedisCluster``, made at its first use, whose failures are ``RedisError``.
+
+    redis-py's sync ``RedisCluster`` connects in its constructor and reports
+    an unreachable cluster as ``RedisClusterException``, which is not a
+    ``RedisError``.  A worker that starts while the cluster is down, or loses
+    it, must meet the ``throttle_on_error`` policy (which catches
+    ``RedisError``), not a crash: so the client is made on first use and that
+    exception arrives as ``redis.ConnectionError``.  Scripts are registered
+    without connecting (``Script`` only needs an encoder).
+    """
+
+    def __init__(self, factory: Callable[[], RedisCluster]) -> None:
+        self._factory = factory
+        self._client: RedisCluster | None = None
+        self._lock = threading.Lock()
+
+    def _real(self) -> RedisCluster:
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = self._factory()
+                except RedisClusterException as exc:
+                    raise redis.ConnectionError(str(exc)) from exc
+            return self._client
+
+    def register_script(self, script: str) -> Script:
+        """A script of this client (no I/O: the first call loads it)."""
+        return Script(cast(RedisCluster, self), script)
+
+    def get_encoder(self) -> Encoder:
+        """How scripts are encoded: the defaults (no ``decode_responses``)."""
+        encoder: Any = Encoder  # untyped in redis-py
+        return cast(Encoder, encoder("utf-8", "strict", False))
+
+    def close(self) -> None:
+        """Close the real client, if it was ever made."""
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real(), name)
+        if not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except RedisClusterException as exc:
+                raise redis.ConnectionError(str(exc)) from exc
+
+        return call
+
+
+def _parts(url: str) -> list[Any]:
+    return [urlsplit(p.strip()) for p in url.split(";") if p.strip()]
+
+
+def _split(url: str) -> tuple[Any, list[tuple[str, int]], dict[str, Any]]:
+    """The first part, every (host, port), and the credentials of the first part."""
+    parts = _parts(url)
+    default = 26379 if parts[0].scheme == "sentinel" else 6379
+    nodes = [(str(p.hostname), p.port or default) for p in parts]
+    first = parts[0]
+    auth: dict[str, Any] = {}
+    if first.password:
+        auth["password"] = unquote(first.password)
+    if first.username:
+        auth["username"] = unquote(first.username)
+    return first, nodes, auth
+
+
+def _db(part: Any) -> dict[str, Any]:
+    db = part.path.strip("/")
+    return {"db": int(db)} if db.isdigit() else {}
+
+
+def _sentinel_kwargs(given: Mapping[str, Any] | None) -> dict[str, Any]:
+    # A sentinel that does not answer must not hold a decision for the
+    # master's read timeout: it is skipped after SENTINEL_TIMEOUT.
+    out: dict[str, Any] = {"socket_timeout": SENTINEL_TIMEOUT,
+                           "socket_connect_timeout": SENTINEL_TIMEOUT}
+    out.update(given or {})
+    return out

@@ -1,0 +1,43 @@
+--[[
+Reads of the waiting room and of a task's wait note, each with the clock of
+the server that holds the keys, in one call.
+
+Why a script and not a pipeline with TIME: on a Redis Cluster the keys of a
+prefix live on one node (their hash tag), and TIME sent beside them would go
+to any node (redis-py refuses a pipelined TIME there); a script runs where
+its keys are.  The purge is here too, for the same reason (no MULTI needed).
+
+ARGV[1]  the operation:
+  "state"  KEYS[1] parked (zset), KEYS[2] claimed (zset)
+           -> {sec, usec, parked count, claimed count, first score or ""}
+  "peek"   KEYS[1] parked, KEYS[2] messages (hash); ARGV[2] count
+           -> {sec, usec, entry, score, message, entry, score, message, ...}
+  "purge"  KEYS[1] parked, KEYS[2] messages, KEYS[3] claimed, KEYS[4] wake
+           -> how many messages were dropped
+  "note"   KEYS[1] a wait note -> {sec, usec, note or ""}
+Scores are microseconds on the server clock, returned as strings.
+]]
+local op = ARGV[1]
+local t = redis.call('TIME')
+
+if op == 'state' then
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return {t[1], t[2], redis.call('ZCARD', KEYS[1]), redis.call('ZCARD', KEYS[2]),
+          first[2] or ''}
+elseif op == 'peek' then
+  local out = {t[1], t[2]}
+  local first = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1, 'WITHSCORES')
+  for i = 1, #first, 2 do
+    out[#out + 1] = first[i]
+    out[#out + 1] = first[i + 1]
+    out[#out + 1] = redis.call('HGET', KEYS[2], first[i]) or ''
+  end
+  return out
+elseif op == 'purge' then
+  local count = redis.call('HLEN', KEYS[2])
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+  return count
+elseif op == 'note' then
+  return {t[1], t[2], redis.call('GET', KEYS[1]) or ''}
+end
+return redis.error_reply('look.lua: unknown operation ' .. tostring(op))

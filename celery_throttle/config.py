@@ -171,12 +171,23 @@ def _default_max_countdown(visibility: float) -> float:
 def read_config(app: Celery) -> Config:
     """Read and validate ``app``'s ``throttle_*`` settings (raises :class:`ThrottleConfigError`)."""
     conf = app.conf
-    unknown = sorted(k for k in conf if str(k).startswith("throttle_") and k not in SETTINGS)
+    # With config_from_object(..., namespace="CELERY") (Django's way) the keys
+    # stay as written, CELERY_THROTTLE_QUEUES; Celery finds them by name.
+    namespace = getattr(app, "namespace", None)  # (not in celery-types' stubs)
+    spaced = f"{str(namespace).upper()}_" if namespace else None
+    unknown = []
+    for key in map(str, conf):
+        plain = key[len(spaced):].lower() if spaced and key.upper().startswith(spaced) else key
+        if plain.startswith("throttle_") and plain not in SETTINGS:
+            unknown.append((key, plain))
     if unknown:
-        hint = difflib.get_close_matches(unknown[0], SETTINGS, n=1)
+        key, plain = sorted(unknown)[0]
+        hint = difflib.get_close_matches(plain, SETTINGS, n=1)
+        shown = [f"{spaced}{name.upper()}" if key != plain else name
+                 for name in (hint or list(SETTINGS))]
         raise ThrottleConfigError(
-            f"unknown setting {unknown[0]!r}"
-            + (f"; did you mean {hint[0]!r}?" if hint else f"; known: {', '.join(SETTINGS)}"))
+            f"unknown setting {key!r}"
+            + (f"; did you mean {shown[0]!r}?" if hint else f"; known: {', '.join(shown)}"))
 
     def get(name: str) -> Any:
         return conf.get(name, SETTINGS[name][0])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.resources
+import inspect
 import math
 import os
 import time
@@ -245,6 +246,13 @@ class GateCalls:
         return int(now * US_PER_SECOND)
 
 
+def checkout_args(get_connection: Callable[..., Any]) -> tuple[str, ...]:
+    """What a pool's ``get_connection`` needs: redis-py < 5.1 requires a command name
+    (unused by a plain pool), newer ones deprecate passing one."""
+    param = inspect.signature(get_connection).parameters.get("command_name")
+    return ("EVALSHA",) if param is not None and param.default is param.empty else ()
+
+
 class Gate(GateCalls):
     """Atomic multi-limit GCRA decisions on one Redis client.
 
@@ -270,6 +278,7 @@ class Gate(GateCalls):
                       and getattr(client, "connection", None) is None)
         self._idle: list[Any] = []  # connections of packed decisions, between calls
         self._idle_pid = os.getpid()
+        self._checkout = checkout_args(self._pool().get_connection) if self._lean else ()
 
     @classmethod
     def from_url(cls, url: str, *, master_name: str | None = None, **options: Any) -> Gate:
@@ -360,7 +369,7 @@ class Gate(GateCalls):
         try:
             return self._idle.pop()
         except IndexError:
-            return self._pool().get_connection()
+            return self._pool().get_connection(*self._checkout)
 
     def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
              holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:

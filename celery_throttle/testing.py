@@ -63,9 +63,10 @@ def find_redis_server() -> str:
 class RedisServer:
     """A throwaway redis-server process on 127.0.0.1 (no persistence)."""
 
-    def __init__(self, port: int | None = None, *extra: str) -> None:
+    def __init__(self, port: int | None = None, *extra: str, binary: str | None = None) -> None:
         self.port = port or free_port()
         self.extra = extra
+        self.binary = binary  # None: find_redis_server()
         self.dir = tempfile.mkdtemp(prefix="celery-throttle-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -77,7 +78,7 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Start the server and wait (bounded) until it answers PING."""
         args = [
-            find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+            self.binary or find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", self.dir, *self.extra,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -2,12 +2,13 @@
 
 Every task records its start (time, id, retries, deferrals, pid) in a Redis
 list; tests judge only from those records and from the result backend.
-Configured from the environment: CT_REDIS (server URL; broker on db 10, store
-on db 11, results on db 12, records on db 13: high numbers, since the tests
-flush them), CT_PREFIX (the bucket prefix) and CT_CONF (settings, as JSON);
-a fault is injected at one of celery_throttle.faults' points (CT_FAULT) or as
-a skewed clock (CT_CLOCK_OFFSET).  CT_PROVIDER, CT_LEASE and CT_NO_SETTLE shape
-the provider tasks, CT_NO_INSTALL leaves install() out.
+Configured from the environment: CT_REDIS (server URL; broker on db 10 unless
+CT_BROKER names another, store on db 11, results on db 12, records on db 13:
+high numbers, since the tests flush them), CT_PREFIX (the bucket prefix) and
+CT_CONF (settings, as JSON); a fault is injected at one of
+celery_throttle.faults' points (CT_FAULT) or as a skewed clock
+(CT_CLOCK_OFFSET).  CT_PROVIDER, CT_LEASE and CT_NO_SETTLE shape the provider
+tasks, CT_NO_INSTALL leaves install() out.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from celery_throttle import HEADER, throttled
 
 REDIS = os.environ.get("CT_REDIS", "redis://127.0.0.1:6379")
 RECORDS_KEY = "records"
+# CT_BROKER: another broker (the RabbitMQ tests' amqp:// URL); Redis db 10 by default.
+BROKER = os.environ.get("CT_BROKER") or f"{REDIS}/10"
 
-app = Celery("ct_tests", broker=f"{REDIS}/10", backend=f"{REDIS}/12")
+app = Celery("ct_tests", broker=BROKER, backend=f"{REDIS}/12")
 app.conf.update(
     throttle_redis_url=f"{REDIS}/11",
     throttle_prefix=os.environ.get("CT_PREFIX", "throttle"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import uuid
@@ -109,3 +110,66 @@ def app(redis_url: str) -> Iterator[Celery]:
     a = Celery("unit", broker=f"{redis_url}/14", set_as_current=False)
     yield a
     a.close()
+
+
+#: Set by .ci/run: a server the suite needs (RabbitMQ) must be there; CI never skips.
+REQUIRE_SERVERS = os.environ.get("CELERY_THROTTLE_REQUIRE_SERVERS") == "1"
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_url() -> Iterator[str]:
+    """A real RabbitMQ node for the session, started here (skipped when not installed)."""
+    from .servers import RabbitMQ, find_rabbitmq_server
+
+    if find_rabbitmq_server() is None:
+        reason = ("rabbitmq-server is not installed: `apt-get install rabbitmq-server` "
+                  "(as .ci/run does) runs the RabbitMQ broker tests")
+        if REQUIRE_SERVERS:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    with RabbitMQ() as server:
+        yield server.url
+
+
+#: Queues the test app consumes (and the waiting room's lanes of them).
+_TEST_QUEUES = ("celery", "ext", "bursty", "q1", "q2")
+
+
+@pytest.fixture(params=["redis"])
+def broker(request: pytest.FixtureRequest, capp: ModuleType,
+           monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The broker of this test's workers and producer: ``"redis"`` (db 10) or ``"amqp"`` (a
+    real RabbitMQ; parametrize with ``indirect=True``).  Its queues start empty."""
+    kind = str(request.param)
+    if kind == "redis":
+        yield kind
+        return
+    from kombu import Connection
+
+    from celery_throttle.releaser import lane_of
+
+    url = request.getfixturevalue("rabbitmq_url")
+    with Connection(url) as conn:
+        for name in (*_TEST_QUEUES, *(lane_of(q) for q in _TEST_QUEUES)):
+            channel: Any = conn.channel()
+            with contextlib.suppress(Exception):  # never declared yet: nothing to purge
+                channel.queue_purge(name)
+            with contextlib.suppress(Exception):
+                channel.close()
+    monkeypatch.setenv("CT_BROKER", url)  # the worker processes inherit it
+    app = capp.app
+    saved = app.conf["broker_url"]
+    _switch_producer(app, url)
+    try:
+        yield kind
+    finally:
+        _switch_producer(app, saved)
+
+
+def _switch_producer(app: Any, url: str) -> None:
+    # Celery caches the connection pool and the producer pool per app: both
+    # are looked up again, for the new URL, at the next publish (kombu keeps
+    # one pool per URL, so the old one stays open for the switch back).
+    app._pool = None
+    app.amqp._producer_pool = None
+    app.conf["broker_url"] = url

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -255,3 +257,101 @@ def sentinel_group(down_after_ms: int = 1000) -> Iterator[SentinelGroup]:
     """A started :class:`SentinelGroup`, stopped on exit."""
     with SentinelGroup(down_after_ms) as group:
         yield group
+
+
+def find_rabbitmq_server() -> str | None:
+    """The rabbitmq-server start script run directly (not Debian's wrapper, which switches to
+    the rabbitmq user), or one on PATH; None when RabbitMQ is not installed."""
+    direct = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+    if direct.exists():
+        return str(direct)
+    return shutil.which("rabbitmq-server")
+
+
+class RabbitMQ:
+    """A throwaway RabbitMQ node on 127.0.0.1: its own ports, data dir, cookie and epmd.
+
+    Everything it needs lives in a temp dir (its HOME, so the Erlang cookie
+    too); its Erlang port mapper listens on a port of its own and is stopped
+    with the node.  Start-up takes about 7 s on 2 cores.
+    """
+
+    def __init__(self) -> None:
+        binary = find_rabbitmq_server()
+        if binary is None:
+            raise RuntimeError("rabbitmq-server is not installed")
+        self.binary = binary
+        self.port, self.dist_port, self.epmd_port = free_port(), free_port(), free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="celery-throttle-rabbitmq-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.env = {
+            "HOME": str(self.dir), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "RABBITMQ_NODENAME": f"ct{self.port}@localhost",
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1", "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(self.dir / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.dir / "log"),
+            "RABBITMQ_CONFIG_FILE": str(self.dir / "rabbitmq.conf"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "enabled_plugins"),
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+            "ERL_EPMD_ADDRESS": "127.0.0.1", "ERL_EPMD_PORT": str(self.epmd_port),
+        }
+
+    @property
+    def url(self) -> str:
+        """The broker URL (the default guest user, allowed on loopback)."""
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def start(self, timeout: float = 90.0) -> RabbitMQ:
+        """Start the node; return once a client can open a channel (bounded)."""
+        (self.dir / "enabled_plugins").write_text("[].\n")
+        (self.dir / "rabbitmq.conf").write_text(
+            f"listeners.tcp.1 = 127.0.0.1:{self.port}\n"
+            "disk_free_limit.absolute = 1MB\n")
+        with (self.dir / "console.log").open("wb") as log:  # the node has its own copy
+            self.proc = subprocess.Popen([self.binary], env=self.env, start_new_session=True,
+                                         stdout=log, stderr=subprocess.STDOUT)
+        from kombu import Connection
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("rabbitmq-server exited:\n" + self.console()[-3000:])
+            with contextlib.suppress(Exception), Connection(self.url, connect_timeout=1) as conn:
+                conn.default_channel  # noqa: B018 (opening it is the check)
+                return self
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"rabbitmq-server not ready within {timeout}s")
+
+    def console(self) -> str:
+        """What the node printed."""
+        path = self.dir / "console.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self) -> None:
+        """Stop the node (SIGTERM, then SIGKILL), its port mapper, and remove its files."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        epmd = shutil.which("epmd")
+        if epmd:  # the port mapper daemonises out of the node's process group
+            subprocess.run([epmd, "-kill"], env=self.env, capture_output=True, timeout=10,
+                           check=False)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RabbitMQ:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 from unittest import mock
 
 import pytest
@@ -99,3 +99,36 @@ def test_cluster_url_makes_a_cluster_client_of_every_start_node() -> None:
     assert [(n.host, n.port) for n in kwargs.pop("startup_nodes")] == [
         ("127.0.0.1", port), ("127.0.0.1", 7001)]
     assert kwargs == {"ssl": True, "password": "p@ss", "username": "u", "socket_timeout": 1}
+
+
+class DjangoSettings:
+    """A Django settings module's shape: upper-case names, the CELERY_ namespace."""
+
+    CELERY_BROKER_URL = "redis://127.0.0.1:1/0"
+    CELERY_TASK_ACKS_LATE = True
+    CELERY_THROTTLE_QUEUES: ClassVar = {"llm": {"rate": "60/m", "burst": 5}}
+    CELERY_THROTTLE_PREFIX = "site"
+    CELERY_THROTTLE_MAX_SLEEP = 0.2
+    DEBUG = True  # not Celery's: ignored
+
+
+def test_django_style_namespaced_settings_are_read() -> None:
+    """config_from_object(settings, namespace="CELERY"): CELERY_THROTTLE_* are the settings,
+    and a misspelled one is named as written, with the spelling to use."""
+    app = Celery("proj", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    config = read_config(app)
+    (queue,) = config.queues
+    assert (queue.queue, queue.limit.burst, str(queue.limit.rate)) == ("llm", 5, "60/m")
+    assert (config.prefix, config.max_sleep, config.redis_url) == (
+        "site", 0.2, DjangoSettings.CELERY_BROKER_URL)
+
+    class Misspelled(DjangoSettings):
+        CELERY_THROTTLE_QUEUS: ClassVar = {"llm": "1/s"}
+
+    bad = Celery("proj", set_as_current=False)
+    bad.config_from_object(Misspelled, namespace="CELERY")
+    with pytest.raises(ThrottleConfigError,
+                       match="unknown setting 'CELERY_THROTTLE_QUEUS'; did you mean "
+                             "'CELERY_THROTTLE_QUEUES'"):
+        read_config(bad)

@@ -167,8 +167,9 @@ def _lost_at_the_kill(lost: set[str], text: str, killed: float, *, started: int)
         assert not [line for _, line in lines if "dropped" in line], lines
 
 
+@pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
 def test_node_dies_between_republish_and_ack_acks_late(
-    capp: ModuleType, records: redis.Redis, redis_base: str
+    capp: ModuleType, records: redis.Redis, redis_base: str, broker: str
 ) -> None:
     """acks_late: a node SIGKILLed after re-publishing, before its ack: none lost or doubled.
 

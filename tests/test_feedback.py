@@ -52,8 +52,10 @@ def _prompt(rng: random.Random) -> str:
     return "x" * (4 * rng.randint(20, 40))  # 20 to 40 tokens
 
 
+@pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
 def test_concurrency_rate_and_settled_tokens_make_no_429(
-        redis_base: str, capp: ModuleType, records: redis.Redis, provider: MockProvider
+        redis_base: str, capp: ModuleType, records: redis.Redis, provider: MockProvider,
+        broker: str,
 ) -> None:
     """40 calls with token estimates off by 2x (7 in 8 half the truth, 1 in 8 double).
 
@@ -108,8 +110,10 @@ def _most_tokens_in_window(calls: list[tuple[float, float, int]], window: float)
     return best
 
 
+@pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
 def test_429_with_retry_after_3_stops_every_worker_for_3_s(
-        redis_base: str, capp: ModuleType, records: redis.Redis, provider: MockProvider
+        redis_base: str, capp: ModuleType, records: redis.Redis, provider: MockProvider,
+        broker: str,
 ) -> None:
     """The provider refuses for 3 s: one 429 pauses both nodes; nothing is lost or retried."""
     env = {"CT_PROVIDER": provider.url}

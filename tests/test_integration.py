@@ -18,11 +18,12 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize(
-    ("max_sleep", "min_share", "max_deferrals"),
+    ("max_sleep", "min_share", "max_deferrals", "broker"),
     [
         # The default (0.5 s): the issue's targets (>= 90 % of the rate, <= 1.1
         # deferrals per task); near slots are slept for, then claimed.
-        (None, 0.9, 1.1),
+        (None, 0.9, 1.1, "redis"),
+        (None, 0.9, 1.1, "amqp"),  # the same on a real RabbitMQ
         # Most waits re-published with a countdown (throttle_waiting_room
         # off): a check of the deferral path, not of the targets.  Slots lost
         # while the workers take in the backlog (a claim more than 25 ms late
@@ -31,16 +32,18 @@ pytestmark = pytest.mark.integration
         # 1.00-1.105 over 16 runs); on 2026-12-01, with the same code on this
         # machine (celery 5.7.0, kombu 5.7.0, redis-py 8.1.0), 15.7-16.7/s
         # and 1.17-1.25 over 5 runs, hence the wider margins.
-        ("0.25-countdown", 0.75, 1.35),
+        ("0.25-countdown", 0.75, 1.35, "redis"),
+        ("0.25-countdown", 0.75, 1.35, "amqp"),
         # The same waits parked in the waiting room (the default) and released
         # just in time (measured 18.7 and 19.1/s, 9 and 14 slots lost during
         # intake).
-        ("0.25", 0.9, 1.1),
+        ("0.25", 0.9, 1.1, "redis"),
     ],
+    indirect=["broker"],
 )
 def test_backlog_two_prefork_nodes_keeps_bound_and_rate(
     capp: ModuleType, records: redis.Redis, redis_base: str, max_sleep: str | None,
-    min_share: float, max_deferrals: float,
+    min_share: float, max_deferrals: float, broker: str,
 ) -> None:
     """200 tasks at 20/s on two prefork nodes: bound held, rate kept, each run once, SUCCESS."""
     conf: dict[str, object] = ({"throttle_max_sleep": float(max_sleep.removesuffix("-countdown"))}
@@ -60,8 +63,8 @@ def test_backlog_two_prefork_nodes_keeps_bound_and_rate(
     deferrals = sum(r["deferrals"] for r in rows) / len(rows)
     # Lateness of starts in a booked slot (none when every wait was slept in-process).
     late = sorted(r["t"] - r["slot"] / 1e6 for r in rows if r["slot"]) or [float("nan")]
-    print(f"\nbacklog (max_sleep {max_sleep or 'default'}): throughput {throughput:.2f}/s "
-          f"of 20/s, worst windows {worst}, "
+    print(f"\nbacklog ({broker}, max_sleep {max_sleep or 'default'}): "
+          f"throughput {throughput:.2f}/s of 20/s, worst windows {worst}, "
           f"deferrals/task {deferrals:.2f}, start lateness p50 {late[len(late) // 2]:.4f}s "
           f"max {late[-1]:.4f}s")
     assert throughput >= min_share * 20
@@ -92,8 +95,9 @@ def test_per_key_buckets_are_independent(
     check_window_bound(small, rate=5, burst=1, period=1.0)
 
 
+@pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
 def test_queue_limit_applies_to_undecorated_task(
-    capp: ModuleType, records: redis.Redis, redis_base: str
+    capp: ModuleType, records: redis.Redis, redis_base: str, broker: str
 ) -> None:
     """An undecorated task consumed from the 'ext' queue (10/s) keeps the queue's limit."""
     with cluster(redis_base, ("w1", "w2")):

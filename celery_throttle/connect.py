@@ -40,7 +40,8 @@ from redis.commands.core import Script
 from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel
 
-__all__ = ["SCHEMES", "LazyCluster", "check_url", "connect", "connect_async", "kind_of"]
+__all__ = ["SCHEMES", "AsyncSentinelMaster", "LazyCluster", "SentinelMaster", "check_url",
+           "connect", "connect_async", "kind_of"]
 
 #: The accepted schemes, by the kind of store each reaches.
 SCHEMES: dict[str, str] = {
@@ -103,7 +104,8 @@ def connect(url: str, *, master_name: str | None = None,
     # redis-py's sync Sentinel has no annotations.
     sentinel: Any = cast(Any, Sentinel)(nodes, sentinel_kwargs=_sentinel_kwargs(sentinel_kwargs),
                                         **options)
-    return cast(redis.Redis, sentinel.master_for(master_name, **auth, **_db(first)))
+    return cast(redis.Redis, sentinel.master_for(master_name, redis_class=SentinelMaster,
+                                                 **auth, **_db(first)))
 
 
 def connect_async(url: str, *, master_name: str | None = None,
@@ -120,7 +122,28 @@ def connect_async(url: str, *, master_name: str | None = None,
                                  ssl=first.scheme.startswith("rediss"), **auth, **cluster_opts)
     asentinel: Any = cast(Any, AsyncSentinel)(
         nodes, sentinel_kwargs=_sentinel_kwargs(sentinel_kwargs), **options)
-    return cast(aioredis.Redis, asentinel.master_for(str(master_name), **auth, **_db(first)))
+    return cast(aioredis.Redis, asentinel.master_for(
+        str(master_name), redis_class=AsyncSentinelMaster, **auth, **_db(first)))
+
+
+class SentinelMaster(redis.Redis):
+    """The master's client, which also closes its connections to the sentinels."""
+
+    def close(self) -> None:
+        """Close the master's connections and the sentinels'."""
+        super().close()
+        for sentinel in self.connection_pool.sentinel_manager.sentinels:  # type: ignore[attr-defined]
+            sentinel.close()
+
+
+class AsyncSentinelMaster(aioredis.Redis):
+    """:class:`SentinelMaster` on ``redis.asyncio``."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        """Close the master's connections and the sentinels'."""
+        await super().aclose(close_connection_pool)
+        for sentinel in self.connection_pool.sentinel_manager.sentinels:  # type: ignore[attr-defined]
+            await sentinel.aclose()
 
 
 class LazyCluster:

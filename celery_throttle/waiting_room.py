@@ -28,6 +28,7 @@ import importlib.resources
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import redis
@@ -47,6 +48,8 @@ _LOOK = _script("look.lua")
 
 #: How long a park waits for its replicas (``throttle_park_replicas``).
 REPLICA_WAIT_MS = 500
+#: After a park that reached too few replicas, parks do not wait for this long.
+REPLICA_RETRY_S = 10
 logger = logging.getLogger("celery_throttle")
 
 
@@ -87,6 +90,7 @@ class WaitingRoom:
         self.client = client
         self.prefix = prefix
         self.replicas = replicas  # a park returns once this many replicas have it
+        self._unreplicated_until = 0.0  # monotonic: parks do not wait for replicas until then
         self.parked, self.messages = room_key(prefix, "parked"), room_key(prefix, "messages")
         self.claimed, self.wake = room_key(prefix, "claimed"), room_key(prefix, "wake")
         self.trip = room_key(prefix, "trip")
@@ -114,7 +118,7 @@ class WaitingRoom:
         args: list[str | bytes | int] = [entry, message, at_us, delay_us, note, note_ttl_ms,
                 f"{entry} {task_id}" if waiters else "",
                 f"{was} {task_id}" if waiters and was else ""]
-        if not self.replicas:
+        if not self.replicas or time.monotonic() < self._unreplicated_until:
             at, _now = self._park(keys=keys, args=args)
             return int(at)
         # The caller acknowledges the task's broker message after this: a
@@ -126,9 +130,13 @@ class WaitingRoom:
         pipe.execute_command("WAIT", self.replicas, REPLICA_WAIT_MS)
         (at, _now), acked = pipe.execute()
         if int(acked) < self.replicas:
+            # No replica (after a failover, until one attaches): waiting would
+            # stall every park for nothing, so parks stop waiting for a while.
+            self._unreplicated_until = time.monotonic() + REPLICA_RETRY_S
             logger.warning("celery_throttle: a parked task reached %d of %d replicas within "
-                           "%d ms: a failover now could lose it", int(acked), self.replicas,
-                           REPLICA_WAIT_MS)
+                           "%d ms: a failover now could lose it (parks do not wait for "
+                           "replicas for %d s)", int(acked), self.replicas, REPLICA_WAIT_MS,
+                           REPLICA_RETRY_S)
         return int(at)
 
     def claim_due(self, batch: int, timeout_us: int) -> tuple[float | None, list[Parked]]:

@@ -40,17 +40,27 @@ def until(what: str, check: Callable[[], object], timeout: float, every: float =
     last: object = None
     while time.monotonic() < deadline:
         try:
-            if check():
+            last = check()
+            if last:
                 return
         except (redis.RedisError, OSError) as exc:
             last = exc
         time.sleep(every)
-    raise TimeoutError(f"{what}: not within {timeout}s (last error: {last!r})")
+    raise TimeoutError(f"{what}: not within {timeout}s (last: {last!r})")
 
 
 def _sees_all(sentinel: redis.Redis) -> bool:
     state: Any = sentinel.sentinel_master(MASTER)
     return int(state["num-slaves"]) == 1 and int(state["num-other-sentinels"]) == 2
+
+
+def _seen(sentinel: redis.Redis) -> str:
+    try:
+        state: Any = sentinel.sentinel_master(MASTER)
+    except redis.RedisError as exc:
+        return repr(exc)
+    return (f"{state['num-slaves']} replicas, {state['num-other-sentinels']} other sentinels, "
+            f"flags {state['flags']}")
 
 
 class SentinelGroup:
@@ -94,9 +104,13 @@ class SentinelGroup:
         replica.close()
         for port in self.sentinel_ports:
             sentinel = redis.Redis(port=port, socket_timeout=1)
-            until(f"sentinel {port} sees the replica and the other sentinels",
-                  functools.partial(_sees_all, sentinel), 30)
-            sentinel.close()
+            try:
+                until(f"sentinel {port} sees the replica and the other sentinels",
+                      functools.partial(_sees_all, sentinel), 30)
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc}; it sees {_seen(sentinel)}") from None
+            finally:
+                sentinel.close()
         return self
 
     def master_port(self) -> int:

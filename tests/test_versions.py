@@ -32,11 +32,17 @@ LOWEST_VENV = ROOT / ".venv-lowest"
 #: What the suite part below needs besides the package (no linters, no docs).
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "freezegun>=1.4", "msgpack>=1.0",
               "prometheus-client>=0.17"]
-#: The part of the suite run on other versions: every script, a config, a real worker.
+#: The part of the suite run on other versions: every script, a config, a real worker, the
+#: Sentinel and Cluster clients.
 PART = ["tests/test_gate.py", "tests/test_leases.py", "tests/test_waiting_room.py",
         "tests/test_copies.py", "tests/test_config.py", "tests/test_waiting.py",
         "tests/test_async_gate.py",
-        "tests/test_integration.py::test_queue_limit_applies_to_undecorated_task[redis]"]
+        "tests/test_integration.py::test_queue_limit_applies_to_undecorated_task[redis]",
+        # Sentinel and Cluster clients (they start their own servers).
+        *(f"tests/test_ha_stores.py::{name}" for name in (
+            "test_cluster_gate_room_and_leases_keep_one_slot", "test_async_gate_on_the_cluster",
+            "test_moved_after_resharding_the_prefix_slot_is_survived",
+            "test_a_park_returns_once_a_replica_has_it"))]
 #: The tests of the Lua scripts alone (run on each other Redis server version).
 SCRIPTS = PART[:5]
 CORE = ("celery", "kombu", "redis")
@@ -110,7 +116,7 @@ def _lowest_venv(pins: dict[str, str]) -> str:
 def test_suite_part_passes_on_the_lowest_declared_versions(redis_url: str) -> None:
     """celery, kombu and redis-py at the lowest versions pyproject.toml declares, on the
     lowest Python it admits when the machine has it: the part of the suite that covers every
-    script and a real worker passes."""
+    script, a real worker, and the Sentinel and Cluster clients passes."""
     pins = {name: declared_lowest()[name] for name in CORE}
     python = _lowest_venv(pins)
     shown = subprocess.run(

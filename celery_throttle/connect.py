@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
@@ -87,43 +88,44 @@ def connect(url: str, *, master_name: str | None = None,
             sentinel_kwargs: Mapping[str, Any] | None = None,
             **options: Any) -> redis.Redis | RedisCluster:
     """A client for ``url``; ``options`` (timeouts, ...) go to every connection it makes."""
-    kind = kind_of(check_url(url, master_name))
-    if kind == "server":
-        return redis.Redis.from_url(url, **options)
-    first, nodes, auth = _split(url)
-    if kind == "cluster":
-        cluster_opts = {k: v for k, v in options.items() if k != "health_check_interval"}
-        node: Any = ClusterNode  # untyped in redis-py
-
-        def make() -> RedisCluster:
-            return RedisCluster(startup_nodes=[node(h, p) for h, p in nodes],
-                                ssl=first.scheme.startswith("rediss"), **auth, **cluster_opts)
-
-        # It quacks as a RedisCluster (every attribute is the real client's).
-        return cast(RedisCluster, LazyCluster(make))
-    # redis-py's sync Sentinel has no annotations.
-    sentinel: Any = cast(Any, Sentinel)(nodes, sentinel_kwargs=_sentinel_kwargs(sentinel_kwargs),
-                                        **options)
-    return cast(redis.Redis, sentinel.master_for(master_name, redis_class=SentinelMaster,
-                                                 **auth, **_db(first)))
+    return cast(redis.Redis | RedisCluster,
+                _client(_SYNC, url, master_name, sentinel_kwargs, options))
 
 
 def connect_async(url: str, *, master_name: str | None = None,
                   sentinel_kwargs: Mapping[str, Any] | None = None,
                   **options: Any) -> aioredis.Redis | AsyncRedisCluster:
     """:func:`connect` on ``redis.asyncio``."""
+    return cast(aioredis.Redis | AsyncRedisCluster,
+                _client(_ASYNC, url, master_name, sentinel_kwargs, options))
+
+
+@dataclass(frozen=True, slots=True)
+class _Makers:
+    """How one flavour of redis-py (sync or asyncio) makes each kind of client."""
+
+    server: Callable[..., Any]  # from a URL
+    cluster: Callable[..., Any]  # from startup_nodes=, ssl= and connection options
+    node: Callable[..., Any]  # a cluster start node, from (host, port)
+    sentinel: Callable[..., Any]  # a Sentinel, from [(host, port)] and options
+    master: type  # the class of the master's client
+
+
+def _client(makers: _Makers, url: str, master_name: str | None,
+            sentinel_kwargs: Mapping[str, Any] | None, options: dict[str, Any]) -> Any:
     kind = kind_of(check_url(url, master_name))
     if kind == "server":
-        return aioredis.Redis.from_url(url, **options)
+        return makers.server(url, **options)
     first, nodes, auth = _split(url)
     if kind == "cluster":
+        # (Cluster clients run their own health checks.)
         cluster_opts = {k: v for k, v in options.items() if k != "health_check_interval"}
-        return AsyncRedisCluster(startup_nodes=[AsyncClusterNode(h, p) for h, p in nodes],
-                                 ssl=first.scheme.startswith("rediss"), **auth, **cluster_opts)
-    asentinel: Any = cast(Any, AsyncSentinel)(
-        nodes, sentinel_kwargs=_sentinel_kwargs(sentinel_kwargs), **options)
-    return cast(aioredis.Redis, asentinel.master_for(
-        str(master_name), redis_class=AsyncSentinelMaster, **auth, **_db(first)))
+        return makers.cluster(startup_nodes=[makers.node(h, p) for h, p in nodes],
+                              ssl=first.scheme.startswith("rediss"), **auth, **cluster_opts)
+    sentinel = makers.sentinel(nodes, sentinel_kwargs=_sentinel_kwargs(sentinel_kwargs),
+                               **options)
+    return sentinel.master_for(str(master_name), redis_class=makers.master, **auth,
+                               **_db(first))
 
 
 class SentinelMaster(redis.Redis):
@@ -200,6 +202,14 @@ class LazyCluster:
                 raise redis.ConnectionError(str(exc)) from exc
 
         return call
+
+
+# redis-py's sync Sentinel and ClusterNode have no annotations: Any, through _Makers.
+_SYNC = _Makers(server=redis.Redis.from_url,
+                cluster=lambda **kw: LazyCluster(lambda: RedisCluster(**kw)),
+                node=ClusterNode, sentinel=Sentinel, master=SentinelMaster)
+_ASYNC = _Makers(server=aioredis.Redis.from_url, cluster=AsyncRedisCluster,
+                 node=AsyncClusterNode, sentinel=AsyncSentinel, master=AsyncSentinelMaster)
 
 
 def _parts(url: str) -> list[Any]:

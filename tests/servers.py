@@ -17,9 +17,9 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -49,6 +49,32 @@ def until(what: str, check: Callable[[], object], timeout: float, every: float =
     raise TimeoutError(f"{what}: not within {timeout}s (last: {last!r})")
 
 
+S = TypeVar("S", bound="Servers")
+
+
+class Servers:
+    """Processes started by ``start()`` and stopped by ``stop()``; as a context manager, a
+    start that fails half-way stops what it began."""
+
+    def start(self: S) -> S:
+        """Start the processes (overridden)."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop the processes (overridden)."""
+        raise NotImplementedError
+
+    def __enter__(self: S) -> S:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def _sees_all(sentinel: redis.Redis) -> bool:
     state: Any = sentinel.sentinel_master(MASTER)
     return int(state["num-slaves"]) == 1 and int(state["num-other-sentinels"]) == 2
@@ -63,7 +89,7 @@ def _seen(sentinel: redis.Redis) -> str:
             f"flags {state['flags']}")
 
 
-class SentinelGroup:
+class SentinelGroup(Servers):
     """A master, one replica and three sentinels watching them (quorum 2).
 
     ``down_after_ms``: how long the master must be silent before the
@@ -136,16 +162,6 @@ class SentinelGroup:
         self.master.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> SentinelGroup:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
 
 def _bindable(port: int) -> bool:
     with socket.socket() as sock:
@@ -169,7 +185,7 @@ def cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-class Cluster:
+class Cluster(Servers):
     """A Redis Cluster of three masters (no replicas), slots split evenly."""
 
     SLOTS = 16384
@@ -255,23 +271,6 @@ class Cluster:
         for node in self.nodes:
             node.stop()
 
-    def __enter__(self) -> Cluster:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-@contextlib.contextmanager
-def sentinel_group(down_after_ms: int = 1000) -> Iterator[SentinelGroup]:
-    """A started :class:`SentinelGroup`, stopped on exit."""
-    with SentinelGroup(down_after_ms) as group:
-        yield group
-
 
 def find_rabbitmq_server() -> str | None:
     """The rabbitmq-server start script run directly (not Debian's wrapper, which switches to
@@ -282,7 +281,7 @@ def find_rabbitmq_server() -> str | None:
     return shutil.which("rabbitmq-server")
 
 
-class RabbitMQ:
+class RabbitMQ(Servers):
     """A throwaway RabbitMQ node on 127.0.0.1: its own ports, data dir, cookie and epmd.
 
     Everything it needs lives in a temp dir (its HOME, so the Erlang cookie
@@ -359,13 +358,3 @@ class RabbitMQ:
             subprocess.run([epmd, "-kill"], env=self.env, capture_output=True, timeout=10,
                            check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> RabbitMQ:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

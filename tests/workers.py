@@ -80,6 +80,24 @@ def read_records(client: redis.Redis, *, expect: int, timeout: float) -> list[di
     return sorted(rows, key=lambda r: r["t"])
 
 
+def read_records_until_quiet(client: redis.Redis, *, expect: int, after: float, quiet: float,
+                             timeout: float) -> list[dict[str, Any]]:
+    """Like :func:`read_records`, for runs where some starts never come: also return once
+    it is past ``after`` (wall clock) and no start was recorded for ``quiet`` seconds."""
+    deadline = time.monotonic() + timeout
+    seen, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        count = client.llen("records")
+        if count >= expect:
+            break
+        if count != seen:
+            seen, since = count, time.monotonic()
+        elif time.time() > after and time.monotonic() - since >= quiet:
+            break
+        time.sleep(0.1)
+    return read_records(client, expect=0, timeout=0)
+
+
 def wait_results(results: list[Any], timeout: float) -> list[str]:
     """Poll (bounded) until every AsyncResult is ready; return their states."""
     deadline = time.monotonic() + timeout

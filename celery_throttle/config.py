@@ -14,9 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
 from celery import Celery
+from redis.cluster import RedisCluster
 
-from .connect import check_url, connect, kind_of
+from .connect import check_url, connect
 from .errors import ThrottleConfigError
 from .gate import Limit
 from .keys import validate_prefix
@@ -106,7 +108,7 @@ class Config:
     # how long a duplicate copy of an acks_late message can still turn up.
     visibility_timeout: float
 
-    def connect(self, **options: Any) -> Any:
+    def connect(self, **options: Any) -> redis.Redis | RedisCluster:
         """A new client of the store (one server, Sentinel's master, or a Cluster)."""
         return connect(self.redis_url, master_name=self.sentinel_master,
                        sentinel_kwargs=self.sentinel_kwargs, **options)
@@ -200,16 +202,16 @@ def read_config(app: Celery) -> Config:
         raise ThrottleConfigError(
             f"setting throttle_sentinel_kwargs: expected a dict (got {type(sentinel_kwargs)})")
     try:
-        check_url(url, master)
+        kind = check_url(url, master)
     except ValueError as exc:
         raise ThrottleConfigError(f"setting throttle_redis_url: {exc}") from None
     replicas = get("throttle_park_replicas")
     if replicas is None:
-        replicas = 1 if kind_of(url) == "sentinel" else 0
+        replicas = 1 if kind == "sentinel" else 0
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
         raise ThrottleConfigError(
             f"setting throttle_park_replicas={replicas!r}: expected an integer >= 0")
-    if replicas and kind_of(url) == "cluster":
+    if replicas and kind == "cluster":
         raise ThrottleConfigError(
             f"setting throttle_park_replicas={replicas!r}: not available with a "
             "redis+cluster:// store (WAIT goes through a pipeline there); use 0")

@@ -68,7 +68,8 @@ def kind_of(url: object) -> str:
 
 
 def check_url(url: object, master_name: object = None) -> str:
-    """Return ``url`` if a client can be made of it (with ``master_name`` for Sentinel)."""
+    """The kind of store ``url`` reaches (:func:`kind_of`), if a client can be made of it
+    (with ``master_name`` for Sentinel); else ``ValueError`` saying what is missing."""
     kind = kind_of(url)
     assert isinstance(url, str)
     for part in _parts(url):
@@ -81,7 +82,7 @@ def check_url(url: object, master_name: object = None) -> str:
         raise ValueError(f"a sentinel:// URL needs the master's name (got {master_name!r}): "
                          "set throttle_sentinel_master, or broker_transport_options"
                          "['master_name'] when the store is the broker")
-    return url
+    return kind
 
 
 def connect(url: str, *, master_name: str | None = None,
@@ -113,7 +114,7 @@ class _Makers:
 
 def _client(makers: _Makers, url: str, master_name: str | None,
             sentinel_kwargs: Mapping[str, Any] | None, options: dict[str, Any]) -> Any:
-    kind = kind_of(check_url(url, master_name))
+    kind = check_url(url, master_name)
     if kind == "server":
         return makers.server(url, **options)
     first, nodes, auth = _split(url)
@@ -201,6 +202,8 @@ class LazyCluster:
             except RedisClusterException as exc:
                 raise redis.ConnectionError(str(exc)) from exc
 
+        # Kept, so the next call of the method (every decision) finds it at once.
+        self.__dict__[name] = call
         return call
 
 

@@ -57,11 +57,10 @@ def write_note(task: Task[Any, Any], runtime: Runtime, note: str, wait: float) -
 
 def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
     """What the last deferral of ``task_id`` recorded, with times relative to now (or None)."""
-    sec, usec, raw = runtime.room.look(keys=[_wait_key(runtime, task_id)], args=["note"])
+    now, raw = runtime.room.read_note(_wait_key(runtime, task_id))
     if not raw:
         return None
     note = json.loads(raw)
-    now = int(sec) * 1_000_000 + int(usec)
     note["due_in_s"] = round((note["due"] - now) / 1e6, 3)
     parked = note.get("parked_until") or 0
     note["released_in_s"] = round((parked - now) / 1e6, 3) if parked else None

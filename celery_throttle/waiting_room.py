@@ -99,7 +99,7 @@ class WaitingRoom:
         self._park = client.register_script(_PARK)
         self._release = client.register_script(_RELEASE)
         self._arrive = client.register_script(_ARRIVE)
-        self.look = client.register_script(_LOOK)  # reads on the server clock (notes.py too)
+        self._look = client.register_script(_LOOK)  # reads on the server clock
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
              delay_us: int = 0, note: str = "", note_ttl_ms: int = 60_000,
@@ -172,7 +172,7 @@ class WaitingRoom:
 
     def next_parked(self, count: int) -> list[Waiting]:
         """The ``count`` parked tasks released next, with their messages and notes."""
-        reply = self.look(keys=[self.parked, self.messages], args=["peek", count])
+        reply = self._look(keys=[self.parked, self.messages], args=["peek", count])
         now = _micros(reply[0], reply[1])
         items = reply[2:]
         if not items:
@@ -188,15 +188,22 @@ class WaitingRoom:
 
     def purge(self) -> int:
         """Drop every parked and every released-but-not-arrived task; return how many."""
-        return int(self.look(keys=[self.parked, self.messages, self.claimed, self.wake],
-                             args=["purge"]))
+        return int(self._look(keys=[self.parked, self.messages, self.claimed, self.wake],
+                              args=["purge"]))
 
     def state(self) -> RoomState:
         """Counts and the next release time, read in one round trip."""
-        sec, usec, parked, claimed, first = self.look(keys=[self.parked, self.claimed],
-                                                      args=["state"])
+        sec, usec, parked, claimed, first = self._look(keys=[self.parked, self.claimed],
+                                                       args=["state"])
         nxt = (int(float(first)) - _micros(sec, usec)) / 1e6 if first else None
         return RoomState(int(parked), int(claimed), nxt)
+
+
+    def read_note(self, key: str) -> tuple[int, bytes]:
+        """A task's wait note under ``key`` (b"" if none) and the server's time, in us: one
+        read, on the node that holds the key (``notes.py`` names the key)."""
+        sec, usec, raw = self._look(keys=[key], args=["note"])
+        return _micros(sec, usec), _raw(raw)
 
 
 def _micros(sec: bytes | int, usec: bytes | int) -> int:

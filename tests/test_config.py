@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 from unittest import mock
 
 import pytest
@@ -69,7 +69,7 @@ def test_sentinel_broker_is_the_default_store_with_its_master_name(app: Celery) 
     assert "pw" not in repr(config)
     client = config.connect()
     try:
-        pool = client.connection_pool
+        pool: Any = cast(redis.Redis, client).connection_pool  # a SentinelConnectionPool
         assert (pool.service_name, pool.connection_kwargs["password"],
                 pool.connection_kwargs["db"]) == ("mymaster", "pw", 2)
         sentinels = pool.sentinel_manager.sentinels

@@ -8,7 +8,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from types import ModuleType
-from typing import Any
 
 import pytest
 import redis
@@ -24,6 +23,7 @@ from .workers import (
     read_records,
     read_records_until_quiet,
     short_visibility,
+    until_done_or_quiet,
     wait_results,
 )
 
@@ -134,19 +134,9 @@ def test_long_waits_under_short_visibility_timeout_run_once(
 _KILL_SLACK = 0.25
 
 
-def _wait_results_or_quiet(results: list[Any], records: redis.Redis, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    seen, since = -1, time.monotonic()
-    while time.monotonic() < deadline and not all(r.ready() for r in results):
-        count = records.llen("records")
-        if count != seen:
-            seen, since = count, time.monotonic()
-        raw = records.get("crashed")
-        crashed = float(json.loads(raw)["t"]) if raw else None
-        if (crashed is not None and time.time() > crashed + 10
-                and time.monotonic() - since >= 3):
-            return
-        time.sleep(0.2)
+def _ten_s_after_the_crash(records: redis.Redis) -> float | None:
+    raw = records.get("crashed")
+    return float(json.loads(raw)["t"]) + 10 if raw else None
 
 
 def _crash_time(records: redis.Redis) -> float:
@@ -206,7 +196,8 @@ def test_node_dies_between_republish_and_ack_acks_late(
         # transport: see _lost_at_the_kill), so every result may never come:
         # wait for them, or until the stranded messages are back (8 s
         # visibility, a 1 s sweep) and starts are quiet for 3 s.
-        _wait_results_or_quiet(results, records, timeout=45)
+        until_done_or_quiet(records, lambda: all(r.ready() for r in results),
+                            lambda: _ten_s_after_the_crash(records), quiet=3, timeout=45)
         rows = read_records(records, expect=100, timeout=5)
         time.sleep(2.0)  # let a stranded duplicate, if any, start
         rows = read_records(records, expect=101, timeout=0)

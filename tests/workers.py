@@ -6,7 +6,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,21 +80,29 @@ def read_records(client: redis.Redis, *, expect: int, timeout: float) -> list[di
     return sorted(rows, key=lambda r: r["t"])
 
 
-def read_records_until_quiet(client: redis.Redis, *, expect: int, after: float, quiet: float,
-                             timeout: float) -> list[dict[str, Any]]:
-    """Like :func:`read_records`, for runs where some starts never come: also return once
-    it is past ``after`` (wall clock) and no start was recorded for ``quiet`` seconds."""
+def until_done_or_quiet(client: redis.Redis, done: Callable[[], bool],
+                        after: Callable[[], float | None], *, quiet: float,
+                        timeout: float) -> None:
+    """For runs where some starts never come (a node killed on purpose): wait (bounded)
+    until ``done()``, or until it is past ``after()`` (wall clock; None: not yet known) and
+    no start was recorded for ``quiet`` seconds."""
     deadline = time.monotonic() + timeout
     seen, since = -1, time.monotonic()
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not done():
         count = client.llen("records")
-        if count >= expect:
-            break
         if count != seen:
             seen, since = count, time.monotonic()
-        elif time.time() > after and time.monotonic() - since >= quiet:
-            break
+        start = after()
+        if start is not None and time.time() > start and time.monotonic() - since >= quiet:
+            return
         time.sleep(0.1)
+
+
+def read_records_until_quiet(client: redis.Redis, *, expect: int, after: float, quiet: float,
+                             timeout: float) -> list[dict[str, Any]]:
+    """:func:`read_records` when some starts may never come (:func:`until_done_or_quiet`)."""
+    until_done_or_quiet(client, lambda: client.llen("records") >= expect, lambda: after,
+                        quiet=quiet, timeout=timeout)
     return read_records(client, expect=0, timeout=0)
 
 

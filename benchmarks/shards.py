@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from celery_throttle import Gate, Limit, parse_rate
-from celery_throttle.keys import bucket_key
+from celery_throttle.core.keys import bucket_key
 from tests.servers import Cluster, command
 
 LIMIT = Limit("api", parse_rate("1000000/s"), 1000)  # never denies: the cost is the same

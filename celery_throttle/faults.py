@@ -15,7 +15,7 @@ __all__ = ["POINTS", "at", "clear", "inject"]
 
 #: Every injection point: what has just happened when it is reached.
 POINTS = {
-    "release.before_publish": "the releaser claimed a batch of due parked tasks "
+    "dispatch.before_publish": "the dispatcher claimed a batch of due parked tasks "
                               "(argument: the batch) and has not published it",
     "defer.after_republish": "a deferred task was re-published with a countdown "
                              "(argument: the task) and the running copy is not yet acknowledged",

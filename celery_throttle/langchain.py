@@ -19,10 +19,10 @@ from typing import Any
 
 from langchain_core.rate_limiters import BaseRateLimiter
 
-from .async_gate import AsyncGate
-from .gate import Gate
-from .limits import Limit
-from .rates import Rate, parse_rate
+from .core.async_gate import AsyncGate
+from .core.gate import Gate
+from .core.limits import Limit
+from .core.rates import Rate, parse_rate
 
 __all__ = ["GateRateLimiter"]
 

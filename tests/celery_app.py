@@ -226,7 +226,7 @@ def one_slot(self: Task[Any, Any], seconds: float) -> float:
 @throttled("5/s", name="room")
 @app.task(bind=True, serializer="pickle")
 def parked_pickle(self: Task[Any, Any], i: int, payload: Any = None) -> int:
-    """Pickle-serialized, waits seconds at 5/s: parked and released with its own serializer."""
+    """Pickle-serialized, waits seconds at 5/s: parked and dispatched with its own serializer."""
     record(self, i=i, kind=type(payload).__name__)
     return i
 

@@ -146,7 +146,7 @@ def broker(request: pytest.FixtureRequest, capp: ModuleType,
         return
     from kombu import Connection
 
-    from celery_throttle.releaser import lane_of
+    from celery_throttle.room.dispatcher import lane_of
 
     url = request.getfixturevalue("rabbitmq_url")
     with Connection(url) as conn:

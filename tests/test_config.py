@@ -12,8 +12,8 @@ from redis.exceptions import RedisClusterException
 
 import celery_throttle
 from celery_throttle import ThrottleConfigError
-from celery_throttle.config import read_config
-from celery_throttle.connect import connect
+from celery_throttle.core.connect import connect
+from celery_throttle.integration.config import read_config
 from celery_throttle.testing import free_port
 
 
@@ -92,7 +92,7 @@ def test_cluster_url_makes_a_cluster_client_of_every_start_node() -> None:
         made.append(kwargs)
         raise RedisClusterException("Redis Cluster cannot be connected")
 
-    with mock.patch("celery_throttle.connect.RedisCluster", record), \
+    with mock.patch("celery_throttle.core.connect.RedisCluster", record), \
             pytest.raises(redis.ConnectionError, match="cannot be connected"):
         client.ping()  # an unreachable cluster is a RedisError: on_error's policy applies
     (kwargs,) = made

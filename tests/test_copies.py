@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.resources
-
 import pytest
 import redis
 
-SCRIPT = importlib.resources.files("celery_throttle").joinpath("lua/copies.lua").read_text()
+from celery_throttle.core.scripts import source
+
+SCRIPT = source("celery_throttle.integration", "copies.lua")
 
 
 @pytest.fixture

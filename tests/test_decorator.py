@@ -11,8 +11,8 @@ from celery.exceptions import Ignore
 
 import celery_throttle
 from celery_throttle import Concurrency, Limit, throttled
-from celery_throttle.task import specs_of
-from celery_throttle.wait_state import HEADER
+from celery_throttle.integration.throttled import specs_of
+from celery_throttle.room.header import HEADER
 
 from .workers import PublishRecorder
 
@@ -121,7 +121,7 @@ def test_store_down_policies(app: Celery, caplog: pytest.LogCaptureFixture) -> N
         return "ran"
 
     job.signature_from_request = lambda request, **options: PublishRecorder(published, options)  # type: ignore[method-assign,assignment]
-    from celery_throttle.store import forget
+    from celery_throttle.integration.runtime import forget
 
     def run_with(policy: str) -> Any:
         app.conf.throttle_on_error = policy

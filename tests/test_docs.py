@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_throttle.config import SETTINGS
+from celery_throttle.integration.config import SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""A captured message, published later by the releaser, is the message Celery would have sent."""
+"""A captured message, published later by the dispatcher, is the message Celery would have sent."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from celery import Celery
 from kombu import Connection
 
-from celery_throttle.envelope import Envelope, capture
+from celery_throttle.room.envelope import Envelope, capture
 
 
 @pytest.mark.parametrize(("serializer", "compression"),

@@ -305,13 +305,13 @@ def test_fault_points_are_named_and_unknown_ones_refused() -> None:
     from celery_throttle import faults
 
     seen: list[object] = []
-    faults.inject("release.before_publish", seen.append)
+    faults.inject("dispatch.before_publish", seen.append)
     try:
-        faults.at("release.before_publish", "batch")
+        faults.at("dispatch.before_publish", "batch")
         faults.at("defer.after_republish", "task")  # no hook there: nothing happens
     finally:
         faults.clear()
-    faults.at("release.before_publish", "again")  # cleared
+    faults.at("dispatch.before_publish", "again")  # cleared
     assert seen == ["batch"]
-    with pytest.raises(ValueError, match=r"unknown fault point 'release\.before_publish2'"):
-        faults.inject("release.before_publish2", seen.append)
+    with pytest.raises(ValueError, match=r"unknown fault point 'dispatch\.before_publish2'"):
+        faults.inject("dispatch.before_publish2", seen.append)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from celery_throttle import Decision, Gate, Limit, Reservation, parse_rate
-from celery_throttle.keys import bucket_key, key_digest
+from celery_throttle.core.keys import bucket_key, key_digest
 from celery_throttle.testing import max_in_window
 
 from .clock import T0, StepClock

@@ -19,9 +19,9 @@ import pytest
 import redis
 
 from celery_throttle import AsyncGate, Concurrency, Gate, Limit, parse_rate
-from celery_throttle.connect import connect
-from celery_throttle.keys import bucket_key
-from celery_throttle.waiting_room import WaitingRoom
+from celery_throttle.core.connect import connect
+from celery_throttle.core.keys import bucket_key
+from celery_throttle.room.parking import WaitingRoom
 
 from .servers import MASTER, Cluster, SentinelGroup, command
 from .workers import ROOT, app_env, check_window_bound, cluster, logs, read_records, wait_results

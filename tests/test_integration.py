@@ -33,11 +33,11 @@ pytestmark = pytest.mark.integration
         # and 1.17-1.25 over 5 runs, hence the wider margins.
         ("0.25-countdown", 0.75, 1.35, "redis"),
         ("0.25-countdown", 0.75, 1.35, "amqp"),
-        # The same waits parked in the waiting room (the default) and released
+        # The same waits parked in the waiting room (the default) and dispatched
         # just in time (measured 18.7 and 19.1/s, 9 and 14 slots lost during
         # intake).
         ("0.25", 0.9, 1.1, "redis"),
-        # The same on a real RabbitMQ: released tasks go by the lanes there too.
+        # The same on a real RabbitMQ: dispatched tasks go by the lanes there too.
         ("0.25", 0.9, 1.1, "amqp"),
     ],
     indirect=["broker"],

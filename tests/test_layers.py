@@ -1,26 +1,65 @@
-"""The package's imports run one way (STYLE.md): no module imports one that imports it back."""
+"""The package's layers: imports run one way, from the leaves up, and the core needs no Celery."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "celery_throttle"
 
+# Each layer may import the layers below it, never one above (not even
+# lazily, inside a function).  A folder is a layer; the modules at the top
+# are the leaves every layer may use, or adapters on one layer.
+LAYERS = {
+    "errors": 0, "faults": 0, "metrics": 0, "testing": 0,
+    "core": 1,
+    "langchain": 2,  # a chat model's rate limiter on the core's gates
+    "room": 3,
+    "integration": 4,
+    "ops": 5,
+}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name below it ("core.gate", "errors", ...)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            found[".".join(parts)] = path
+    return found
+
 
 def _imports() -> dict[str, set[str]]:
-    """Each module's imports of sibling modules, lazy ones inside functions included."""
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    """Each module's imports of the package's modules, lazy ones inside functions included."""
+    modules = _modules()
     graph: dict[str, set[str]] = {}
-    for path in PACKAGE.glob("*.py"):
+    for name, path in modules.items():
+        package = name.split(".")[:-1] if path.name != "__init__.py" else name.split(".")
         found: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                names = [node.module.split(".")[0]] if node.module else [
-                    a.name for a in node.names]
-                found |= {n for n in names if n in modules and n != path.stem}
-        graph[path.stem] = found
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - (node.level - 1)]
+                stem = [*base, *(node.module.split(".") if node.module else [])]
+                targets = [".".join(stem)] if node.module else []
+                targets += [".".join([*stem, a.name]) for a in node.names]
+                found |= {t for t in targets if t in modules and t != name}
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                absolute = [a.name for a in node.names] if isinstance(node, ast.Import) \
+                    else [node.module or ""]
+                found |= {a.removeprefix("celery_throttle.") for a in absolute
+                          if a.startswith("celery_throttle.")} & set(modules)
+        graph[name] = found
     return graph
+
+
+def _layer(module: str) -> int:
+    return LAYERS[module.split(".")[0]]
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -28,7 +67,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     done: set[str] = set()
 
     def visit(node: str, path: list[str]) -> None:
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(graph.get(node, ())):
             if nxt in path:
                 found.append([*path[path.index(nxt):], nxt])
             elif nxt not in done:
@@ -39,6 +78,28 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if start not in done:
             visit(start, [start])
     return found
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a higher layer (the package's ``__init__`` re-exports, so it is exempt)."""
+    return sorted(f"{src} -> {dst}" for src, dsts in graph.items() if src
+                  for dst in dsts if dst and _layer(dst) > _layer(src))
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    """A new top-level module or folder is given its place in LAYERS before it is used."""
+    assert sorted({m.split(".")[0] for m in _modules()} - set(LAYERS)) == []
+
+
+def test_imports_run_one_way_from_the_leaves_up() -> None:
+    """No module imports one of a higher layer: core -> room -> integration -> ops."""
+    assert _upward(_imports()) == []
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    """Negative control: a made-up room module importing the integration is reported."""
+    assert _upward({"room.x": {"integration.config"}, "ops.cli": {"core.gate"}}) == [
+        "room.x -> integration.config"]
 
 
 def test_the_package_has_no_import_circle() -> None:
@@ -52,25 +113,57 @@ def test_the_cycle_finder_finds_a_circle() -> None:
 
 
 def test_the_leaves_import_nothing_from_the_package() -> None:
-    """rates, keys, errors, values, metrics and faults sit at the bottom: no sibling imports."""
+    """errors, faults, metrics and testing sit at the bottom: no imports of the package."""
     graph = _imports()
-    leaves = ("rates", "keys", "errors", "values", "metrics", "faults")
+    leaves = sorted(name for name, layer in LAYERS.items() if layer == 0)
     assert {name: graph[name] for name in leaves} == {name: set() for name in leaves}
+
+
+def test_the_core_and_the_gates_import_without_celery() -> None:
+    """In a process where celery and kombu cannot be imported, the whole core, the top-level
+    gate names and the LangChain adapter import, and nothing pulls Celery in."""
+    core = sorted(f"celery_throttle.{m}" for m in _modules() if _layer(m) <= 2)
+    script = textwrap.dedent(f'''
+        import importlib, sys
+
+        class NoCelery:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("celery", "kombu"):
+                    raise ImportError(f"{{name}} is blocked in this test")
+                return None
+
+        sys.meta_path.insert(0, NoCelery())
+        from celery_throttle import AsyncGate, Gate, Limit, ThrottleTimeout, check_response
+        for name in {core!r}:
+            importlib.import_module(name)
+        try:
+            from celery_throttle import throttled
+        except ImportError as exc:
+            print("throttled:", exc)
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("celery", "kombu")))
+    ''')
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # The negative control: the block works (the Celery side does need Celery).
+    assert done.stdout.splitlines() == ["throttled: celery is blocked in this test", "[]"]
 
 
 # Every piece of process-wide state in the package, and why it is one: a new
 # module-level variable fails the test below until it is named here.
 PROCESS_STATE = {
     "faults._hooks": "fault hooks a test's worker registered",
-    "leases._heartbeat": "one thread per process renews the leases its runs hold",
-    "memory._frozen": "this pool process froze what it inherited",
-    "memory._pending": "a deferral left garbage for the next run to collect",
+    "integration.leases._heartbeat": "one thread per process renews the leases its runs hold",
+    "integration.memory._frozen": "this pool process froze what it inherited",
+    "integration.memory._pending": "a deferral left garbage for the next run to collect",
     "metrics._lock": "the counts below are updated from the threads pool's threads",
     "metrics._stats": "this process's counts per limit (what snapshot() reads)",
     "metrics._prom": "the Prometheus metrics: one registry per process",
-    "store._cache": "each app's runtime (settings, client) in this process, weakly keyed",
-    "store._lock": "the threads pool may build a runtime concurrently",
-    "task._shared_specs": "@throttled on shared tasks, by task name: each app's copy gets them",
+    "integration.runtime._cache": "each app's runtime (settings, client) in this process, "
+                                  "weakly keyed",
+    "integration.runtime._lock": "the threads pool may build a runtime concurrently",
+    "integration.throttled._shared_specs": "@throttled on shared tasks, by task name: each "
+                                           "app's copy gets them",
 }
 
 
@@ -78,13 +171,13 @@ def test_process_wide_state_is_all_named() -> None:
     """Module-level mutable state is the list above (lower-case, underscored module globals;
     constants are upper-case): nothing hidden, each with its reason."""
     found = set()
-    for path in PACKAGE.glob("*.py"):
+    for name, path in _modules().items():
         for stmt in ast.parse(path.read_text()).body:
             targets = ([t for t in stmt.targets if isinstance(t, ast.Name)]
                        if isinstance(stmt, ast.Assign) else
                        [stmt.target] if isinstance(stmt, ast.AnnAssign)
                        and isinstance(stmt.target, ast.Name) else [])
-            found |= {f"{path.stem}.{t.id}" for t in targets
+            found |= {f"{name}.{t.id}" for t in targets
                       if t.id.startswith("_") and not t.id.startswith("__") and not t.id.isupper()}
     assert found == set(PROCESS_STATE)
 
@@ -92,9 +185,9 @@ def test_process_wide_state_is_all_named() -> None:
 def test_no_module_imports_a_private_name_of_another() -> None:
     """`from .x import _name` across modules is a rule living in the wrong place: none."""
     private = []
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if isinstance(node, ast.ImportFrom) and node.level:
                 private += [f"{path.name}: {node.module}.{a.name}" for a in node.names
                             if a.name.startswith("_") and not a.name.startswith("__")]
     assert private == []

@@ -1,4 +1,4 @@
-"""celery_throttle.memory: a deferral's garbage is collected before the next run, once frozen."""
+"""Pool process memory: a deferral's garbage is collected before the next run, once frozen."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_throttle import memory
+from celery_throttle.integration import memory
 
 
 class _Cycle:

@@ -22,8 +22,8 @@ from celery.exceptions import Ignore
 
 import celery_throttle
 from celery_throttle import Concurrency, Gate, Limit, metrics, parse_rate, throttled
-from celery_throttle.notes import read_wait
-from celery_throttle.store import forget, runtime_for
+from celery_throttle.integration.notes import read_wait
+from celery_throttle.integration.runtime import forget, runtime_for
 from celery_throttle.testing import free_port
 
 from .clock import T0, StepClock
@@ -221,7 +221,7 @@ def test_command_answers_why_a_task_waits_and_until_when(
     assert re.search(r"^tests.celery_app.per_tenant \(per key\) .* per key: name one with --key",
                      table.stdout, flags=re.MULTILINE), table.stdout
     assert re.search(rf"^task {results[15].id} \(tests\.celery_app\.patient\) is parked "
-                     r"until .* UTC \(released in \d+\.\d{3}s\) and waits for limit 'patient'",
+                     r"until .* UTC \(dispatched in \d+\.\d{3}s\) and waits for limit 'patient'",
                      why.stdout), why.stdout
     wait = json.loads(why_json.stdout)["waiting"]
     # The 16th task sent starts about 15 s after the first start.  Judged on the

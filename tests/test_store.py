@@ -15,7 +15,7 @@ from celery import Celery
 
 import celery_throttle
 from celery_throttle import Gate, store_warnings
-from celery_throttle.store import forget, runtime_for
+from celery_throttle.integration.runtime import forget, runtime_for
 from celery_throttle.testing import RedisServer
 
 from .tls_proxy import TLSProxy

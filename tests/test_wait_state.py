@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from celery_throttle.wait_state import HEADER, WaitState
+from celery_throttle.room.header import HEADER, WaitState
 
 
 def test_wait_state_ignores_malformed_headers() -> None:

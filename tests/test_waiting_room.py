@@ -7,8 +7,8 @@ import threading
 import redis
 from redis.cluster import RedisCluster
 
-from celery_throttle.keys import epoch_key
-from celery_throttle.waiting_room import Parked, WaitingRoom
+from celery_throttle.core.keys import epoch_key
+from celery_throttle.room.parking import Parked, WaitingRoom
 
 # Far enough ahead that nothing becomes due while a test runs.
 LATER_US = 3_600 * 1_000_000
@@ -19,7 +19,7 @@ def _now_us(client: redis.Redis | RedisCluster) -> int:
     return int(sec) * 1_000_000 + int(usec)
 
 
-def test_entry_is_released_only_once_it_is_due(client: redis.Redis, prefix: str) -> None:
+def test_entry_is_dispatched_only_once_it_is_due(client: redis.Redis, prefix: str) -> None:
     """An entry parked for later is not claimed; one parked for now is, once, with its message."""
     room = WaitingRoom(client, prefix)
     room.park("later", b"L", "t1", delay_us=LATER_US)
@@ -31,7 +31,7 @@ def test_entry_is_released_only_once_it_is_due(client: redis.Redis, prefix: str)
     assert room.claim_due(10, 60_000_000)[1] == []
 
 
-def test_two_releasers_never_claim_the_same_entry(client: redis.Redis, prefix: str) -> None:
+def test_two_dispatchers_never_claim_the_same_entry(client: redis.Redis, prefix: str) -> None:
     """Four threads claiming 400 due entries in batches of 7 get each exactly once."""
     room = WaitingRoom(client, prefix)
     at = _now_us(client) - 1
@@ -56,10 +56,10 @@ def test_two_releasers_never_claim_the_same_entry(client: redis.Redis, prefix: s
     assert sorted(every) == sorted(f"e{i}" for i in range(400))
 
 
-def test_a_claim_not_arrived_by_its_deadline_is_released_again(
+def test_a_claim_not_arrived_by_its_deadline_is_dispatched_again(
     client: redis.Redis, prefix: str
 ) -> None:
-    """A releaser that dies after claiming loses nothing: the entry is due again, new token."""
+    """A dispatcher that dies after claiming loses nothing: the entry is due again, new token."""
     room = WaitingRoom(client, prefix)
     room.park("e", b"m", "t", at_us=_now_us(client) - 1)
     _, first = room.claim_due(10, 1)  # a deadline 1 us away: past by the next call
@@ -68,8 +68,8 @@ def test_a_claim_not_arrived_by_its_deadline_is_released_again(
     assert first[0].token != again[0].token
 
 
-def _released_twice(client: redis.Redis, prefix: str) -> tuple[WaitingRoom, Parked, Parked]:
-    """One entry released, its claim timed out (deadline 1 us), released again."""
+def _dispatched_twice(client: redis.Redis, prefix: str) -> tuple[WaitingRoom, Parked, Parked]:
+    """One entry dispatched, its claim timed out (deadline 1 us), dispatched again."""
     room = WaitingRoom(client, prefix)
     room.park("e", b"m", "t", at_us=_now_us(client) - 1)
     _, (first,) = room.claim_due(10, 1)
@@ -80,29 +80,29 @@ def _released_twice(client: redis.Redis, prefix: str) -> tuple[WaitingRoom, Park
 def test_first_copy_to_arrive_goes_on_and_a_second_is_refused(
     client: redis.Redis, prefix: str
 ) -> None:
-    """Two published copies of one entry (a re-release): exactly one goes on."""
-    room, first, second = _released_twice(client, prefix)
+    """Two published copies of one entry (a re-dispatch): exactly one goes on."""
+    room, first, second = _dispatched_twice(client, prefix)
     assert room.arrive("e", second.token, second.epoch) is True
     assert room.arrive("e", first.token, first.epoch) is False
-    # Its claim is settled: nothing is released a third time.
+    # Its claim is settled: nothing is dispatched a third time.
     assert room.claim_due(10, 60_000_000)[1] == []
-    assert room.state().releasing == 0
+    assert room.state().dispatching == 0
 
 
 def test_acks_late_redelivery_of_the_copy_that_went_on_goes_on_again(
     client: redis.Redis, prefix: str
 ) -> None:
-    """With a marker, the same release's copy (the broker's redelivery) may go on again."""
-    room, first, second = _released_twice(client, prefix)
+    """With a marker, the same dispatch's copy (the broker's redelivery) may go on again."""
+    room, first, second = _dispatched_twice(client, prefix)
     assert room.arrive("e", first.token, first.epoch, marker_ttl_ms=60_000) is True
     assert room.arrive("e", first.token, first.epoch, marker_ttl_ms=60_000) is True
     assert room.arrive("e", second.token, second.epoch, marker_ttl_ms=60_000) is False
 
 
-def test_a_store_that_lost_its_data_lets_a_released_copy_go_on(
+def test_a_store_that_lost_its_data_lets_a_dispatched_copy_go_on(
     client: redis.Redis, prefix: str
 ) -> None:
-    """After a flush (new epoch) a copy already released runs rather than being lost."""
+    """After a flush (new epoch) a copy already dispatched runs rather than being lost."""
     room = WaitingRoom(client, prefix)
     room.park("e", b"m", "t", at_us=_now_us(client) - 1)
     _, (item,) = room.claim_due(10, 60_000_000)
@@ -111,7 +111,7 @@ def test_a_store_that_lost_its_data_lets_a_released_copy_go_on(
     assert room.arrive("e", item.token, item.epoch) is True
 
 
-def test_only_a_new_earliest_entry_wakes_a_releaser(client: redis.Redis, prefix: str) -> None:
+def test_only_a_new_earliest_entry_wakes_a_dispatcher(client: redis.Redis, prefix: str) -> None:
     """The wake token is pushed when an entry becomes the earliest, and at most one is kept."""
     room = WaitingRoom(client, prefix)
     room.park("a", b"m", "t", delay_us=LATER_US)
@@ -122,31 +122,31 @@ def test_only_a_new_earliest_entry_wakes_a_releaser(client: redis.Redis, prefix:
     assert room.sleep(0.01) is False
 
 
-def test_park_leaves_the_wait_note_until_after_the_release(
+def test_park_leaves_the_wait_note_until_after_the_dispatch(
     client: redis.Redis, prefix: str
 ) -> None:
-    """The note for `why` is written by the same call and outlives the release time."""
+    """The note for `why` is written by the same call and outlives the dispatch time."""
     room = WaitingRoom(client, prefix)
     room.park("e", b"m", "task-1", delay_us=10_000_000, note='{"limit": "x"}',
               note_ttl_ms=60_000)
-    from celery_throttle.keys import task_key
+    from celery_throttle.core.keys import task_key
 
     key = task_key(prefix, "wait", "task-1")
     assert client.get(key) == b'{"limit": "x"}'
     assert 69_000 < client.pttl(key) <= 70_000
 
 
-def test_state_counts_parked_and_releasing(client: redis.Redis, prefix: str) -> None:
-    """state(): parked and claimed counts and seconds to the next release."""
+def test_state_counts_parked_and_dispatching(client: redis.Redis, prefix: str) -> None:
+    """state(): parked and claimed counts and seconds to the next dispatch."""
     room = WaitingRoom(client, prefix)
-    assert room.state().next_release is None
+    assert room.state().next_dispatch is None
     room.park("a", b"m", "t", at_us=_now_us(client) - 1)
     room.park("b", b"m", "t", delay_us=LATER_US)
     room.claim_due(10, 60_000_000)
     state = room.state()
-    assert (state.parked, state.releasing) == (1, 1)
-    assert state.next_release is not None
-    assert 3_590 < state.next_release <= 3_600
+    assert (state.parked, state.dispatching) == (1, 1)
+    assert state.next_dispatch is not None
+    assert 3_590 < state.next_dispatch <= 3_600
 
 
 def test_scripts_reload_after_script_flush(client: redis.Redis, prefix: str) -> None:
@@ -159,12 +159,12 @@ def test_scripts_reload_after_script_flush(client: redis.Redis, prefix: str) -> 
     assert room.arrive("a", "x", 0) is True
 
 
-def test_prometheus_collector_reports_parked_and_releasing(redis_url: str, prefix: str) -> None:
+def test_prometheus_collector_reports_parked_and_dispatching(redis_url: str, prefix: str) -> None:
     """The scrape-time collector reads the waiting room's counts from Redis."""
     from celery import Celery
 
-    from celery_throttle.exporter import FillCollector
-    from celery_throttle.store import runtime_for
+    from celery_throttle.integration.exporter import FillCollector
+    from celery_throttle.integration.runtime import runtime_for
 
     app = Celery("room-metrics", set_as_current=False)
     app.conf.update(throttle_redis_url=redis_url, throttle_prefix=prefix)
@@ -175,9 +175,9 @@ def test_prometheus_collector_reports_parked_and_releasing(redis_url: str, prefi
     room.park("c", b"m", "t3", delay_us=LATER_US)
     room.claim_due(10, 60_000_000)
     values = {m.name: m.samples[0].value for m in FillCollector(app).collect()
-              if m.name in ("celery_throttle_parked", "celery_throttle_releasing")}
+              if m.name in ("celery_throttle_parked", "celery_throttle_dispatching")}
     app.close()
-    assert values == {"celery_throttle_parked": 2, "celery_throttle_releasing": 1}
+    assert values == {"celery_throttle_parked": 2, "celery_throttle_dispatching": 1}
 
 
 def test_a_freed_slot_is_handed_to_the_oldest_parked_waiter(
@@ -185,7 +185,7 @@ def test_a_freed_slot_is_handed_to_the_oldest_parked_waiter(
 ) -> None:
     """release() gives the lease to the first task parked for it and makes it due now (FIFO)."""
     from celery_throttle import Concurrency, Gate
-    from celery_throttle.keys import waiters_key
+    from celery_throttle.core.keys import waiters_key
 
     gate, room = Gate(client, prefix=prefix), WaitingRoom(client, prefix)
     lim = Concurrency("slot", 1, lease=30)
@@ -198,9 +198,9 @@ def test_a_freed_slot_is_handed_to_the_oldest_parked_waiter(
     client.delete(room.wake)
     assert gate.release([lim], "running") == 1
     assert client.zscore(gate.key_of(lim), "t-first") is not None  # its lease, in its name
-    _due, released = room.claim_due(10, 60_000_000)
-    assert [p.entry for p in released] == ["first"]
-    assert room.sleep(0.01) is True  # the releaser was woken
+    _due, dispatched = room.claim_due(10, 60_000_000)
+    assert [p.entry for p in dispatched] == ["first"]
+    assert room.sleep(0.01) is True  # the dispatcher was woken
     assert not gate.acquire_many([lim], holder="newcomer").allowed  # no newcomer takes it
     assert gate.acquire_many([lim], holder="t-first").allowed  # the waiter holds it
     assert client.lrange(waiters, 0, -1) == [b"second t-second"]
@@ -219,7 +219,7 @@ def test_release_without_waiters_frees_the_slot(client: redis.Redis, prefix: str
 
 def test_a_waiter_that_waits_again_keeps_its_turn(client: redis.Redis, prefix: str) -> None:
     """Parked again under a new entry, a waiter replaces its old item instead of queueing last."""
-    from celery_throttle.keys import waiters_key
+    from celery_throttle.core.keys import waiters_key
 
     room = WaitingRoom(client, prefix)
     waiters = waiters_key(prefix, "slot", None)
@@ -229,16 +229,16 @@ def test_a_waiter_that_waits_again_keeps_its_turn(client: redis.Redis, prefix: s
     assert client.lrange(waiters, 0, -1) == [b"a2 task-a", b"b1 task-b"]
 
 
-def test_releases_run_ahead_by_the_measured_trip(client: redis.Redis, prefix: str) -> None:
-    """Arrivals measure release -> arrival; later releases go out that much ahead of time."""
+def test_dispatches_run_ahead_by_the_measured_trip(client: redis.Redis, prefix: str) -> None:
+    """Arrivals measure dispatch -> arrival; later dispatches go out that much ahead of time."""
     room = WaitingRoom(client, prefix)
     room.park("first", b"m", "t1", delay_us=LATER_US)
-    released_3s_ago = f"{_now_us(client) - 3_000_000}.1"  # the token carries the release time
-    assert room.arrive("first", released_3s_ago, 0) is True
+    dispatched_3s_ago = f"{_now_us(client) - 3_000_000}.1"  # the token carries the dispatch time
+    assert room.arrive("first", dispatched_3s_ago, 0) is True
     assert client.hget(room.trip, "avg") is not None
     room.park("in-2s", b"m", "t2", delay_us=2_000_000)
     room.park("in-9s", b"m", "t3", delay_us=9_000_000)
-    wait, released = room.claim_due(10, 60_000_000)
-    assert [p.entry for p in released] == ["in-2s"]  # 2 s ahead, within the 3 s trip
+    wait, dispatched = room.claim_due(10, 60_000_000)
+    assert [p.entry for p in dispatched] == ["in-2s"]  # 2 s ahead, within the 3 s trip
     assert wait is not None
     assert 5.9 < wait <= 6.0  # the next goes out 3 s before its time too

@@ -1,4 +1,4 @@
-"""The waiting room with real prefork workers: parked on the server clock, released once, in time.
+"""The waiting room with real prefork workers: parked on the server clock, dispatched once, in time.
 
 Judged from the start records the tasks write and the result backend, as in
 test_integration.py; every node here runs with ``throttle_waiting_room``.
@@ -37,7 +37,7 @@ ROOM: dict[str, object] = {"throttle_waiting_room": True}
 def test_parked_tasks_run_once_in_their_slots_with_no_eta(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """40 tasks at 5/s (pickle and msgpack): parked, released, each run once, no ETA, bound held."""
+    """40 tasks at 5/s (pickle, msgpack): parked, dispatched, each run once, no ETA, bound held."""
     with cluster(redis_base, ("w1", "w2"), conf={**ROOM, **PICKLE}) as nodes:
         results = [capp.parked_pickle.delay(i, payload={1, 2}) for i in range(30)]
         results += [capp.parked_msgpack.delay(i) for i in range(30, 40)]
@@ -80,12 +80,12 @@ def test_waits_three_times_the_visibility_timeout_with_no_hops(
     check_window_bound(starts, rate=1, burst=1, period=1.0)
 
 
-def test_releaser_killed_mid_release_loses_nothing_and_runs_nothing_twice(
+def test_dispatcher_killed_mid_dispatch_loses_nothing_and_runs_nothing_twice(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """A node dies after its releaser claimed a due task, before publishing: it runs once, later."""
-    conf = {**ROOM, "throttle_release_timeout": 3, **short_visibility(5)}
-    with cluster(redis_base, ("w1",), conf=conf, fault="release.before_publish"):
+    """A node dies after its dispatcher claimed a due task, before publishing: it runs once."""
+    conf = {**ROOM, "throttle_dispatch_timeout": 3, **short_visibility(5)}
+    with cluster(redis_base, ("w1",), conf=conf, fault="dispatch.before_publish"):
         results = [capp.patient.delay(i) for i in range(8)]  # 1/s: all parked within 1 s
         deadline = time.monotonic() + 15
         while records.get("crashed") is None and time.monotonic() < deadline:
@@ -106,7 +106,7 @@ def test_releaser_killed_mid_release_loses_nothing_and_runs_nothing_twice(
 def test_revoked_parked_task_never_runs(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """app.control.revoke on a parked task: it is discarded when released, the others run."""
+    """app.control.revoke on a parked task: it is discarded when dispatched, the others run."""
     with cluster(redis_base, ("w1",), conf=ROOM):
         results = [capp.patient.delay(i) for i in range(5)]  # 1/s: the last waits ~4 s
         time.sleep(0.5)
@@ -144,11 +144,11 @@ def test_store_killed_with_tasks_parked_runs_each_once_after_restart(
     assert states == ["SUCCESS"] * 10
     assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
     # Nothing starts while the store is down, beyond a task that arrived
-    # before the kill and slept up to its release lead for its slot.
+    # before the kill and slept up to its dispatch lead for its slot.
     assert [r["t"] for r in rows if killed + 0.2 < r["t"] < restarted] == []
     # The buckets came back from the AOF: the bound holds with no extra burst.
     check_window_bound([r["t"] for r in rows], rate=1, burst=1, period=1.0)
-    assert "releaser" in text  # the releaser reported the outage
+    assert "dispatcher" in text  # the dispatcher reported the outage
 
 
 def test_commands_show_parked_tasks_and_why_one_waits(
@@ -169,12 +169,12 @@ def test_commands_show_parked_tasks_and_why_one_waits(
     for done in (status, table, why):
         assert done.returncode == 0, done.stderr
     room = json.loads(status.stdout)["waiting_room"]
-    assert 6 <= room["parked"] + room["releasing"] <= 10  # 12 sent, 2 or 3 started
-    assert 0 < room["next_release"] <= 1.0
-    assert re.search(r"^waiting room: \d+ parked, \d released and on their way; next release "
+    assert 6 <= room["parked"] + room["dispatching"] <= 10  # 12 sent, 2 or 3 started
+    assert 0 < room["next_dispatch"] <= 1.0
+    assert re.search(r"^waiting room: \d+ parked, \d dispatched and on their way; next dispatch "
                      r"in \d\.\d{3}s$", table.stdout, flags=re.MULTILINE), table.stdout
     assert re.search(rf"^task {results[9].id} \(tests\.celery_app\.patient\) is parked until "
-                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} UTC \(released in \d+\.\d{3}s\) and "
+                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} UTC \(dispatched in \d+\.\d{3}s\) and "
                      r"waits for limit 'patient': next start in ", why.stdout), why.stdout
 
 
@@ -185,7 +185,7 @@ def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(
 
     The countdown path loses most of the rate here (0.45 of the limit in
     test_faults.py's run): ETAs are set on one node's clock and waited for on
-    another's.  Parked tasks have no ETA; their release and their claim are
+    another's.  Parked tasks have no ETA; their dispatch and their claim are
     judged on the server's clock.
     """
     conf = {**ROOM, **PICKLE}
@@ -224,7 +224,7 @@ def test_a_freed_concurrency_slot_goes_to_the_oldest_waiter_at_once(
     gaps = [b["t"] - (a["t"] + a["seconds"]) for a, b in itertools.pairwise(rows)]
     print(f"\nhand-off gaps between one run's end and the next start: "
           f"{[round(g, 3) for g in gaps]}")
-    # Each freed slot is taken within one release and one broker trip (the
+    # Each freed slot is taken within one dispatch and one broker trip (the
     # paced return without a hand-off would come back up to a second later).
     assert max(gaps) < 0.25
     assert min(gaps) > 0  # never two at once
@@ -234,8 +234,8 @@ def test_parked_lists_the_next_tasks_and_purge_needs_yes(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """`parked` lists the next tasks with their limit; `purge` drops them only with --yes."""
-    from celery_throttle.envelope import Envelope
-    from celery_throttle.waiting_room import WaitingRoom
+    from celery_throttle.room.envelope import Envelope
+    from celery_throttle.room.parking import WaitingRoom
 
     from .test_observability import _celery
 
@@ -255,7 +255,7 @@ def test_parked_lists_the_next_tasks_and_purge_needs_yes(
     assert listed.returncode == 0, listed.stderr
     lines = listed.stdout.splitlines()
     assert len(lines) == 2
-    assert re.match(r"^proj\.summarize\[id-0\] waits for limit 'llm': released in "
+    assert re.match(r"^proj\.summarize\[id-0\] waits for limit 'llm': dispatched in "
                     r"(9|10)\.\d{3}s$", lines[0]), lines
     assert lines[1].startswith("proj.summarize[id-2] waits for limit 'llm'")
     assert refused.returncode == 2

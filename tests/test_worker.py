@@ -33,7 +33,7 @@ def test_receivers_are_connected_by_install_once_per_app_and_none_at_import() ->
 
         # Each app's receiver acts on its own app's tasks only: b's task ends
         # one run, and the run-end handler is called once (b's), not twice.
-        import celery_throttle.worker as worker
+        import celery_throttle.integration.install as worker
         ended = []
         worker.run_ended = ended.append
         signals.task_postrun.send(sender=job, task=job, task_id="x", args=(), kwargs={})

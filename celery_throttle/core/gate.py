@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.resources
 import inspect
 import math
 import os
@@ -44,6 +43,7 @@ from .limits import (
     Reservation,
 )
 from .rates import US_PER_SECOND, Rate, parse_rate
+from .scripts import source
 from .values import to_us, units
 
 # The records live in limits.py; they are re-exported here, where they were first.
@@ -52,7 +52,7 @@ __all__ = ["DEFAULT_LEASE", "IDLE_CONNECTIONS", "SCRIPT", "AnyLimit", "BucketSta
            "Reservation"]
 
 #: gate.lua, the one copy of the algorithm (Gate and AsyncGate both run it).
-SCRIPT = importlib.resources.files(__package__).joinpath("lua/gate.lua").read_text("utf-8")
+SCRIPT = source(__package__, "gate.lua")
 
 # Reply status codes of gate.lua (0 denied and 2 reserved are told apart by the booking).
 _ALLOWED, _EARLY = 1, 3

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequen
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from .errors import ThrottleTimeout
+from ..errors import ThrottleTimeout
 from .limits import AnyLimit, Concurrency, Decision, Reservation
 
 __all__ = ["Ask", "Sleep", "ahold", "await_slot", "hold", "limited", "plan", "wait"]

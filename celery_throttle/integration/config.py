@@ -18,11 +18,11 @@ import redis
 from celery import Celery
 from redis.cluster import RedisCluster
 
-from .connect import check_url, connect
-from .errors import ThrottleConfigError
-from .gate import Limit
-from .keys import validate_prefix
-from .rates import parse_rate
+from ..core.connect import check_url, connect
+from ..core.gate import Limit
+from ..core.keys import validate_prefix
+from ..core.rates import parse_rate
+from ..errors import ThrottleConfigError
 
 __all__ = ["SETTINGS", "Config", "QueueLimit", "read_config"]
 
@@ -60,12 +60,12 @@ SETTINGS: dict[str, tuple[object, str]] = {
                              "it asks again; default: half the slot (cost x interval), "
                              "between 0.02 and 0.25"),
     "throttle_waiting_room": (True, "park tasks that wait longer than throttle_max_sleep in "
-                              "Redis (released to their queue just before their slot) "
+                              "Redis (dispatched to their queue just before their slot) "
                               "instead of re-publishing them with a countdown"),
-    "throttle_release_lead": (0.05, "the waiting room releases a task this many seconds before "
+    "throttle_dispatch_lead": (0.05, "the waiting room dispatches a task this many seconds before "
                               "its slot, to cover the broker trip (it sleeps the rest)"),
-    "throttle_release_timeout": (60.0, "a released task that has not reached a worker after "
-                                 "this many seconds is released again (only the first copy "
+    "throttle_dispatch_timeout": (60.0, "a dispatched task that has not reached a worker after "
+                                 "this many seconds is dispatched again (only the first copy "
                                  "to arrive runs)"),
     "throttle_gc_freeze": (True, "at the start of each pool process, move the objects it "
                            "inherited into the garbage collector's permanent generation "
@@ -101,8 +101,8 @@ class Config:
     claim_grace: float | None
     metrics_port: int | None
     waiting_room: bool
-    release_lead: float
-    release_timeout: float
+    dispatch_lead: float
+    dispatch_timeout: float
     gc_freeze: bool
     # Not a throttle_* setting: the broker's, read for max_countdown and for
     # how long a duplicate copy of an acks_late message can still turn up.
@@ -245,10 +245,10 @@ def read_config(app: Celery) -> Config:
         visibility_timeout=visibility,
         metrics_port=_port(get("throttle_metrics_port")),
         waiting_room=waiting_room,
-        release_lead=_seconds("throttle_release_lead", get("throttle_release_lead"),
+        dispatch_lead=_seconds("throttle_dispatch_lead", get("throttle_dispatch_lead"),
                               allow_none=False) or 0.0,
-        release_timeout=_at_least_one("throttle_release_timeout",
-                                      get("throttle_release_timeout")),
+        dispatch_timeout=_at_least_one("throttle_dispatch_timeout",
+                                      get("throttle_dispatch_timeout")),
         gc_freeze=_flag("throttle_gc_freeze", get("throttle_gc_freeze")),
     )
 

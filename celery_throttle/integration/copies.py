@@ -12,36 +12,42 @@ run again if its node dies mid-run: that is ``acks_late``'s at-least-once.
 
 from __future__ import annotations
 
-import importlib.resources
 import secrets
 
-from .keys import copy_key
-from .store import Runtime
-from .wait_state import WaitState
+import redis
+from redis.cluster import RedisCluster
 
-__all__ = ["move_pointer", "new_copy"]
+from ..core.keys import copy_key
+from ..core.scripts import source
+from ..room.header import WaitState
 
-_COPIES = importlib.resources.files(__package__).joinpath("lua/copies.lua").read_text("utf-8")
+__all__ = ["CopyPointer", "new_copy"]
 
 
-def move_pointer(runtime: Runtime, task_id: str, retries: int, state: WaitState,
-                 then: str) -> bool:
-    """May this copy go on?  If so, point the task at ``then``.
+class CopyPointer:
+    """The copy pointers of one prefix: ``lua/copies.lua``, registered once per client."""
 
-    ``then`` is a successor's copy id, or "ran:"/"done:" (this copy's id is
-    appended).  One script call per start, end and re-publish of an
-    acks_late task.  The pointer outlives the time a stranded copy can take
-    to come back: the broker's visibility timeout plus the longest booked
-    wait.  Raises ``redis.RedisError`` when the store fails (the caller
-    decides: a copy re-published meanwhile names this one as its
-    predecessor, so the pointer still lets exactly one through).
-    """
-    mine = state.copy_id
-    then_value = then + mine if then.endswith(":") else then
-    key = copy_key(runtime.config.prefix, task_id, retries)
-    ttl_ms = int((runtime.config.visibility_timeout + runtime.config.horizon) * 1000) + 60_000
-    script = runtime.gate.client.register_script(_COPIES)  # no I/O: EVALSHA, NOSCRIPT reload
-    return bool(script(keys=[key], args=[mine, state.prev, then_value, ttl_ms]))
+    def __init__(self, client: redis.Redis | RedisCluster, prefix: str, ttl: float) -> None:
+        """``ttl``: seconds a pointer outlives its last move: the longest a stranded copy
+        can take to come back (the broker's visibility timeout plus the longest booked
+        wait, and a minute)."""
+        self.prefix = prefix
+        self.ttl_ms = int(ttl * 1000)
+        self._script = client.register_script(source(__package__, "copies.lua"))
+
+    def move(self, task_id: str, retries: int, state: WaitState, then: str) -> bool:
+        """May this copy go on?  If so, point the task at ``then``.
+
+        ``then`` is a successor's copy id, or "ran:"/"done:" (this copy's id is
+        appended).  One script call per start, end and re-publish of an
+        acks_late task.  Raises ``redis.RedisError`` when the store fails (the
+        caller decides: a copy re-published meanwhile names this one as its
+        predecessor, so the pointer still lets exactly one through).
+        """
+        mine = state.copy_id
+        then_value = then + mine if then.endswith(":") else then
+        key = copy_key(self.prefix, task_id, retries)
+        return bool(self._script(keys=[key], args=[mine, state.prev, then_value, self.ttl_ms]))
 
 
 def new_copy() -> str:

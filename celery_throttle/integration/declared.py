@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from celery import Celery
 
+from ..core.gate import Concurrency, Limit
 from .config import read_config
-from .gate import Concurrency, Limit
-from .task import specs_of
+from .throttled import specs_of
 
 __all__ = ["KnownLimit", "known_limits", "limits_in_force"]
 

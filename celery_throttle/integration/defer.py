@@ -3,7 +3,7 @@
 :func:`admit` asks the gate (``gate.py``) for every limit of the task at once.
 Allowed: the task runs.  A short wait (``throttle_max_sleep``): it sleeps and
 claims its booked slot.  A longer one: the task waits outside the worker,
-parked in the waiting room (``waiting_room.py``, released by ``releaser.py``)
+parked in the waiting room (``waiting_room.py``, dispatched by ``dispatcher.py``)
 or, without it, re-published with a countdown (in hops of at most
 ``throttle_max_countdown``); then the running copy ends with Celery's
 ``Ignore`` (its message is acknowledged, no result is stored).  What it needs
@@ -27,16 +27,17 @@ import redis
 from celery import Task
 from celery.exceptions import Ignore
 
-from . import faults, leases, metrics
-from .copies import move_pointer, new_copy
-from .envelope import capture
-from .errors import ThrottleStoreError, ThrottleTimeout
-from .gate import AnyLimit, Concurrency, Decision, Limit
-from .keys import key_digest, waiters_key
+from .. import faults, metrics
+from ..core.gate import AnyLimit, Concurrency, Decision, Limit
+from ..core.keys import key_digest, waiters_key
+from ..errors import ThrottleStoreError, ThrottleTimeout
+from ..room.dispatcher import queue_of
+from ..room.envelope import capture
+from ..room.header import HEADER, WaitState, spacing_of
+from . import leases
+from .copies import new_copy
 from .notes import NOTE_AFTER_MS, wait_note, write_note
-from .releaser import queue_of
-from .store import INSTALLED, Runtime
-from .wait_state import HEADER, WaitState, spacing_of
+from .runtime import INSTALLED, Runtime
 
 __all__ = ["admit", "defer_after_start", "release_leases_of", "run_ended"]
 
@@ -88,10 +89,10 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     """
     request = task.request
     state = WaitState.from_request(request)
-    arrived = state.entry  # released from the waiting room as this entry ("" if not)
+    arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
     if arrived:
         if not _first_arrival(task, runtime, state):
-            logger.info("throttle: task %s[%s] dropped: a second copy released from the "
+            logger.info("throttle: task %s[%s] dropped: a second copy dispatched from the "
                         "waiting room (the first one goes on)", task.name, request.id)
             raise Ignore()
         # The entry is taken: a copy made from here on is a new one, and goes
@@ -208,10 +209,10 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     # charges the limits the slot is not booked in.  Bounded: if the slot is
     # lost again and again, the task waits outside the worker instead.
     grace = _grace(runtime, limits, claim.booked if claim is not None else 0)
-    # A copy released from the waiting room arrives up to the release lead
+    # A copy dispatched from the waiting room arrives up to the dispatch lead
     # early: it sleeps that, whatever throttle_max_sleep says (parking it
     # again for less would loop).
-    max_sleep = max(config.max_sleep, config.release_lead + 0.1) if arrived \
+    max_sleep = max(config.max_sleep, config.dispatch_lead + 0.1) if arrived \
         else config.max_sleep
     for attempt in range(_MAX_SLEEPS):
         try:
@@ -268,8 +269,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
                     since=state.since or decision.now, copy=new_copy(), prev=state.copy_id,
                     spacing=spacing_of(limits))
     name = _limit_name(decision, limits)
-    # Released a lead before the slot, on the server clock the slot is on.
-    release_at = decision.now + math.ceil(countdown * 1e6) - math.ceil(config.release_lead * 1e6)
+    # Dispatched a lead before the slot, on the server clock the slot is on.
+    dispatch_at = decision.now + math.ceil(countdown * 1e6) - math.ceil(config.dispatch_lead * 1e6)
     slot_of = decision.limit if isinstance(decision.limit, Concurrency) and not new.booked \
         else None
     if slot_of is not None:
@@ -277,9 +278,9 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         # next one freed and is handed it.  Its own return is the fallback
         # for a holder that dies without giving its slot back: by then its
         # lease has expired.
-        release_at = max(release_at, decision.now + slot_of.lease_us)
-    parked = _park(task, runtime, new, at_us=max(release_at, 1), slot_of=slot_of, was=arrived,
-                   note=wait_note(task, name, decision, new, parked_until=max(release_at, 1)))
+        dispatch_at = max(dispatch_at, decision.now + slot_of.lease_us)
+    parked = _park(task, runtime, new, at_us=max(dispatch_at, 1), slot_of=slot_of, was=arrived,
+                   note=wait_note(task, name, decision, new, parked_until=max(dispatch_at, 1)))
     if not parked:  # (a parked task's note was written by the script that parked it)
         _republish(task, new, min(countdown, config.max_countdown))
         write_note(task, runtime, wait_note(task, name, decision, new), decision.retry_after)
@@ -298,7 +299,7 @@ def _booked_in_all(limits: list[AnyLimit], booked: int) -> bool:
 
 
 def _room_open(task: Task[Any, Any], runtime: Runtime) -> bool:
-    """The waiting room is on, and this app's workers run releasers (it was installed)."""
+    """The waiting room is on, and this app's workers run dispatchers (it was installed)."""
     return runtime.config.waiting_room and getattr(task.app, INSTALLED, False)
 
 
@@ -319,7 +320,7 @@ def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: in
     """Park the task in the waiting room until ``at_us`` (server clock) or ``delay_us`` from now.
 
     False when it cannot be parked (the waiting room is off, the app was
-    never installed so no worker releases it, or the store failed): the
+    never installed so no worker dispatches it, or the store failed): the
     caller re-publishes it with a countdown instead, never losing it.
     ``slot_of``: the full concurrency limit it waits for; it queues for the
     next freed slot of it too (handed over by ``Gate.release``), keeping the
@@ -345,7 +346,7 @@ def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: in
 
 
 def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> bool:
-    """A copy released from the waiting room: is it the first of its entry to arrive?
+    """A copy dispatched from the waiting room: is it the first of its entry to arrive?
 
     With the store down this is the store-down policy's call (``defer``
     re-publishes the copy, still naming its entry, so exactly one copy of
@@ -364,7 +365,7 @@ def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> 
 
 
 def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, then: str) -> bool:
-    """acks_late: may this copy go on (``copies.move_pointer``)?  Store down: yes.
+    """acks_late: may this copy go on (``CopyPointer.move``)?  Store down: yes.
 
     With the store down a copy re-published meanwhile names this one as its
     predecessor, so the pointer still lets exactly one through; a start with
@@ -372,7 +373,7 @@ def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, then
     """
     request = task.request
     try:
-        return move_pointer(runtime, str(request.id), request.retries, state, then)
+        return runtime.copies.move(str(request.id), request.retries, state, then)
     except redis.RedisError as exc:
         if then == "ran:":
             _store_failed(task, runtime, state, exc)

@@ -14,9 +14,9 @@ from typing import Any
 
 from celery import Celery
 
+from ..core.gate import Concurrency
 from .declared import known_limits
-from .gate import Concurrency
-from .store import runtime_for
+from .runtime import runtime_for
 
 __all__ = ["FillCollector", "serve"]
 
@@ -44,11 +44,11 @@ class FillCollector:
         runtime = runtime_for(self.app)
         room = runtime.room.state()
         parked = GaugeMetricFamily("celery_throttle_parked",
-                                   "Tasks parked in the waiting room (not yet released)")
+                                   "Tasks parked in the waiting room (not yet dispatched)")
         parked.add_metric([], room.parked)
-        releasing = GaugeMetricFamily("celery_throttle_releasing",
-                                      "Tasks released and not yet arrived at a worker")
-        releasing.add_metric([], room.releasing)
+        dispatching = GaugeMetricFamily("celery_throttle_dispatching",
+                                      "Tasks dispatched and not yet arrived at a worker")
+        dispatching.add_metric([], room.dispatching)
         gate = runtime.gate
         for known in known_limits(self.app):
             lim = known.limit
@@ -62,7 +62,7 @@ class FillCollector:
             fill.add_metric([lim.name], state.used / lim.burst)
             free.add_metric([lim.name], state.next_free)
             booked.add_metric([lim.name], state.booked_ahead)
-        yield from (fill, free, booked, held, parked, releasing)
+        yield from (fill, free, booked, held, parked, dispatching)
 
 
 def serve(app: Celery, port: int, addr: str = "0.0.0.0") -> None:  # scraped from elsewhere

@@ -3,7 +3,7 @@
 Receivers (all idempotent, all for this app only):
 
 * ``celeryd_after_setup`` (with the waiting room): also consume each
-  queue's lane of released tasks (``releaser.add_lanes``).
+  queue's lane of dispatched tasks (``dispatcher.add_lanes``).
 * ``on_after_finalize`` / ``worker_init``: put the gate in every task's call
   path (queue limits apply to undecorated tasks too).  This must happen before
   the worker builds its tracers, which capture ``task.run``.
@@ -13,10 +13,10 @@ Receivers (all idempotent, all for this app only):
   the child.
 * ``worker_ready``: load the script, log one line listing the limits in force,
   warn if the store may evict bucket keys or, with the waiting room, keeps
-  no copy on disk (:func:`store_warnings`), and start the node's releaser
+  no copy on disk (:func:`store_warnings`), and start the node's dispatcher
   (``throttle_waiting_room``: one per node, in its main process).
 * ``worker_process_shutdown`` / ``worker_shutdown``: close the connection
-  (and stop the releaser).
+  (and stop the dispatcher).
 """
 
 from __future__ import annotations
@@ -28,16 +28,15 @@ import redis
 from celery import Celery, signals
 from redis.cluster import RedisCluster
 
-from . import metrics
+from .. import metrics
+from ..room.dispatcher import Dispatcher, add_lanes
 from .config import read_config
 from .declared import limits_in_force
 from .defer import run_ended
 from .exporter import serve
 from .memory import freeze_inherited
-from .releaser import Releaser, add_lanes
-from .store import INSTALLED, forget, runtime_for
-from .task import ensure_gated
-from .wait_state import HEADER
+from .runtime import INSTALLED, forget, runtime_for
+from .throttled import ensure_gated
 
 __all__ = ["install", "store_warnings"]
 
@@ -56,7 +55,7 @@ def install(app: Celery) -> Celery:
         return app
     setattr(app, INSTALLED, True)
     read_config(app)
-    releasers: list[Releaser] = []
+    dispatchers: list[Dispatcher] = []
 
     def gate_all(**_: Any) -> None:
         for name, task in list(app.tasks.items()):
@@ -97,19 +96,20 @@ def install(app: Celery) -> Celery:
             except redis.RedisError as exc:
                 logger.warning("celery_throttle: store not reachable at start: %s",
                                type(exc).__name__)
-            if config.waiting_room and not releasers:
-                releaser = Releaser(app, config, HEADER)
-                releaser.start()
-                releasers.append(releaser)
-                logger.info("celery_throttle: waiting room on: this node releases parked tasks "
-                            "%.3fs before their slot", config.release_lead)
+            if config.waiting_room and not dispatchers:
+                dispatcher = Dispatcher(app, config.connect, config.prefix,
+                                        timeout=config.dispatch_timeout)
+                dispatcher.start()
+                dispatchers.append(dispatcher)
+                logger.info("celery_throttle: waiting room on: this node dispatches parked tasks "
+                            "%.3fs before their slot", config.dispatch_lead)
 
     def on_shutdown(**_: Any) -> None:
         forget(app)
 
     def on_worker_shutdown(sender: Any = None, **_: Any) -> None:
-        while releasers:
-            releasers.pop().stop()
+        while dispatchers:
+            dispatchers.pop().stop()
         forget(app)
 
     def _preload() -> None:
@@ -126,7 +126,7 @@ def install(app: Celery) -> Celery:
         if instance is not None and getattr(instance, "app", None) is app \
                 and read_config(app).waiting_room:
             lanes = add_lanes(app.amqp.queues)
-            logger.info("celery_throttle: consuming the lanes of released tasks: %s",
+            logger.info("celery_throttle: consuming the lanes of dispatched tasks: %s",
                         ", ".join(lanes) or "none")
 
     if getattr(app, "finalized", False):

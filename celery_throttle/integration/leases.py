@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import redis
 from celery import current_task
 
-from .gate import AnyLimit, Concurrency, Gate, Limit
-from .values import units
+from ..core.gate import AnyLimit, Concurrency, Gate, Limit
+from ..core.values import units
 
 __all__ = ["Admitted", "Held", "hold", "release", "settle"]
 

@@ -15,10 +15,10 @@ from typing import Any
 import redis
 from celery import Task
 
-from .gate import Decision
-from .keys import task_key
-from .store import Runtime
-from .wait_state import WaitState
+from ..core.gate import Decision
+from ..core.keys import task_key
+from ..room.header import WaitState
+from .runtime import Runtime
 
 __all__ = ["NOTE_AFTER_MS", "read_wait", "wait_note", "write_note"]
 
@@ -35,7 +35,7 @@ def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitS
               parked_until: int = 0) -> str:
     """Why and until when the task waits, for ``celery throttle why`` (JSON).
 
-    ``parked_until``: when the waiting room releases it (server clock, us);
+    ``parked_until``: when the waiting room dispatches it (server clock, us);
     0 when it waits as a countdown.
     """
     due = decision.now + int(decision.retry_after * 1e6)
@@ -63,6 +63,6 @@ def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
     note = json.loads(raw)
     note["due_in_s"] = round((note["due"] - now) / 1e6, 3)
     parked = note.get("parked_until") or 0
-    note["released_in_s"] = round((parked - now) / 1e6, 3) if parked else None
+    note["dispatched_in_s"] = round((parked - now) / 1e6, 3) if parked else None
     note["waiting_s"] = round((now - (note["since"] or now)) / 1e6, 3)
     return dict(note)

@@ -10,41 +10,22 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 
 from celery import Celery
 
+from ..core.gate import Gate
+from ..core.logs import Every
+from ..room.parking import WaitingRoom
 from .config import Config, read_config
-from .gate import Gate
-from .waiting_room import WaitingRoom
+from .copies import CopyPointer
 
 __all__ = ["INSTALLED", "Runtime", "forget", "runtime_for"]
 
-#: Set on an app by ``install(app)``: its workers run a releaser, so the
+#: Set on an app by ``install(app)``: its workers run a dispatcher, so the
 #: waiting room may be used (without one, parked tasks would never leave it).
 INSTALLED = "_celery_throttle_installed"
-
-
-class OutageLog:
-    """Whether to report the store being down now: once per ``every`` seconds, not per task.
-
-    Hundreds of tasks may be deferred per second while the store is down;
-    one line per 30 s per process (and app) says it.
-    """
-
-    def __init__(self, every: float = 30.0) -> None:
-        self.every = every
-        self._last = -every
-
-    def due(self) -> bool:
-        """True at most once per ``every`` seconds (a racing thread costs one extra line)."""
-        now = time.monotonic()
-        if now - self._last < self.every:
-            return False
-        self._last = now
-        return True
 
 
 @dataclass(frozen=True)
@@ -54,8 +35,9 @@ class Runtime:
     config: Config
     gate: Gate
     room: WaitingRoom
+    copies: CopyPointer
     pid: int
-    outage: OutageLog = field(default_factory=OutageLog)
+    outage: Every = field(default_factory=Every)  # reports a store outage once per 30 s
 
 
 _cache: weakref.WeakKeyDictionary[Celery, Runtime] = weakref.WeakKeyDictionary()
@@ -77,6 +59,8 @@ def runtime_for(app: Celery) -> Runtime:
                                     health_check_interval=30)
             rt = Runtime(config, Gate(client, prefix=config.prefix),
                          WaitingRoom(client, config.prefix, replicas=config.park_replicas),
+                         CopyPointer(client, config.prefix, config.visibility_timeout
+                                     + config.horizon + 60),
                          os.getpid())
             _cache[app] = rt
         return rt

@@ -21,15 +21,15 @@ from celery import _state as celery_state
 from celery.exceptions import Ignore
 from celery.local import PromiseProxy, Proxy
 
+from ..core.gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit
+from ..core.keys import validate_name
+from ..core.rates import Rate, parse_rate
+from ..core.values import check_cost, positive_int
+from ..errors import RateLimited
+from ..room.dispatcher import queue_of
 from . import memory
 from .defer import admit, defer_after_start, release_leases_of
-from .errors import RateLimited
-from .gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit
-from .keys import validate_name
-from .rates import Rate, parse_rate
-from .releaser import queue_of
-from .store import INSTALLED, runtime_for
-from .values import check_cost, positive_int
+from .runtime import INSTALLED, runtime_for
 
 __all__ = ["Throttle", "ensure_gated", "throttled"]
 
@@ -144,6 +144,7 @@ def throttled(
     """
 
     def decorate(task: T) -> T:
+        _hook_celery()
         label, fun, bind = _describe(task)
         try:
             spec = _build_spec(rate, burst, key, name, cost, max_wait, fun, bind,
@@ -303,7 +304,7 @@ def _queue_of(request: Any) -> str | None:
     info = request.delivery_info or {}
     # Celery routes to a queue through the default (direct) exchange with the
     # queue's name as routing key; the Redis transport reports that key.  A
-    # task released from the waiting room comes through its queue's lane.
+    # task dispatched from the waiting room comes through its queue's lane.
     key = info.get("routing_key")
     return queue_of(key) if key else None
 
@@ -319,8 +320,8 @@ def _gate_shared(sender: Any, **_: Any) -> None:
 def _warn_if_not_installed(sender: Any = None, **_: Any) -> None:
     """At worker start: @throttled tasks in an app that ``install(app)`` never saw.
 
-    Connected at import for every app (install() cannot connect it: it is
-    what was forgotten).  Their own limits still apply in the task's call
+    Connected by the first ``@throttled`` for every app (install() cannot
+    connect it: it is what was forgotten).  Their own limits still apply in the task's call
     path; what install adds does not.
     """
     app = getattr(sender, "app", None)
@@ -337,10 +338,21 @@ def _warn_if_not_installed(sender: Any = None, **_: Any) -> None:
             app.main, ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""))
 
 
-signals.worker_ready.connect(_warn_if_not_installed, weak=False)
+def _hook_celery() -> None:
+    """Connect the two receivers that cannot wait for ``install(app)``; idempotent.
+
+    Called by ``@throttled`` as it decorates a task, never at import (a web
+    app importing the gate connects nothing): the warning is about an app
+    that ``install`` never saw, and shared tasks are gated in every app that
+    finalizes, installed or not.
+    """
+    signals.worker_ready.connect(_warn_if_not_installed, weak=False,
+                                 dispatch_uid="celery_throttle.warn_if_not_installed")
+    celery_state.connect_on_app_finalize(_on_app_finalize)  # a set: once
 
 
-# Runs as every app finalizes, before the shared tasks of that app exist;
-# so it only asks to be called once they do.
-celery_state.connect_on_app_finalize(
-    lambda app: app.on_after_finalize.connect(_gate_shared, sender=app, weak=False))
+def _on_app_finalize(app: Any) -> None:
+    # Runs as every app finalizes, before the shared tasks of that app
+    # exist; so it only asks to be called once they do.
+    app.on_after_finalize.connect(_gate_shared, sender=app, weak=False,
+                                  dispatch_uid="celery_throttle.gate_shared")

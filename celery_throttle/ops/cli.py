@@ -9,7 +9,7 @@ in ``pyproject.toml``), so it runs with the app and settings of ``-A proj``:
   slot and deferral count (recorded at each deferral, kept until the slot);
 * ``reset NAME [--key K]``: forget a bucket (it is full again);
 * ``parked [--limit NAME] [-n N]``: the tasks parked in the waiting room
-  that are released next;
+  that are dispatched next;
 * ``purge --yes``: drop every parked task (they never run).
 
 Per-key buckets are never listed (that would need a key scan, and key values
@@ -29,11 +29,11 @@ import redis
 from celery import Celery
 from kombu.utils.url import maybe_sanitize_url
 
-from .config import read_config
-from .declared import KnownLimit, known_limits
-from .gate import BucketState, Concurrency, LeaseState, Limit
-from .notes import read_wait
-from .store import runtime_for
+from ..core.gate import BucketState, Concurrency, LeaseState, Limit
+from ..integration.config import read_config
+from ..integration.declared import KnownLimit, known_limits
+from ..integration.notes import read_wait
+from ..integration.runtime import runtime_for
 
 __all__ = ["throttle"]
 
@@ -182,10 +182,10 @@ def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key:
                                "at": time.time()}, indent=2))
         return
     click.echo(_table(rows))
-    if room.parked or room.releasing or runtime_for(app).config.waiting_room:
-        nxt = (f"; next release in {room.next_release:.3f}s"
-               if room.next_release is not None else "")
-        click.echo(f"waiting room: {room.parked} parked, {room.releasing} released and on "
+    if room.parked or room.dispatching or runtime_for(app).config.waiting_room:
+        nxt = (f"; next dispatch in {room.next_dispatch:.3f}s"
+               if room.next_dispatch is not None else "")
+        click.echo(f"waiting room: {room.parked} parked, {room.dispatching} dispatched and on "
                    f"their way{nxt}")
 
 
@@ -210,7 +210,7 @@ def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if wait.get("parked_until"):
         at = dt.datetime.fromtimestamp(wait["parked_until"] / 1e6, dt.timezone.utc)
         stamp = at.isoformat(sep=" ", timespec="milliseconds").removesuffix("+00:00")
-        parked = f" is parked until {stamp} UTC (released in {wait['released_in_s']:.3f}s) and"
+        parked = f" is parked until {stamp} UTC (dispatched in {wait['dispatched_in_s']:.3f}s) and"
     click.echo(f"task {task_id} ({wait['task']}){parked} waits for limit {wait['limit']!r}: "
                f"next start {when}; deferral {wait['deferrals']}, waiting "
                f"{wait['waiting_s']:.1f}s so far"
@@ -248,7 +248,7 @@ def reset(ctx: click.Context, name: str, key: str | None, int_key: str | None) -
 @click.option("--json", "as_json", is_flag=True, help="one JSON document instead of text")
 @click.pass_context
 def parked(ctx: click.Context, limit_name: str | None, count: int, as_json: bool) -> None:
-    """The tasks parked in the waiting room that are released next (soonest first)."""
+    """The tasks parked in the waiting room that are dispatched next (soonest first)."""
     if count < 1:
         raise click.BadParameter(f"{count}: expected at least 1", param_hint="-n")
     room = runtime_for(_app(ctx)).room
@@ -261,7 +261,7 @@ def parked(ctx: click.Context, limit_name: str | None, count: int, as_json: bool
         if limit_name is not None and limit != limit_name:
             continue
         rows.append({"task": headers.get("task", "?"), "id": headers.get("id", "?"),
-                     "limit": limit, "release_in_s": round(item.release_in, 3)})
+                     "limit": limit, "dispatch_in_s": round(item.dispatch_in, 3)})
         if len(rows) == count:
             break
     if as_json:
@@ -271,7 +271,7 @@ def parked(ctx: click.Context, limit_name: str | None, count: int, as_json: bool
         click.echo("no task parked" + (f" for limit {limit_name!r}" if limit_name else ""))
     for row in rows:
         click.echo(f"{row['task']}[{row['id']}] waits for limit {row['limit']!r}: "
-                   f"released in {row['release_in_s']:.3f}s")
+                   f"dispatched in {row['dispatch_in_s']:.3f}s")
 
 
 @throttle.command()
@@ -285,7 +285,7 @@ def purge(ctx: click.Context, yes: bool) -> None:
     room = runtime_for(_app(ctx)).room
     if not yes:
         state = room.state()
-        click.echo(f"would drop {state.parked + state.releasing} parked task(s); "
+        click.echo(f"would drop {state.parked + state.dispatching} parked task(s); "
                    "add --yes to drop them (they will never run)")
         ctx.exit(2)
     click.echo(f"dropped {room.purge()} parked task(s)")

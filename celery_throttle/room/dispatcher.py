@@ -1,44 +1,43 @@
-"""The releaser: one thread per worker node moving due tasks from the waiting room to their queue.
+"""The dispatcher: one thread per worker node moving due tasks from the waiting room to their queue.
 
 Started by ``install(app)`` when the worker is ready (in the node's main
 process, never in producers or pool children).  It claims the due entries
-in batches (``lua/release.lua``: atomic, so two nodes never claim one
+in batches (``lua/dispatch.lua``: atomic, so two nodes never claim one
 entry), publishes each message as captured, without an ETA, and sleeps
-until the next release time: a blocking pop on the wake list, which a park
+until the next dispatch time: a blocking pop on the wake list, which a park
 pushes to when it parks a new earliest entry.  Idle, a node issues one
 script call and one blocking pop per ``IDLE`` seconds.
 
-Released tasks go to a *lane* beside their queue (``<queue>.released``),
+Dispatched tasks go to a *lane* beside their queue (``<queue>.dispatched``),
 which every worker consuming the queue also consumes (:func:`add_lanes`):
-behind a backlog of fresh tasks in the queue itself, a released task would
+behind a backlog of fresh tasks in the queue itself, a dispatched task would
 reach a worker long after its slot.
 
-Nothing is lost if a releaser dies or the broker refuses a publish: a
+Nothing is lost if a dispatcher dies or the broker refuses a publish: a
 claimed entry stays in the store until its message reaches a worker, and is
-released again after ``throttle_release_timeout``.  The arrival takes only
+dispatched again after ``throttle_dispatch_timeout``.  The arrival takes only
 the first copy (``lua/arrive.lua``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
-import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from celery import Celery
 from kombu import Queue
 
-from . import faults
-from .config import Config
+from .. import faults
+from ..core.logs import Every, logger
+from ..core.values import to_us
 from .envelope import Envelope
-from .waiting_room import Parked, WaitingRoom
+from .header import HEADER
+from .parking import Parked, WaitingRoom
 
-__all__ = ["LANE", "Releaser", "add_lanes", "lane_of", "queue_of"]
-
-logger = logging.getLogger("celery_throttle")
+__all__ = ["LANE", "Dispatcher", "add_lanes", "lane_of", "queue_of"]
 
 #: The longest sleep between two looks at the waiting room, in seconds.
 IDLE = 5.0
@@ -48,8 +47,8 @@ BATCH = 200
 _FINE = 0.25
 # After a store or broker error, wait this long before trying again.
 _BACKOFF = 1.0
-#: The suffix of a queue's lane for released tasks.
-LANE = ".released"
+#: The suffix of a queue's lane for dispatched tasks.
+LANE = ".dispatched"
 
 
 def lane_of(queue: str) -> str:
@@ -81,21 +80,23 @@ def add_lanes(queues: Any) -> list[str]:
     return added
 
 
-class Releaser:
-    """Releases ``app``'s due parked tasks to their queues, in a daemon thread."""
+class Dispatcher:
+    """Dispatches ``app``'s due parked tasks to their queues, in a daemon thread."""
 
-    def __init__(self, app: Celery, config: Config, header: str) -> None:
+    def __init__(self, app: Celery, connect: Callable[..., Any], prefix: str, *,
+                 timeout: float) -> None:
+        """``connect(**options)`` makes a client of the store (the app's ``Config.connect``);
+        ``timeout``: seconds after which a dispatched task that never arrived is due again."""
         self.app = app
-        self.header = header
-        self.timeout_us = math.ceil(config.release_timeout * 1_000_000)
+        self.timeout_us = to_us(timeout)
         # A client of its own: its blocking pop must not hold the tasks'
         # connection, and its read timeout must outlast the pop.
-        self.client = config.connect(socket_timeout=IDLE + 5, socket_connect_timeout=2,
-                                     health_check_interval=30)
-        self.room = WaitingRoom(self.client, config.prefix)
-        self.released = 0
+        self.client = connect(socket_timeout=IDLE + 5, socket_connect_timeout=2,
+                              health_check_interval=30)
+        self.room = WaitingRoom(self.client, prefix)
+        self.dispatched = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="celery-throttle-releaser",
+        self._thread = threading.Thread(target=self._run, name="celery-throttle-dispatcher",
                                         daemon=True)
 
     def start(self) -> None:
@@ -108,11 +109,11 @@ class Releaser:
         self._thread.join(timeout)
         self.client.close()
 
-    def release_due(self) -> float | None:
+    def dispatch_due(self) -> float | None:
         """Claim and publish one batch; return seconds until the next is due (None: empty)."""
         wait, parked = self.room.claim_due(BATCH, self.timeout_us)
         if parked:
-            faults.at("release.before_publish", parked)
+            faults.at("dispatch.before_publish", parked)
             self._publish(parked)
         return wait
 
@@ -122,7 +123,7 @@ class Releaser:
         with self.app.producer_or_acquire() as producer:
             for item in parked:
                 envelope = Envelope.loads(item.message).with_header(
-                    self.header, token=item.token, room=item.epoch)
+                    HEADER, token=item.token, room=item.epoch)
                 declare = None
                 if not envelope.exchange:  # addressed to its queue by name: use its lane
                     envelope = envelope.to(lane_of(envelope.routing_key))
@@ -131,18 +132,18 @@ class Releaser:
                     lane = queues.get(envelope.routing_key)
                     declare = [lane] if lane is not None else None
                 envelope.publish(producer, declare=declare, retry_policy=policy)
-                self.released += 1
+                self.dispatched += 1
 
     def _run(self) -> None:
-        last_error = 0.0
+        outage = Every()
         while not self._stop.is_set():
             try:
-                wait = self.release_due()
+                wait = self.dispatch_due()
                 if wait == 0:
                     continue  # a full batch: more are due now
                 if wait is not None and wait <= _FINE:
                     # Redis times a blocking pop out on its own clock tick
-                    # (every 100 ms at the default hz 10): a near release is
+                    # (every 100 ms at the default hz 10): a near dispatch is
                     # slept here, where it is precise.
                     self._stop.wait(wait)
                 else:
@@ -150,14 +151,13 @@ class Releaser:
             except Exception as exc:  # a store or broker error: entries stay claimed
                 if self._stop.is_set():
                     break
-                now = time.monotonic()
-                if now - last_error > 30:
-                    last_error = now
+                if outage.due():
                     level = logging.WARNING if isinstance(exc, redis.RedisError | OSError) \
                         else logging.ERROR
-                    logger.log(level, "throttle: releaser: %s: %s (claimed tasks are released "
-                               "again after throttle_release_timeout)", type(exc).__name__, exc)
+                    logger.log(level, "throttle: dispatcher: %s: %s (claimed tasks are "
+                               "dispatched again after throttle_dispatch_timeout)",
+                               type(exc).__name__, exc)
                 self._stop.wait(_BACKOFF)
 
     def __repr__(self) -> str:
-        return f"Releaser(prefix={self.room.prefix!r}, released={self.released})"
+        return f"Dispatcher(prefix={self.room.prefix!r}, dispatched={self.dispatched})"

@@ -3,7 +3,7 @@
 :func:`capture` runs Celery's own publishing path (``apply_async``: routing,
 options, protocol-2 headers, the task's serializer and compression) with a
 stand-in producer that records the publish instead of sending it.  The
-releaser later publishes the recorded body, headers and routing unchanged
+dispatcher later publishes the recorded body, headers and routing unchanged
 with a real producer: the task's arguments are never deserialized outside
 the worker that runs it, whatever the serializer (json, pickle, msgpack).
 """

@@ -1,6 +1,6 @@
 """What a waiting task carries between its hops: :class:`WaitState`, in one message header.
 
-A deferred task is re-published (or parked and released) under the same id,
+A deferred task is re-published (or parked and dispatched) under the same id,
 queue, routing, headers and options; what it needs on its next arrival (its
 booked slot, its deferral count, which copy it is) travels in the header
 :data:`HEADER`, read back with :meth:`WaitState.from_request`.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .gate import AnyLimit, Limit, Reservation
+from ..core.gate import AnyLimit, Limit, Reservation
 
 __all__ = ["HEADER", "WaitState", "spacing_of"]
 
@@ -32,9 +32,9 @@ class WaitState:
     copy: str = ""  # set by every re-publish: tells a duplicate from a redelivery
     prev: str = ""  # the copy that published this one ("-": the user's message)
     spacing: tuple[int, ...] = ()  # each limit's interval (us) when the slot was booked
-    entry: str = ""  # the waiting-room entry this copy was released from (waiting_room.py)
-    token: str = ""  # the release that published this copy (set by the releaser)
-    room: int = 0  # the store's epoch when it was released (set by the releaser)
+    entry: str = ""  # the waiting-room entry this copy was dispatched from (waiting_room.py)
+    token: str = ""  # the dispatch that published this copy (set by the dispatcher)
+    room: int = 0  # the store's epoch when it was dispatched (set by the dispatcher)
 
     @classmethod
     def from_request(cls, request: Any) -> WaitState:

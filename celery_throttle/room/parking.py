@@ -3,28 +3,27 @@
 A task that must wait longer than ``throttle_max_sleep`` is not re-published
 with a countdown (a Celery ETA message held in some worker's memory until
 its slot, on that worker's clock).  Its message is stored here, scored by
-its release time on the Redis server's clock; a releaser in every worker
-node (``releaser.py``) moves due messages back to their queue, without an
+its dispatch time on the Redis server's clock; a dispatcher in every worker
+node (``dispatcher.py``) moves due messages back to their queue, without an
 ETA, a short lead before their slot.  Three scripts, each a few lines:
 
-* ``lua/park.lua``: store the message and its release time (and the wait
-  note), wake a releaser if it is the new earliest;
-* ``lua/release.lua``: claim the due entries for one releaser, ahead of
+* ``lua/park.lua``: store the message and its dispatch time (and the wait
+  note), wake a dispatcher if it is the new earliest;
+* ``lua/dispatch.lua``: claim the due entries for one dispatcher, ahead of
   time by the measured trip to a worker, with a deadline after which an
   entry whose message never arrived is due again;
-* ``lua/arrive.lua``: the first released copy to reach a worker takes the
-  entry (and measures its trip); a second copy (its releaser died after
+* ``lua/arrive.lua``: the first dispatched copy to reach a worker takes the
+  entry (and measures its trip); a second copy (its dispatcher died after
   publishing) is refused.
 
-Keys (``keys.room_key``): ``parked`` (sorted set: entry -> release time, us),
+Keys (``keys.room_key``): ``parked`` (sorted set: entry -> dispatch time, us),
 ``messages`` (hash: entry -> message), ``claimed`` (sorted set: entry ->
 deadline), ``wake`` (a list holding at most one token) and ``trip`` (the
-measured trip from release to arrival, which releases run ahead by).
+measured trip from dispatch to arrival, which dispatches run ahead by).
 """
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import logging
 import math
@@ -34,17 +33,11 @@ from dataclasses import dataclass, field
 import redis
 from redis.cluster import RedisCluster
 
-from .keys import epoch_key, room_key, task_key
+from ..core.keys import epoch_key, room_key, task_key
+from ..core.scripts import source
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 
-
-def _script(name: str) -> str:
-    return importlib.resources.files(__package__).joinpath(f"lua/{name}").read_text("utf-8")
-
-
-_PARK, _RELEASE, _ARRIVE = _script("park.lua"), _script("release.lua"), _script("arrive.lua")
-_LOOK = _script("look.lua")
 
 #: How long a park waits for its replicas (``throttle_park_replicas``).
 REPLICA_WAIT_MS = 500
@@ -68,18 +61,18 @@ class Waiting:
     """One parked task as ``celery throttle parked`` lists it."""
 
     entry: str
-    release_in: float  # seconds (negative: overdue)
+    dispatch_in: float  # seconds (negative: overdue)
     message: bytes = field(repr=False)
     note: bytes | None = field(repr=False)  # its wait note (JSON), if it is still there
 
 
 @dataclass(frozen=True, slots=True)
 class RoomState:
-    """How many tasks wait, how many are being released, and when the next one is due."""
+    """How many tasks wait, how many are being dispatched, and when the next one is due."""
 
     parked: int
-    releasing: int
-    next_release: float | None  # seconds from now (negative: overdue), None when empty
+    dispatching: int
+    next_dispatch: float | None  # seconds from now (negative: overdue), None when empty
 
 
 class WaitingRoom:
@@ -96,10 +89,10 @@ class WaitingRoom:
         self.trip = room_key(prefix, "trip")
         self.epoch = epoch_key(prefix)
         # redis-py's Script: EVALSHA, reloaded on NOSCRIPT; registering does no I/O.
-        self._park = client.register_script(_PARK)
-        self._release = client.register_script(_RELEASE)
-        self._arrive = client.register_script(_ARRIVE)
-        self._look = client.register_script(_LOOK)  # reads on the server clock
+        self._park = client.register_script(source(__package__, "park.lua"))
+        self._dispatch = client.register_script(source(__package__, "dispatch.lua"))
+        self._arrive = client.register_script(source(__package__, "arrive.lua"))
+        self._look = client.register_script(source(__package__, "look.lua"))  # server clock
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
              delay_us: int = 0, note: str = "", note_ttl_ms: int = 60_000,
@@ -107,11 +100,11 @@ class WaitingRoom:
         """Park ``message`` until ``at_us`` (server clock), or ``delay_us`` from now.
 
         ``note``: the wait note to leave for ``celery throttle why`` under
-        ``task_id``, kept until ``note_ttl_ms`` after the release time.
+        ``task_id``, kept until ``note_ttl_ms`` after the dispatch time.
         ``waiters``: a concurrency limit's waiters list (``keys.waiters_key``)
         to join, so a freed slot is handed to this task (``task_id`` is the
         lease holder); ``was``: the entry it had there before, whose turn it
-        keeps.  Returns the release time (server clock, microseconds).
+        keeps.  Returns the dispatch time (server clock, microseconds).
         """
         keys = [self.parked, self.messages, self.wake, task_key(self.prefix, "wait", task_id),
                 waiters or self.wake]
@@ -142,9 +135,9 @@ class WaitingRoom:
     def claim_due(self, batch: int, timeout_us: int) -> tuple[float | None, list[Parked]]:
         """Claim up to ``batch`` due entries; also seconds until the next (0: more due now).
 
-        None instead of seconds: nothing is parked or being released.
+        None instead of seconds: nothing is parked or being dispatched.
         """
-        reply = self._release(keys=[self.parked, self.messages, self.claimed, self.epoch,
+        reply = self._dispatch(keys=[self.parked, self.messages, self.claimed, self.epoch,
                                     self.trip],
                               args=[batch, timeout_us])
         wait, epoch = int(reply[0]), int(reply[1])
@@ -154,7 +147,7 @@ class WaitingRoom:
         return (None if wait < 0 else wait / 1e6), parked
 
     def arrive(self, entry: str, token: str, epoch: int, *, marker_ttl_ms: int = 0) -> bool:
-        """May this released copy go on?  False: another copy of the entry arrived first.
+        """May this dispatched copy go on?  False: another copy of the entry arrived first.
 
         ``marker_ttl_ms`` > 0 (acks_late): remember the copy that went on for
         that long, so the broker's redelivery of it may go on again.
@@ -171,7 +164,7 @@ class WaitingRoom:
         return self.client.blpop([self.wake], timeout=timeout) is not None
 
     def next_parked(self, count: int) -> list[Waiting]:
-        """The ``count`` parked tasks released next, with their messages and notes."""
+        """The ``count`` parked tasks dispatched next, with their messages and notes."""
         reply = self._look(keys=[self.parked, self.messages], args=["peek", count])
         now = _micros(reply[0], reply[1])
         items = reply[2:]
@@ -187,12 +180,12 @@ class WaitingRoom:
                 for e, score, m, n in zip(entries, scores, messages, notes, strict=True)]
 
     def purge(self) -> int:
-        """Drop every parked and every released-but-not-arrived task; return how many."""
+        """Drop every parked and every dispatched-but-not-arrived task; return how many."""
         return int(self._look(keys=[self.parked, self.messages, self.claimed, self.wake],
                               args=["purge"]))
 
     def state(self) -> RoomState:
-        """Counts and the next release time, read in one round trip."""
+        """Counts and the next dispatch time, read in one round trip."""
         sec, usec, parked, claimed, first = self._look(keys=[self.parked, self.claimed],
                                                        args=["state"])
         nxt = (int(float(first)) - _micros(sec, usec)) / 1e6 if first else None

@@ -1,9 +1,9 @@
 --[[
-A released task arrives at a worker: may this copy go on?
+A dispatched task arrives at a worker: may this copy go on?
 
 The first copy of an entry to arrive takes its message out of the waiting
-room and goes on; any later copy (a releaser died after publishing, and the
-entry was released again) is refused.  An acks_late task may be redelivered
+room and goes on; any later copy (a dispatcher died after publishing, and the
+entry was dispatched again) is refused.  An acks_late task may be redelivered
 by the broker after a crash mid-run (acks_late's at-least-once): that
 redelivery carries the same token as the copy that went on, which a marker
 remembers, and may go on again.
@@ -14,23 +14,23 @@ KEYS[3]  the arrival marker of this entry
 KEYS[4]  the prefix's epoch
 KEYS[5]  the waiting room's trip estimate (a hash: "avg" and "dev", us)
 ARGV[1]  entry id
-ARGV[2]  the token of the release that published this copy
+ARGV[2]  the token of the dispatch that published this copy
 ARGV[3]  marker TTL, milliseconds; 0 = no marker (not acks_late: its message
          was acknowledged before it got here, so it is never redelivered)
 ARGV[4]  the epoch the entry was parked in
 
-The first arrival also measures the trip from its release (the token is
-"<release time>.<n>") into the trip estimate the releaser releases ahead by.
+The first arrival also measures the trip from its dispatch (the token is
+"<dispatch time>.<n>") into the trip estimate the dispatcher dispatches ahead by.
 
 Reply: 1 this copy goes on, 0 it is a duplicate
 ]]
 local entry = ARGV[1]
 if redis.call('HDEL', KEYS[1], entry) == 1 then
   redis.call('ZREM', KEYS[2], entry)
-  local released = tonumber(string.match(ARGV[2], '^(%d+)%.'))
-  if released then
+  local dispatched = tonumber(string.match(ARGV[2], '^(%d+)%.'))
+  if dispatched then
     local t = redis.call('TIME')
-    local trip = tonumber(t[1]) * 1000000 + tonumber(t[2]) - released
+    local trip = tonumber(t[1]) * 1000000 + tonumber(t[2]) - dispatched
     -- Moving averages of the trip and of its deviation, an eighth of the way
     -- per arrival (as TCP estimates a round trip), capped at a minute.
     trip = math.min(math.max(trip, 0), 60000000)

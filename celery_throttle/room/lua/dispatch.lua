@@ -1,28 +1,28 @@
 --[[
-Claim the parked tasks that are due, for one releaser to publish.
+Claim the parked tasks that are due, for one dispatcher to publish.
 
 A claimed entry moves to the claimed set with a deadline; it leaves it when
-the released message arrives at a worker (arrive.lua).  A releaser killed
+the dispatched message arrives at a worker (arrive.lua).  A dispatcher killed
 after claiming, or a message lost on the way, leaves the entry there past
-its deadline: it is then due again and released once more (the arrival
+its deadline: it is then due again and dispatched once more (the arrival
 drops all but the first copy that arrives).
 
-KEYS[1]  the parked set (score = release time, us)
+KEYS[1]  the parked set (score = dispatch time, us)
 KEYS[2]  the messages hash
 KEYS[3]  the claimed set (score = deadline, us)
-KEYS[4]  the prefix's epoch (see gate.lua), set here if absent: a released
+KEYS[4]  the prefix's epoch (see gate.lua), set here if absent: a dispatched
          copy carries it, so its arrival can tell a store that lost its data
          (a new epoch) from one where another copy arrived first
-KEYS[5]  the trip estimate (arrive.lua): entries are released this much
-         ahead of their release time, so that they reach a worker by then
+KEYS[5]  the trip estimate (arrive.lua): entries are dispatched this much
+         ahead of their dispatch time, so that they reach a worker by then
          even while the workers are busy (taking in a backlog of fresh tasks)
 ARGV[1]  batch: the most entries claimed per call
 ARGV[2]  claim timeout, microseconds
 
 Reply: { wait, epoch, entry 1, token 1, message 1, entry 2, ... }
-  wait     microseconds until the next release time; 0 when more are due
+  wait     microseconds until the next dispatch time; 0 when more are due
            now (a full batch); -1 when nothing is parked
-  token    this claim's id, unique per entry and claim (a re-release gets
+  token    this claim's id, unique per entry and claim (a re-dispatch gets
            another): the arrival tells a broker's redelivery of one publish
            from a second publish of the same entry
 ]]

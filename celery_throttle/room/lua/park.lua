@@ -1,28 +1,28 @@
 --[[
 Park a waiting task in the waiting room (see waiting_room.py).
 
-The message waits in Redis, scored by when it is to be released to its
-queue (its slot less the release lead) on this server's clock, instead of
+The message waits in Redis, scored by when it is to be dispatched to its
+queue (its slot less the dispatch lead) on this server's clock, instead of
 sitting in a worker's memory as a Celery ETA message.
 
-KEYS[1]  the parked set: member = entry id, score = release time (us)
+KEYS[1]  the parked set: member = entry id, score = dispatch time (us)
 KEYS[2]  the messages hash: entry id -> the serialized message
 KEYS[3]  the wake list: one token, pushed when this entry is the new earliest,
-         so a releaser sleeping until a later release wakes at once
+         so a dispatcher sleeping until a later dispatch wakes at once
 KEYS[4]  the task's wait note (for `celery throttle why`)
 KEYS[5]  a concurrency limit's waiters list (gate.lua hands a freed slot to
          the oldest), or any key when ARGV[7] is ""
 ARGV[1]  entry id
 ARGV[2]  the message (envelope JSON)
-ARGV[3]  release time, microseconds of this server's clock; 0 = now + ARGV[4]
+ARGV[3]  dispatch time, microseconds of this server's clock; 0 = now + ARGV[4]
 ARGV[4]  delay, microseconds (used when ARGV[3] is 0)
-ARGV[5]  the wait note (JSON), "" for none; its "due" is the release time
-ARGV[6]  the note's TTL after the release time, milliseconds
+ARGV[5]  the wait note (JSON), "" for none; its "due" is the dispatch time
+ARGV[6]  the note's TTL after the dispatch time, milliseconds
 ARGV[7]  "entry holder" to append to the waiters list, or ""
 ARGV[8]  the item this task had in that list before (it came back and waits
          again): replaced in place, so the task keeps its turn; or ""
 
-Reply: { release time (us), now (us) }
+Reply: { dispatch time (us), now (us) }
 ]]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -35,8 +35,8 @@ redis.call('HSET', KEYS[2], entry, ARGV[2])
 redis.call('ZADD', KEYS[1], at, entry)
 local first = redis.call('ZRANGE', KEYS[1], 0, 0)
 if first[1] == entry then
-  -- One token is enough: any releaser may release any entry, and the one
-  -- woken goes back to sleep until the next release time it reads.
+  -- One token is enough: any dispatcher may dispatch any entry, and the one
+  -- woken goes back to sleep until the next dispatch time it reads.
   redis.call('LPUSH', KEYS[3], '1')
   redis.call('LTRIM', KEYS[3], 0, 0)
   redis.call('PEXPIRE', KEYS[3], 60000)

@@ -1,0 +1,1 @@
+"""Operating the limits: the ``celery throttle`` command."""

@@ -64,8 +64,7 @@ def run(url: str, n: int) -> None:
                     [b"0", b"-1", b"0", b"0", b"0", b"0", b"1", b"1000", b"1"])
     # The same gate without the pre-packed plain path (redis-py's Script for
     # every call, as before it): what the packing buys, side by side.
-    unpacked = Gate(client, prefix=prefix)
-    unpacked._lean = False  # the benchmark's switch; no setting needed outside it
+    unpacked = Gate(client, prefix=prefix, packed=False)
     ops: dict[str, Callable[[], object]] = {
         "PING": client.ping,
         "INCR": lambda: client.incr(counter),
@@ -157,8 +156,7 @@ async def _async_table(url: str, prefix: str, n: int) -> str:
     """The same comparison on redis.asyncio: PING, AsyncGate packed and unpacked."""
     aclient = aioredis.Redis.from_url(url)
     gate = AsyncGate(aclient, prefix=prefix)
-    unpacked = AsyncGate(aclient, prefix=prefix)
-    unpacked._lean = False
+    unpacked = AsyncGate(aclient, prefix=prefix, packed=False)
     await gate.preload()
     fast = [Limit("fast", parse_rate("1000000/s"), burst=1000)]
     ops: dict[str, Callable[[], Awaitable[object]]] = {

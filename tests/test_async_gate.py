@@ -9,7 +9,7 @@ import redis
 import redis.asyncio as aioredis
 
 from celery_throttle import AsyncGate, Gate, Limit, parse_rate
-from celery_throttle.core.gate import IDLE_CONNECTIONS
+from celery_throttle.core.packed import IDLE_CONNECTIONS
 
 
 def test_hundred_concurrent_coroutines_pass_exactly_the_burst(redis_url: str,

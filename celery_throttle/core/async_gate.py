@@ -2,8 +2,8 @@
 
 The same decisions as :class:`~celery_throttle.Gate`, on a ``redis.asyncio``
 client: the same script (one copy of the algorithm), the same arguments and
-the same replies (:class:`~celery_throttle.gate.GateCalls` builds and reads
-them for both), and NOSCRIPT recovery by redis-py's ``AsyncScript``.  A web
+the same replies (:class:`~celery_throttle.core.gate.GateCalls` builds and
+reads them for both), and the same packed hot path (``packed.py``).  A web
 handler and the Celery workers beside it spend one quota.
 """
 
@@ -15,13 +15,11 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-from redis.exceptions import NoScriptError
 
 from . import waiting
 from .connect import connect_async
 from .gate import (
     DEFAULT_LEASE,
-    IDLE_CONNECTIONS,
     SCRIPT,
     AnyLimit,
     BucketState,
@@ -32,10 +30,9 @@ from .gate import (
     GateCalls,
     LeaseState,
     Limit,
-    Plain,
     Reservation,
-    checkout_args,
 )
+from .packed import AsyncPackedPath
 from .rates import US_PER_SECOND, Rate, parse_rate
 from .values import to_us
 
@@ -50,16 +47,14 @@ class AsyncGate(GateCalls):
     """
 
     def __init__(self, client: aioredis.Redis | AsyncRedisCluster, *, prefix: str = "throttle",
-                 clock: Clock = "server") -> None:
+                 clock: Clock = "server", packed: bool = True) -> None:
         super().__init__(prefix, clock)
         self.client = client
+        # redis-py's AsyncScript: EVALSHA, and the body again on NOSCRIPT.
         self._script = client.register_script(SCRIPT)
-        # Pre-packed plain decisions need a pooled client (not a single-connection one).
-        self._lean = (isinstance(client, aioredis.Redis)
-                      and getattr(client, "connection", None) is None)
-        self._idle: list[Any] = []  # connections of packed decisions, between calls
-        self._checkout = (checkout_args(cast(aioredis.Redis, client).connection_pool
-                                        .get_connection) if self._lean else ())
+        if packed and AsyncPackedPath.takes(client):
+            self._packed = AsyncPackedPath(cast(aioredis.Redis, client), SCRIPT,
+                                           self._script.sha)
 
     @classmethod
     def from_url(cls, url: str, *, master_name: str | None = None,
@@ -83,46 +78,11 @@ class AsyncGate(GateCalls):
         """Pass every limit at once, or none of them (see :meth:`Gate.acquire_many`)."""
         plain = self._plain(limits, reserve, grace, claim, holder)
         if plain is not None:
-            reply = await self._send_packed(plain)
+            reply = await cast(AsyncPackedPath, self._packed).send(plain)
             if reply is not None:
                 return self._decision(limits, reply)
         keys, args = self._decide_call(limits, reserve, claim, grace, holder)
         return self._decision(limits, await self._script(keys=keys, args=args))
-
-    async def _send_packed(self, plain: Plain) -> Any:
-        """:meth:`Gate._send_packed` on ``redis.asyncio``, on a connection the gate keeps
-        between calls; None: take the full path (NOSCRIPT, or a connection error)."""
-        # Only a plain redis.asyncio.Redis takes this path (self._lean).
-        pool: Any = cast(aioredis.Redis, self.client).connection_pool
-        try:
-            conn: Any = self._idle.pop()
-        except IndexError:
-            conn = await pool.get_connection(*self._checkout)
-        healthy = False
-        try:
-            packed = self._pack(conn, plain, self._script.sha)
-            await conn.send_packed_command(packed)
-            try:
-                reply = await conn.read_response()
-            except NoScriptError:  # lost by the server: load it here and ask again
-                await conn.send_command("SCRIPT", "LOAD", SCRIPT)
-                await conn.read_response()
-                await conn.send_packed_command(packed)
-                reply = await conn.read_response()
-            healthy = True
-            return reply
-        except NoScriptError:
-            healthy = True  # a full reply was read: the connection is fine
-            return None
-        except (aioredis.ConnectionError, aioredis.TimeoutError):
-            return None
-        finally:
-            if healthy and len(self._idle) < IDLE_CONNECTIONS:
-                self._idle.append(conn)
-            else:
-                if not healthy:  # cancelled or broken mid-call: a reply may still come
-                    await conn.disconnect(nowait=True)
-                await pool.release(conn)
 
     async def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
                    holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:
@@ -184,8 +144,16 @@ class AsyncGate(GateCalls):
         return bool(await self.client.delete(*self._reset_keys(limit)))
 
     async def aclose(self) -> None:
-        """Close the client (its connection pool)."""
+        """Close the client (its connection pool), and the connections the gate keeps."""
+        if isinstance(self._packed, AsyncPackedPath):
+            await self._packed.close()
         await self.client.aclose()
+
+    async def __aenter__(self) -> AsyncGate:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     async def _op(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> int:
         keys, args = self._op_call(limits, op, arg, holder)

@@ -17,6 +17,19 @@ The URL forms, and what each makes (sync, or ``redis.asyncio`` with
   Every key of one prefix carries the prefix as its hash tag (``keys.py``),
   so one decision's keys are in one slot: one shard carries a prefix.
 
+A query string (``?ssl_ca_certs=/etc/ca.pem&socket_timeout=2``) holds
+connection options, read as redis-py reads them for ``redis://``
+(:data:`QUERY_OPTIONS`).  On a Sentinel or Cluster URL any part may carry
+them; a name that is not a connection option, or one part contradicting
+another, is a ``ValueError`` naming it, never an option silently dropped.
+TLS options need TLS: ``rediss+cluster://``, or ``ssl=true`` on a
+``sentinel://`` URL (the master's connections).
+
+Store errors: both gates raise redis-py's ``RedisError`` family, whatever
+the store.  redis-py's cluster clients report an unreachable cluster as
+``RedisClusterException``, which is not one: here it becomes
+``redis.ConnectionError``, on the sync and the asyncio client alike.
+
 Everything here is a lower layer than the gates: it knows URLs and redis-py,
 nothing of limits.
 """
@@ -28,7 +41,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -38,11 +51,13 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+from redis.connection import parse_url as _untyped_parse_url
 from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel
 
-__all__ = ["SCHEMES", "AsyncSentinelMaster", "LazyCluster", "SentinelMaster", "check_url",
-           "connect", "connect_async", "kind_of"]
+__all__ = ["QUERY_OPTIONS", "SCHEMES", "AsyncCluster", "AsyncSentinelMaster", "LazyCluster",
+           "SentinelMaster", "check_url", "connect", "connect_async", "kind_of", "query_options"]
 
 #: The accepted schemes, by the kind of store each reaches.
 SCHEMES: dict[str, str] = {
@@ -50,6 +65,16 @@ SCHEMES: dict[str, str] = {
     "sentinel": "sentinel",
     "redis+cluster": "cluster", "rediss+cluster": "cluster",
 }
+
+#: The connection options a Sentinel or Cluster URL's query may set: those redis-py
+#: reads from a ``redis://`` query, and its TLS and client-name options.
+QUERY_OPTIONS = frozenset({
+    *URL_QUERY_ARGUMENT_PARSERS, "ssl", "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data",
+    "ssl_certfile", "ssl_keyfile", "ssl_password", "ssl_cert_reqs", "ssl_ciphers",
+    "client_name",
+}) - {"db", "max_connections", "timeout"}
+
+PARSE_URL = cast(Callable[[str], dict[str, Any]], _untyped_parse_url)  # typed here
 
 #: Seconds a sentinel query may take: a dead sentinel is skipped, not waited for.
 SENTINEL_TIMEOUT = 0.5
@@ -78,11 +103,44 @@ def check_url(url: object, master_name: object = None) -> str:
         if kind == "cluster" and part.path.strip("/") not in ("", "0"):
             raise ValueError("a Redis Cluster has only database 0 (the URL names "
                              f"{part.path.strip('/')!r})")
+    if kind != "server":
+        query_options(url)
     if kind == "sentinel" and (not isinstance(master_name, str) or not master_name):
         raise ValueError(f"a sentinel:// URL needs the master's name (got {master_name!r}): "
                          "set throttle_sentinel_master, or broker_transport_options"
                          "['master_name'] when the store is the broker")
     return kind
+
+
+def query_options(url: str) -> dict[str, Any]:
+    """The connection options in the query of a Sentinel or Cluster URL (of all its parts).
+
+    Each is parsed as redis-py parses a ``redis://`` query; ``ValueError``
+    names an option that is not in :data:`QUERY_OPTIONS`, a value that does
+    not parse, two parts that disagree, or a TLS option without TLS.
+    """
+    found: dict[str, Any] = {}
+    for part in _parts(url):
+        names = [name for name, _ in parse_qsl(part.query, keep_blank_values=True)]
+        unknown = sorted(set(names) - QUERY_OPTIONS)
+        if unknown:
+            raise ValueError(f"the store URL's query has {unknown[0]!r}, which is not a "
+                             f"connection option (known: {', '.join(sorted(QUERY_OPTIONS))})")
+        if not names:
+            continue
+        parsed: dict[str, Any] = PARSE_URL(f"redis://h/?{part.query}")
+        parsed.pop("host", None)
+        if "ssl" in parsed:  # a flag redis-py's URL parser does not know
+            parsed["ssl"] = str(parsed["ssl"]).lower() in ("1", "true", "yes", "y", "on")
+        for name, value in parsed.items():
+            if found.setdefault(name, value) != value:
+                raise ValueError(f"the store URL's parts disagree on {name!r}")
+    tls = urlsplit(url).scheme.startswith("rediss") or found.get("ssl") is True
+    tls_only = sorted(n for n in found if n.startswith("ssl_"))
+    if tls_only and not tls:
+        raise ValueError(f"the store URL sets {tls_only[0]!r} but not TLS: use "
+                         "rediss+cluster://, or ssl=true on a sentinel:// URL")
+    return found
 
 
 def connect(url: str, *, master_name: str | None = None,
@@ -118,11 +176,14 @@ def _client(makers: _Makers, url: str, master_name: str | None,
     if kind == "server":
         return makers.server(url, **options)
     first, nodes, auth = _split(url)
+    # Options given in the call win over the URL's, as with redis-py's from_url.
+    options = {**query_options(url), **options}
     if kind == "cluster":
         # (Cluster clients run their own health checks.)
         cluster_opts = {k: v for k, v in options.items() if k != "health_check_interval"}
+        cluster_opts["ssl"] = first.scheme.startswith("rediss")
         return makers.cluster(startup_nodes=[makers.node(h, p) for h, p in nodes],
-                              ssl=first.scheme.startswith("rediss"), **auth, **cluster_opts)
+                              **auth, **cluster_opts)
     sentinel = makers.sentinel(nodes, sentinel_kwargs=_sentinel_kwargs(sentinel_kwargs),
                                **options)
     return sentinel.master_for(str(master_name), redis_class=makers.master, **auth,
@@ -207,11 +268,30 @@ class LazyCluster:
         return call
 
 
+class AsyncCluster(AsyncRedisCluster):
+    """redis-py's asyncio ``RedisCluster``, whose failures are ``RedisError`` (see
+    :class:`LazyCluster`): an unreachable cluster arrives as ``redis.ConnectionError``."""
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> AsyncRedisCluster:
+        """Find the cluster's nodes (on first use)."""
+        try:
+            return await super().initialize(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise redis.ConnectionError(str(exc)) from exc
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        """Run one command (scripts included), cluster failures as ``ConnectionError``."""
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise redis.ConnectionError(str(exc)) from exc
+
+
 # redis-py's sync Sentinel and ClusterNode have no annotations: Any, through _Makers.
 _SYNC = _Makers(server=redis.Redis.from_url,
                 cluster=lambda **kw: LazyCluster(lambda: RedisCluster(**kw)),
                 node=ClusterNode, sentinel=Sentinel, master=SentinelMaster)
-_ASYNC = _Makers(server=aioredis.Redis.from_url, cluster=AsyncRedisCluster,
+_ASYNC = _Makers(server=aioredis.Redis.from_url, cluster=AsyncCluster,
                  node=AsyncClusterNode, sentinel=AsyncSentinel, master=AsyncSentinelMaster)
 
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar, cast
@@ -42,13 +40,14 @@ from .limits import (
     Limit,
     Reservation,
 )
+from .packed import AsyncPackedPath, Call, PackedPath, Plain
 from .rates import US_PER_SECOND, Rate, parse_rate
 from .scripts import source
 from .values import to_us, units
 
 # The records live in limits.py; they are re-exported here, where they were first.
-__all__ = ["DEFAULT_LEASE", "IDLE_CONNECTIONS", "SCRIPT", "AnyLimit", "BucketState", "Clock",
-           "Concurrency", "Decision", "Gate", "GateCalls", "LeaseState", "Limit", "Plain",
+__all__ = ["DEFAULT_LEASE", "SCRIPT", "AnyLimit", "BucketState", "Clock",
+           "Concurrency", "Decision", "Gate", "GateCalls", "LeaseState", "Limit",
            "Reservation"]
 
 #: gate.lua, the one copy of the algorithm (Gate and AsyncGate both run it).
@@ -59,18 +58,10 @@ _ALLOWED, _EARLY = 1, 3
 _NEVER = -1
 # The booked-limits mask travels as an integer (exact in a Lua double).
 _MAX_LIMITS = 50
-# Packed plain decisions kept per gate (one per limits/horizon/grace combination).
-_MAX_PACKED = 4096
-#: Connections a gate keeps between packed decisions, at most; the rest go back
-#: to the client's pool (which other commands, and claims, need too).
-IDLE_CONNECTIONS = 8
 
 
 Clock = Literal["server", "local"] | Callable[[], float]
 F = TypeVar("F", bound=Callable[..., Any])
-Call = tuple[list[bytes], list[bytes]]  # (KEYS, ARGV) of one gate.lua call
-# A plain decision: its cache key, and its packed command or the call to pack.
-Plain = tuple[tuple[Any, ...], "list[bytes] | Call"]
 
 
 class GateCalls:
@@ -86,8 +77,8 @@ class GateCalls:
             raise ValueError(f"invalid clock {clock!r}: expected 'server', 'local' or a callable")
         self.prefix = validate_prefix(prefix)
         self.clock = clock
-        self._packed: dict[tuple[Any, ...], list[bytes]] = {}
-        self._lean = False  # a gate whose client can take packed decisions sets it
+        # The packed hot path (packed.py), when the client can take it: the gate sets it.
+        self._packed: PackedPath | AsyncPackedPath | None = None
 
     def __repr__(self) -> str:
         # No client in the repr: a client's names host and db, a URL may hold a password.
@@ -115,34 +106,16 @@ class GateCalls:
     def _plain(self, limits: Sequence[AnyLimit], reserve: float | None, grace: float,
                claim: Reservation | None, holder: str) -> Plain | None:
         """A plain decision's cache key and its packed command (or, the first time, its KEYS
-        and ARGV, validated before any I/O); None: not a plain decision, the full path.
-
-        A plain decision (server clock, no claim, no holder) sends the same
-        bytes every time for the same limits, horizon and grace: packed once,
-        it skips redis-py's per-call argument packing and command machinery,
-        most of a decision's client-side cost (BENCHMARKS.md section 2).
-        """
-        if not self._lean or claim is not None or holder or self.clock != "server":
+        and ARGV, validated before any I/O); None: not a plain decision, the full path."""
+        if self._packed is None or claim is not None or holder or self.clock != "server":
             return None
         key = (tuple(limits), reserve, grace)
         try:
-            packed = self._packed.get(key)  # the one hash of the key
+            packed = self._packed.cached(key)  # the one hash of the key
         except TypeError:  # an unhashable key value (bytearray): the full path
             return None
         return key, packed if packed is not None else self._decide_call(
             limits, reserve, None, grace, "")
-
-    def _pack(self, conn: Any, plain: Plain, sha: str) -> list[bytes]:
-        """The packed EVALSHA of a plain decision: cached, or packed now by ``conn``."""
-        key, ready = plain
-        if not isinstance(ready, tuple):
-            return ready
-        keys, args = ready
-        packed: list[bytes] = conn.pack_command("EVALSHA", sha, len(keys), *keys, *args)
-        if len(self._packed) >= _MAX_PACKED:  # bounded: per-key limits may be many
-            self._packed.clear()
-        self._packed[key] = packed
-        return packed
 
     def _decide_call(self, limits: Sequence[AnyLimit], reserve: float | None,
                      claim: Reservation | None, grace: float, holder: str) -> Call:
@@ -246,13 +219,6 @@ class GateCalls:
         return int(now * US_PER_SECOND)
 
 
-def checkout_args(get_connection: Callable[..., Any]) -> tuple[str, ...]:
-    """What a pool's ``get_connection`` needs: redis-py < 5.1 requires a command name
-    (unused by a plain pool), newer ones deprecate passing one."""
-    param = inspect.signature(get_connection).parameters.get("command_name")
-    return ("EVALSHA",) if param is not None and param.default is param.empty else ()
-
-
 class Gate(GateCalls):
     """Atomic multi-limit GCRA decisions on one Redis client.
 
@@ -262,23 +228,23 @@ class Gate(GateCalls):
     for servers that refuse ``TIME`` in scripts; any callable returning
     seconds may stand in for it.  :class:`~celery_throttle.AsyncGate` is the
     same on ``redis.asyncio``.
+
+    ``packed=False`` sends every decision through redis-py's ``Script``
+    instead of the packed hot path (``packed.py``): the path it is measured
+    against.  A store failure raises redis-py's ``RedisError`` family (an
+    unreachable cluster: ``redis.ConnectionError``); :meth:`close`, or
+    ``with``, closes the client.
     """
 
     def __init__(self, client: redis.Redis | RedisCluster, *, prefix: str = "throttle",
-                 clock: Clock = "server") -> None:
+                 clock: Clock = "server", packed: bool = True) -> None:
         super().__init__(prefix, clock)
         self.client = client
         # redis-py's Script does EVALSHA and reloads the body on NOSCRIPT
         # (after SCRIPT FLUSH or a restart), so no SHA cache of our own.
         self._script = client.register_script(SCRIPT)
-        # Pre-packed plain decisions need a pooled client of its own (not a
-        # pipeline, not a single-connection client, not a cluster client).
-        self._lean = (isinstance(client, redis.Redis)
-                      and not isinstance(client, redis.client.Pipeline)
-                      and getattr(client, "connection", None) is None)
-        self._idle: list[Any] = []  # connections of packed decisions, between calls
-        self._idle_pid = os.getpid()
-        self._checkout = checkout_args(self._pool().get_connection) if self._lean else ()
+        if packed and PackedPath.takes(client):
+            self._packed = PackedPath(cast(redis.Redis, client), SCRIPT, self._script.sha)
 
     @classmethod
     def from_url(cls, url: str, *, master_name: str | None = None, **options: Any) -> Gate:
@@ -316,60 +282,11 @@ class Gate(GateCalls):
         """
         plain = self._plain(limits, reserve, grace, claim, holder)
         if plain is not None:
-            reply = self._send_packed(plain)
+            reply = cast(PackedPath, self._packed).send(plain)
             if reply is not None:
                 return self._decision(limits, reply)
         keys, args = self._decide_call(limits, reserve, claim, grace, holder)
         return self._decision(limits, self._script(keys=keys, args=args))
-
-    def _send_packed(self, plain: Plain) -> Any:
-        """A plain decision as pre-packed bytes; None: take the full path (NOSCRIPT, or a
-        connection error: redis-py's path reloads or reconnects).
-
-        The connection is one this gate keeps between calls (taken from the
-        client's pool once): checking one out of redis-py's pool per call
-        costs a lock and a readiness poll, a good part of a decision.
-        """
-        conn = self._connection()
-        healthy = False
-        try:
-            packed = self._pack(conn, plain, self._script.sha)
-            conn.send_packed_command(packed)
-            try:
-                reply = conn.read_response()
-            except redis.exceptions.NoScriptError:
-                # The server lost the script (a restart, SCRIPT FLUSH): load it on
-                # this connection and ask again; a NOSCRIPT reply charged nothing.
-                conn.send_command("SCRIPT", "LOAD", SCRIPT)
-                conn.read_response()
-                conn.send_packed_command(packed)
-                reply = conn.read_response()
-            healthy = True
-            return reply
-        except redis.exceptions.NoScriptError:
-            healthy = True  # a full reply was read: the connection is fine
-            return None
-        except (redis.ConnectionError, redis.TimeoutError):
-            return None
-        finally:
-            if healthy and len(self._idle) < IDLE_CONNECTIONS:
-                self._idle.append(conn)
-            else:
-                if not healthy:  # a reply may still be on its way: never hand this socket on
-                    conn.disconnect()
-                self._pool().release(conn)
-
-    def _pool(self) -> Any:
-        # Only the lean path asks, and it is only taken by a plain redis.Redis.
-        return cast(redis.Redis, self.client).connection_pool
-
-    def _connection(self) -> Any:
-        if self._idle_pid != os.getpid():  # forked: the parent's sockets are not ours
-            self._idle, self._idle_pid = [], os.getpid()
-        try:
-            return self._idle.pop()
-        except IndexError:
-            return self._pool().get_connection(*self._checkout)
 
     def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
              holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:
@@ -478,6 +395,18 @@ class Gate(GateCalls):
     def reset(self, limit: AnyLimit) -> bool:
         """Forget ``limit``'s bucket (full again; a concurrency limit: its leases, pause)."""
         return bool(self.client.delete(*self._reset_keys(limit)))
+
+    def close(self) -> None:
+        """Close the client (its connection pool), and the connections the gate keeps."""
+        if isinstance(self._packed, PackedPath):
+            self._packed.close()
+        self.client.close()
+
+    def __enter__(self) -> Gate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _op(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> int:
         keys, args = self._op_call(limits, op, arg, holder)

@@ -1,18 +1,22 @@
-"""Where state lives: bucket key names.
+"""Where state lives: every key name is built here.
 
-Layout: ``{<prefix>}:<name>`` for a shared bucket and ``{<prefix>}:<name>:k:<digest>``
-for one bucket per caller-supplied key value (tenant id, API key, ...).  A
-concurrency limit of the same name and key keeps its keys beside it, the
-bucket key plus ``:leases``, ``:meta`` and ``:waiters``.  Every key name is
-built here.
+A limit's keys: ``{<prefix>}:<kind>:<digest>:<name>``, where ``kind`` is
+``b`` (a rate bucket), ``l`` (a concurrency limit's leases), ``m`` (its
+meta hash) or ``w`` (its waiters list), and ``digest`` is the hashed key
+value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
+one.  The name comes last, after two parts of fixed form, so a limit name
+can hold any character (``:`` included) and still never be the key of
+another limit, nor of the package's own keys: those (``epoch``, ``room:*``,
+``wait:*``, ``copy:*``, ``arrived:*``) start with a word no limit key starts
+with.
 
 * The prefix is the key's *first* ``{...}`` group, i.e. its Redis Cluster hash
   tag.  One decision may span several buckets (a tenant rate, a provider rate,
   a token budget) and must run as one script on one node, and the same bucket
-  takes part in decisions with different partners, so every bucket of one
+  takes part in decisions with different partners, so every key of one
   prefix lives in one slot.  User data comes after the tag and can never move
   a key to another slot.
-* The waiting room (``waiting_room.py``) keeps four keys per prefix,
+* The waiting room (``room/parking.py``) keeps its keys under
   ``{<prefix>}:room:<part>``, and tasks leave notes under
   ``{<prefix>}:<kind>:<task id digest>``: same hash tag, so a script that
   books a slot and one that parks the task may touch both.
@@ -82,27 +86,28 @@ def key_digest(value: object) -> str:
 
 
 def bucket_key(prefix: str, name: str, key: object = None) -> str:
-    """The Redis key of the bucket ``name`` (and key value ``key``, if given)."""
-    if key is None:
-        return f"{{{prefix}}}:{name}"
-    return f"{{{prefix}}}:{name}:k:{key_digest(key)}"
+    """The Redis key of the rate bucket ``name`` (and key value ``key``, if given)."""
+    return _limit_key("b", prefix, name, key)
 
 
-# A concurrency limit's keys sit beside a rate bucket of the same name and
-# key value without ever being the same key.
 def leases_key(prefix: str, name: str, key: object = None) -> str:
     """A concurrency limit's leases: a sorted set, holder -> lease expiry."""
-    return bucket_key(prefix, name, key) + ":leases"
+    return _limit_key("l", prefix, name, key)
 
 
 def meta_key(prefix: str, name: str, key: object = None) -> str:
     """A concurrency limit's hash: average run, holders' starts, pacing cursor, pause."""
-    return bucket_key(prefix, name, key) + ":meta"
+    return _limit_key("m", prefix, name, key)
 
 
 def waiters_key(prefix: str, name: str, key: object = None) -> str:
-    """A concurrency limit's list of tasks parked for a slot ("entry holder", oldest first)."""
-    return bucket_key(prefix, name, key) + ":waiters"
+    """A concurrency limit's list of tasks parked for a seat ("entry holder", oldest first)."""
+    return _limit_key("w", prefix, name, key)
+
+
+def _limit_key(kind: str, prefix: str, name: str, key: object) -> str:
+    digest = "-" if key is None else key_digest(key)
+    return f"{{{prefix}}}:{kind}:{digest}:{name}"
 
 
 def copy_key(prefix: str, task_id: str, retries: int) -> str:

@@ -20,9 +20,10 @@ import contextlib
 import datetime as dt
 import email.utils
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any, TypeVar
+
+from .values import seconds
 
 AnyLimitT = TypeVar("AnyLimitT")
 
@@ -95,10 +96,7 @@ class RateLimited(ThrottleError):
             retry_after = DEFAULT_RETRY_AFTER
         elif isinstance(retry_after, str):  # re-created from its message by a result backend
             message, retry_after = retry_after, DEFAULT_RETRY_AFTER
-        if (isinstance(retry_after, bool) or not isinstance(retry_after, int | float)
-                or math.isnan(retry_after) or retry_after < 0):
-            raise ValueError(f"invalid retry_after {retry_after!r}: expected seconds >= 0")
-        self.retry_after = min(float(retry_after), MAX_RETRY_AFTER)
+        self.retry_after = min(seconds("retry_after", retry_after), MAX_RETRY_AFTER)
         self.limits = tuple(limits)
         super().__init__(message or f"provider rate limit: retry after {self.retry_after:.3f}s")
 

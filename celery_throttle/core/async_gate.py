@@ -16,6 +16,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
+from ..values import US_PER_SECOND, to_us
 from . import waiting
 from .connect import connect_async
 from .gate import (
@@ -33,8 +34,7 @@ from .gate import (
     Reservation,
 )
 from .packed import AsyncPackedPath
-from .rates import US_PER_SECOND, Rate, parse_rate
-from .values import to_us
+from .rates import Rate, parse_rate
 
 __all__ = ["AsyncGate"]
 

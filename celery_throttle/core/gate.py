@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar, cast
 import redis
 from redis.cluster import RedisCluster
 
+from ..values import US_PER_SECOND, to_us, units
 from . import waiting
 from .connect import connect
 from .keys import (
@@ -41,9 +42,8 @@ from .limits import (
     Reservation,
 )
 from .packed import AsyncPackedPath, Call, PackedPath, Plain
-from .rates import US_PER_SECOND, Rate, parse_rate
+from .rates import Rate, parse_rate
 from .scripts import source
-from .values import to_us, units
 
 # The records live in limits.py; they are re-exported here, where they were first.
 __all__ = ["DEFAULT_LEASE", "SCRIPT", "AnyLimit", "BucketState", "Clock",

@@ -7,12 +7,11 @@ may use them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from ..values import check_cost, positive_int, seconds, to_us
 from .keys import key_digest, validate_name
-from .rates import US_PER_SECOND, Rate, parse_rate
-from .values import check_cost, positive_int
+from .rates import Rate, parse_rate
 
 __all__ = ["DEFAULT_LEASE", "AnyLimit", "BucketState", "Concurrency", "Decision", "LeaseState",
            "Limit", "Reservation"]
@@ -63,15 +62,14 @@ class Concurrency:
         positive_int("concurrency", self.slots)
         if self.key is not None:
             key_digest(self.key)
-        if (isinstance(self.lease, bool) or not isinstance(self.lease, int | float)
-                or not 0.1 <= self.lease <= 86400):
+        if not 0.1 <= seconds("lease", self.lease) <= 86400:
             raise ValueError(f"invalid lease {self.lease!r}: expected seconds from 0.1 "
                              "to 86400")
 
     @property
     def lease_us(self) -> int:
         """The lease in microseconds."""
-        return math.ceil(self.lease * US_PER_SECOND)
+        return to_us(self.lease)
 
 
 #: Either kind of limit; :meth:`Gate.acquire_many` decides them together.

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+from ..values import US_PER_SECOND
+
 __all__ = ["Rate", "parse_rate"]
 
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -26,9 +28,9 @@ _FORM = re.compile(
 )
 _EXPECTED = "expected 'N/P' such as '10/s', '100/m', '2/h', '1000/d', '0.5/s' or '5/10s'"
 
-# Microseconds are the unit across the Lua boundary: Redis' TIME gives them,
-# and an interval of 1 us still represents 1,000,000 starts per second.
-US_PER_SECOND = 1_000_000
+# Microseconds are the unit across the Lua boundary (values.US_PER_SECOND):
+# Redis' TIME gives them, and an interval of 1 us still represents 1,000,000
+# starts per second.
 
 
 @dataclass(frozen=True, slots=True)

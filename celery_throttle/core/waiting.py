@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from ..errors import ThrottleTimeout
+from ..values import LONGEST_WAIT, renew_every
 from .limits import AnyLimit, Concurrency, Decision, Reservation
 
 __all__ = ["Ask", "Sleep", "ahold", "await_slot", "hold", "limited", "plan", "wait"]
@@ -86,7 +87,7 @@ def plan(limits: Sequence[AnyLimit], timeout: float | None,
     deadline = None if timeout is None else clock() + timeout
     claim: Reservation | None = None
     for _ in range(_MAX_STEPS):
-        left = 3600.0 * 24 * 7 if deadline is None else max(0.0, deadline - clock())
+        left = LONGEST_WAIT if deadline is None else max(0.0, deadline - clock())
         decision: Decision = yield Ask(reserve=left, claim=claim)
         if decision.allowed:
             if decision.retry_after > 0:  # admitted for its slot just ahead
@@ -194,7 +195,7 @@ def hold(gate: Gate, limits: Sequence[AnyLimit], *, timeout: float | None = None
     stop = threading.Event()
 
     def renew() -> None:
-        every = min(lim.lease for lim in leases) / 3
+        every = renew_every([lim.lease for lim in leases])
         while not stop.wait(every):
             with contextlib.suppress(Exception):  # a missed beat is retried at the next
                 gate.extend(leases, holder)
@@ -223,7 +224,7 @@ async def ahold(gate: AsyncGate, limits: Sequence[AnyLimit], *, timeout: float |
         return
 
     async def renew() -> None:
-        every = min(lim.lease for lim in leases) / 3
+        every = renew_every([lim.lease for lim in leases])
         while True:
             await asyncio.sleep(every)
             with contextlib.suppress(Exception):

@@ -9,7 +9,6 @@ replace them: a task consumed from a limited queue passes both, atomically.
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from ..core.gate import Limit
 from ..core.keys import validate_prefix
 from ..core.rates import parse_rate
 from ..errors import ThrottleConfigError
+from ..values import LONGEST_WAIT, seconds
 
 __all__ = ["SETTINGS", "Config", "QueueLimit", "read_config"]
 
@@ -124,15 +124,11 @@ class Config:
 def _seconds(name: str, value: object, *, allow_none: bool) -> float | None:
     if value is None and allow_none:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or math.isnan(value)
-        or value < 0
-    ):
+    try:
+        return seconds(name, value)
+    except ValueError:
         raise ThrottleConfigError(f"setting {name}={value!r}: expected seconds >= 0"
-                                  + (" or None" if allow_none else ""))
-    return float(value)
+                                  + (" or None" if allow_none else "")) from None
 
 
 def _queue_limits(value: object) -> tuple[QueueLimit, ...]:
@@ -267,7 +263,7 @@ def _horizon(value: object, waiting_room: bool) -> float:
     # 300/m is 2.8 h) must still book slots, or the tasks beyond the horizon
     # would come back again and again to ask.
     if value is None:
-        return 604_800.0 if waiting_room else 3600.0
+        return LONGEST_WAIT if waiting_room else 3600.0
     return _seconds("throttle_horizon", value, allow_none=False) or 0.0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import math
 import random
 import time
 from dataclasses import replace
@@ -34,6 +33,7 @@ from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import queue_of
 from ..room.envelope import capture
 from ..room.header import HEADER, WaitState, spacing_of
+from ..values import from_us, to_us
 from . import leases
 from .copies import new_copy
 from .notes import NOTE_AFTER_MS, wait_note, write_note
@@ -180,7 +180,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     release_leases_of(task)
     new = WaitState(deferrals=state.deferrals + 1, since=state.since, copy=new_copy(),
                     prev=state.copy_id, spacing=spacing_of(limits))
-    if not _park(task, runtime, new, delay_us=math.ceil(max(seconds, 0.0) * 1e6)):
+    if not _park(task, runtime, new, delay_us=to_us(max(seconds, 0.0))):
         _republish(task, new, min(max(seconds, 0.001), runtime.config.max_countdown))
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
@@ -232,8 +232,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
             # is busy: the slot is lost (a little throughput) rather than used
             # late (that could burst).
             logger.info("throttle: task %s[%s] lost its slot (%.3fs ago); asking again",
-                        task.name, request.id, (decision.now - claim.slot) / 1e6)
-        waited = (decision.now - state.since) / 1e6 if state.since else 0.0
+                        task.name, request.id, from_us(decision.now - claim.slot))
+        waited = from_us(decision.now - state.since) if state.since else 0.0
         if to_expiry is not None and decision.retry_after > to_expiry:
             _expire(task, decision)
         if max_wait is not None and waited + decision.retry_after > max_wait:
@@ -270,7 +270,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
                     spacing=spacing_of(limits))
     name = _limit_name(decision, limits)
     # Dispatched a lead before the slot, on the server clock the slot is on.
-    dispatch_at = decision.now + math.ceil(countdown * 1e6) - math.ceil(config.dispatch_lead * 1e6)
+    dispatch_at = decision.now + to_us(countdown) - to_us(config.dispatch_lead)
     slot_of = decision.limit if isinstance(decision.limit, Concurrency) and not new.booked \
         else None
     if slot_of is not None:

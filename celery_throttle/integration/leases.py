@@ -24,7 +24,7 @@ import redis
 from celery import current_task
 
 from ..core.gate import AnyLimit, Concurrency, Gate, Limit
-from ..core.values import units
+from ..values import renew_every, units
 
 __all__ = ["Admitted", "Held", "hold", "release", "settle"]
 
@@ -86,7 +86,7 @@ class _Heartbeat:
     def _period(self) -> float:
         with self.lock:
             leases = [lim.lease for h in self.held.values() for lim in h.limits]
-        return min([_MAX_BEAT, *(lease / 3 for lease in leases)])
+        return min(_MAX_BEAT, renew_every(leases)) if leases else _MAX_BEAT
 
     def _run(self) -> None:
         wake = self.wake

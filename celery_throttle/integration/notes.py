@@ -18,6 +18,7 @@ from celery import Task
 from ..core.gate import Decision
 from ..core.keys import task_key
 from ..room.header import WaitState
+from ..values import from_us, to_us
 from .runtime import Runtime
 
 __all__ = ["NOTE_AFTER_MS", "read_wait", "wait_note", "write_note"]
@@ -38,7 +39,7 @@ def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitS
     ``parked_until``: when the waiting room dispatches it (server clock, us);
     0 when it waits as a countdown.
     """
-    due = decision.now + int(decision.retry_after * 1e6)
+    due = decision.now + to_us(decision.retry_after)
     return json.dumps({"task": task.name, "limit": limit, "due": due,
                        "booked": bool(state.booked), "deferrals": state.deferrals,
                        "since": state.since, "parked_until": parked_until})
@@ -61,8 +62,8 @@ def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
     if not raw:
         return None
     note = json.loads(raw)
-    note["due_in_s"] = round((note["due"] - now) / 1e6, 3)
+    note["due_in_s"] = round(from_us(note["due"] - now), 3)
     parked = note.get("parked_until") or 0
-    note["dispatched_in_s"] = round((parked - now) / 1e6, 3) if parked else None
-    note["waiting_s"] = round((now - (note["since"] or now)) / 1e6, 3)
+    note["dispatched_in_s"] = round(from_us(parked - now), 3) if parked else None
+    note["waiting_s"] = round(from_us(now - (note["since"] or now)), 3)
     return dict(note)

@@ -24,9 +24,9 @@ from celery.local import PromiseProxy, Proxy
 from ..core.gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit
 from ..core.keys import validate_name
 from ..core.rates import Rate, parse_rate
-from ..core.values import check_cost, positive_int
 from ..errors import RateLimited
 from ..room.dispatcher import queue_of
+from ..values import check_cost, positive_int, seconds
 from . import memory
 from .defer import admit, defer_after_start, release_leases_of
 from .runtime import INSTALLED, runtime_for
@@ -202,10 +202,8 @@ def _build_spec(rate: object, burst: object, key: object, name: object, cost: ob
         validate_name(name)
     if not callable(cost):
         check_cost(cost, burst, name if isinstance(name, str) else None)
-    if max_wait is not None and (
-        isinstance(max_wait, bool) or not isinstance(max_wait, int | float) or max_wait < 0
-    ):
-        raise ValueError(f"invalid max_wait {max_wait!r}: expected seconds >= 0 or None")
+    if max_wait is not None:
+        seconds("max_wait", max_wait)
     signature = None
     if isinstance(key, str):
         if fun is None:

@@ -32,7 +32,7 @@ from kombu import Queue
 
 from .. import faults
 from ..core.logs import Every, logger
-from ..core.values import to_us
+from ..values import to_us
 from .envelope import Envelope
 from .header import HEADER
 from .parking import Parked, WaitingRoom

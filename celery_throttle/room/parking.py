@@ -35,6 +35,7 @@ from redis.cluster import RedisCluster
 
 from ..core.keys import epoch_key, room_key, task_key
 from ..core.scripts import source
+from ..values import US_PER_SECOND, from_us
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 
@@ -144,7 +145,7 @@ class WaitingRoom:
         items = reply[2:]
         parked = [Parked(items[i].decode(), items[i + 1].decode(), epoch, items[i + 2])
                   for i in range(0, len(items), 3)]
-        return (None if wait < 0 else wait / 1e6), parked
+        return (None if wait < 0 else from_us(wait)), parked
 
     def arrive(self, entry: str, token: str, epoch: int, *, marker_ttl_ms: int = 0) -> bool:
         """May this dispatched copy go on?  False: another copy of the entry arrived first.
@@ -176,7 +177,7 @@ class WaitingRoom:
         # Every note key carries the prefix's hash tag: one MGET, on one node.
         notes = [_raw(n) or None for n in self.client.mget([
             task_key(self.prefix, "wait", _task_id(m)) for m in messages])]
-        return [Waiting(e, (score - now) / 1e6, m, n)
+        return [Waiting(e, from_us(score - now), m, n)
                 for e, score, m, n in zip(entries, scores, messages, notes, strict=True)]
 
     def purge(self) -> int:
@@ -188,7 +189,7 @@ class WaitingRoom:
         """Counts and the next dispatch time, read in one round trip."""
         sec, usec, parked, claimed, first = self._look(keys=[self.parked, self.claimed],
                                                        args=["state"])
-        nxt = (int(float(first)) - _micros(sec, usec)) / 1e6 if first else None
+        nxt = from_us(int(float(first)) - _micros(sec, usec)) if first else None
         return RoomState(int(parked), int(claimed), nxt)
 
 
@@ -200,7 +201,7 @@ class WaitingRoom:
 
 
 def _micros(sec: bytes | int, usec: bytes | int) -> int:
-    return int(sec) * 1_000_000 + int(usec)
+    return int(sec) * US_PER_SECOND + int(usec)
 
 
 def _raw(value: bytes | str | None) -> bytes:

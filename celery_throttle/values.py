@@ -1,15 +1,22 @@
-"""The checks of plain values every layer takes: counts, units and a start's cost.
+"""The checks of plain values every layer takes: counts, durations, units and a start's cost.
 
-The bottom layer with rates, keys and errors: it imports nothing from the
-package, so the gate, the decorator and the settlements check the same rule
-from one place.
+A leaf with the errors: it imports nothing from the package, so the gate,
+the decorator, the settings and the exceptions check each rule from one
+place.  Durations cross into the scripts as whole microseconds.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["check_cost", "positive_int", "to_us", "units"]
+__all__ = ["LONGEST_WAIT", "US_PER_SECOND", "check_cost", "from_us", "positive_int",
+           "renew_every", "seconds", "to_us", "units"]
+
+US_PER_SECOND = 1_000_000
+
+#: The longest a slot is booked ahead (and a waiter with no timeout waits at a
+#: time): a week.  A booking is a few bytes in Redis, not a worker's memory.
+LONGEST_WAIT = 7 * 24 * 3600.0
 
 
 def positive_int(what: str, value: object) -> int:
@@ -24,6 +31,14 @@ def units(what: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"invalid {what} {value!r}: expected an integer >= 0")
     return value
+
+
+def seconds(what: str, value: object) -> float:
+    """A duration: a number >= 0 (not a bool, not NaN); else a ValueError naming ``what``."""
+    if (isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value)
+            or value < 0):
+        raise ValueError(f"invalid {what} {value!r}: expected seconds >= 0")
+    return float(value)
 
 
 def check_cost(cost: object, burst: int, limit: str | None = None) -> int:
@@ -43,8 +58,17 @@ def check_cost(cost: object, burst: int, limit: str | None = None) -> int:
     return value
 
 
-def to_us(seconds: float) -> int:
+def to_us(duration: float) -> int:
     """A duration in whole microseconds (rounded up), for the scripts; >= 0 or a ValueError."""
-    if seconds < 0 or math.isnan(seconds):
-        raise ValueError(f"invalid duration {seconds!r}: expected seconds >= 0")
-    return math.ceil(seconds * 1_000_000)
+    return math.ceil(seconds("duration", duration) * US_PER_SECOND)
+
+
+def from_us(us: int) -> float:
+    """Microseconds (a script's reply, a server clock difference) in seconds."""
+    return us / US_PER_SECOND
+
+
+def renew_every(leases: list[float]) -> float:
+    """How often leases of these lengths (seconds) are renewed: every third of the shortest,
+    so a lease outlives two missed renewals."""
+    return min(leases) / 3

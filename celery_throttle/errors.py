@@ -85,7 +85,7 @@ class RateLimited(ThrottleError):
 
     The task's limits (or only those named in ``limits``) admit nothing for
     ``retry_after`` seconds, on every worker, and this task is re-scheduled
-    to run after the pause, its retries untouched.  Its concurrency slot is
+    to run after the pause, its retries untouched.  Its concurrency seat is
     given back at once.
     """
 

@@ -161,7 +161,7 @@ def test_sigkilled_worker_frees_its_slot_within_the_lease(
     assert holder.state != "SUCCESS"
     started = next(r["t"] for r in rows if r["id"] == waiter.id)
     recovery = started - killed
-    print(f"\nslot free again {recovery:.2f} s after the SIGKILL (lease 3 s)")
+    print(f"\nseat free again {recovery:.2f} s after the SIGKILL (lease 3 s)")
     # Expired within the lease; the waiter returns at its paced time (the
     # average run is unknown: 1 s steps), so at most one step later.
     assert recovery <= 3.0 + 1.5

@@ -19,7 +19,7 @@ from celery_throttle import (
 from .clock import T0, StepClock
 
 
-def test_at_most_n_holders_and_a_release_frees_a_slot(cgate: Gate) -> None:
+def test_at_most_n_holders_and_a_release_frees_a_seat(cgate: Gate) -> None:
     """Two slots: a and b hold, c is refused; after a releases, c gets the slot."""
     two = Concurrency("llm-inflight", 2)
     assert cgate.acquire_many([two], holder="a").allowed
@@ -110,7 +110,7 @@ def test_waiters_are_paced_by_the_oldest_run_before_any_ended(cgate: Gate, clock
     clock.us = T0 + 600_000  # a and b have run 0.6 s: runs are at least that long
     later = cgate.acquire_many([two], holder="w2", reserve=60)
     assert later.slot == T0 + 600_000 + 300_000
-    clock.us = T0 + 5_000_000  # 5 s: the guess stops at 1 s (a freed slot stays idle less)
+    clock.us = T0 + 5_000_000  # 5 s: the guess stops at 1 s (a freed seat stays idle less)
     again = cgate.acquire_many([two], holder="w3", reserve=60)
     assert again.slot == T0 + 5_000_000 + 500_000
     assert cgate.release([two], "a") == 1  # measured on the server's side: 5 s

@@ -206,7 +206,7 @@ def test_a_freed_slot_is_handed_to_the_oldest_parked_waiter(
     assert client.lrange(waiters, 0, -1) == [b"second t-second"]
 
 
-def test_release_without_waiters_frees_the_slot(client: redis.Redis, prefix: str) -> None:
+def test_release_without_waiters_frees_the_seat(client: redis.Redis, prefix: str) -> None:
     """No task parked for the limit: the slot is simply free for the next caller."""
     from celery_throttle import Concurrency, Gate
 

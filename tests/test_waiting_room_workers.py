@@ -224,7 +224,7 @@ def test_a_freed_concurrency_slot_goes_to_the_oldest_waiter_at_once(
     gaps = [b["t"] - (a["t"] + a["seconds"]) for a, b in itertools.pairwise(rows)]
     print(f"\nhand-off gaps between one run's end and the next start: "
           f"{[round(g, 3) for g in gaps]}")
-    # Each freed slot is taken within one dispatch and one broker trip (the
+    # Each freed seat is taken within one dispatch and one broker trip (the
     # paced return without a hand-off would come back up to a second later).
     assert max(gaps) < 0.25
     assert min(gaps) > 0  # never two at once

@@ -22,13 +22,9 @@ from ..values import US_PER_SECOND, to_us, units
 from . import waiting
 from .connect import connect
 from .keys import (
-    bucket_key,
     epoch_key,
-    leases_key,
-    meta_key,
     room_key,
     validate_prefix,
-    waiters_key,
 )
 from .limits import (
     ADMITTED,
@@ -87,8 +83,7 @@ class GateCalls:
 
     def key_of(self, limit: AnyLimit) -> str:
         """The Redis key of ``limit``'s bucket (a concurrency limit's: its leases)."""
-        return _key_bytes(self.prefix, limit.name, limit.key,
-                          isinstance(limit, Concurrency)).decode()
+        return limit.key_in(self.prefix).decode()
 
     @staticmethod
     def _declared(rate: str | Rate | None, name: str, burst: int, cost: int, key: object,
@@ -121,7 +116,7 @@ class GateCalls:
                      claim: Reservation | None, grace: float, holder: str) -> Call:
         if not limits or len(limits) > _MAX_LIMITS:
             raise ValueError(f"acquire_many takes 1 to {_MAX_LIMITS} limits, got {len(limits)}")
-        if not holder and any(isinstance(lim, Concurrency) for lim in limits):
+        if not holder and any(lim.leased for lim in limits):
             raise ValueError("a Concurrency limit needs a holder (the lease owner's id)")
         args = list(_head_args(now=self._now_us(),
                                horizon=_NEVER if reserve is None else to_us(reserve),
@@ -149,8 +144,7 @@ class GateCalls:
         args = list(_head_args(now=self._now_us(), holder=holder, op=op.encode(), op_arg=arg))
         keys = self._keys(limits)
         if op == "release":
-            keys += [waiters_key(self.prefix, lim.name, lim.key).encode() for lim in limits
-                     if isinstance(lim, Concurrency)]
+            keys += [k for lim in limits for k in lim.waiter_keys(self.prefix)]
             keys += [room_key(self.prefix, part).encode() for part in ("parked", "messages",
                                                                        "wake")]
         return keys, args + self._limit_args(limits)
@@ -188,29 +182,20 @@ class GateCalls:
         return LeaseState(limit=limit, held=held, paused=paused / US_PER_SECOND,
                           average_run=run / US_PER_SECOND)
 
-    def _reset_keys(self, limit: AnyLimit) -> list[str | bytes]:
-        keys: list[str | bytes] = [self.key_of(limit)]
-        if isinstance(limit, Concurrency):
-            keys.append(_meta_key(self.prefix, limit.name, limit.key))
-        return keys
+    def _reset_keys(self, limit: AnyLimit) -> list[bytes]:
+        return [limit.key_in(self.prefix), *limit.side_keys(self.prefix)]
 
     def _keys(self, limits: Sequence[AnyLimit]) -> list[bytes]:
-        keys = [_key_bytes(self.prefix, lim.name, lim.key, isinstance(lim, Concurrency))
-                for lim in limits]
+        """KEYS of gate.lua (its header names them): each limit's key, the epoch, then each
+        limit's side keys."""
+        keys = [lim.key_in(self.prefix) for lim in limits]
         keys.append(_epoch_key(self.prefix))
-        keys += [_meta_key(self.prefix, lim.name, lim.key) for lim in limits
-                 if isinstance(lim, Concurrency)]
+        keys += [k for lim in limits for k in lim.side_keys(self.prefix)]
         return keys
 
     @staticmethod
     def _limit_args(limits: Sequence[AnyLimit]) -> list[bytes]:
-        args: list[bytes] = []
-        for lim in limits:
-            if isinstance(lim, Concurrency):
-                args += _limit_args(0, lim.slots, lim.lease_us)
-            else:
-                args += _limit_args(lim.rate.interval_us, lim.burst, lim.cost)
-        return args
+        return [arg for lim in limits for arg in lim.script_args()]
 
     def _now_us(self) -> int:
         if self.clock == "server":
@@ -328,7 +313,7 @@ class Gate(GateCalls):
         """Give back ``holder``'s leases in the concurrency limits among ``limits``.
 
         ``ran_for`` (seconds) feeds the average run that paces waiters.  A
-        freed slot goes at once to the oldest task parked for it in the
+        freed seat goes at once to the oldest task parked for it in the
         waiting room (its lease is taken in its name).  Returns how many
         leases were released (0: none held, e.g. expired).
         """
@@ -337,8 +322,8 @@ class Gate(GateCalls):
     def extend(self, limits: Sequence[AnyLimit], holder: str) -> int:
         """Renew ``holder``'s leases for another lease time (a running task's heartbeat).
 
-        A lease that expired is taken again if a slot is free.  Returns how
-        many leases are lost (all slots taken by others meanwhile): 0 is good.
+        A lease that expired is taken again if a seat is free.  Returns how
+        many leases are lost (all seats taken by others meanwhile): 0 is good.
         """
         return self._op(limits, "extend", 0, holder)
 
@@ -413,13 +398,6 @@ class Gate(GateCalls):
         return int(self._script(keys=keys, args=args))
 
 
-# The arguments of a limit and a bucket's key are encoded once, not per call:
-# with redis-py's pure-Python encoder that is a good part of a decision's cost.
-@functools.lru_cache(maxsize=1024)
-def _limit_args(interval_us: int, burst: int, cost: int) -> tuple[bytes, bytes, bytes]:
-    return (str(interval_us).encode(), str(burst).encode(), str(cost).encode())
-
-
 def _head_args(*, now: int = 0, horizon: int = _NEVER, claim: Reservation | None = None,
                grace: int = 0, holder: str = "", op: bytes = b"a",
                op_arg: int = 0) -> tuple[bytes, ...]:
@@ -443,17 +421,3 @@ def _epoch_key(prefix: str) -> bytes:
     return epoch_key(prefix).encode()
 
 
-@functools.lru_cache(maxsize=65536)
-def _cached_key(prefix: str, name: str, key: object, leases: bool = False) -> bytes:
-    return (leases_key if leases else bucket_key)(prefix, name, key).encode()
-
-
-def _key_bytes(prefix: str, name: str, key: object, leases: bool = False) -> bytes:
-    try:
-        return _cached_key(prefix, name, key, leases)
-    except TypeError:  # an unhashable key value (bytearray): hash it every time
-        return (leases_key if leases else bucket_key)(prefix, name, key).encode()
-
-
-def _meta_key(prefix: str, name: str, key: object) -> bytes:
-    return meta_key(prefix, name, key).encode()

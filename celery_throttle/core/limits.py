@@ -7,10 +7,13 @@ may use them.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..values import check_cost, positive_int, seconds, to_us
-from .keys import key_digest, validate_name
+from .keys import bucket_key, key_digest, leases_key, meta_key, validate_name, waiters_key
 from .rates import Rate, parse_rate
 
 __all__ = ["DEFAULT_LEASE", "AnyLimit", "BucketState", "Concurrency", "Decision", "LeaseState",
@@ -34,6 +37,9 @@ class Limit:
     key: object = field(default=None, repr=False)  # may be a secret: never shown
     cost: int = 1
 
+    #: Admitted under a holder's name, who gives a lease back (see :class:`Concurrency`).
+    leased: ClassVar[bool] = False
+
     def __post_init__(self) -> None:
         validate_name(self.name)
         object.__setattr__(self, "rate", parse_rate(self.rate))
@@ -41,25 +47,50 @@ class Limit:
         if self.key is not None:
             key_digest(self.key)  # a TypeError naming the type, now rather than at the call
 
+    @property
+    def interval_us(self) -> int:
+        """The spacing of starts (microseconds), carried with a booking."""
+        return self.rate.interval_us
+
+    def script_args(self) -> tuple[bytes, bytes, bytes]:
+        """This limit's three ARGV of gate.lua: interval (us), burst, cost."""
+        return _encoded(self.rate.interval_us, self.burst, self.cost)
+
+    def key_in(self, prefix: str) -> bytes:
+        """The bucket's key, the one KEYS entry a decision needs of this limit."""
+        return _key_bytes(bucket_key, prefix, self.name, self.key)
+
+    def side_keys(self, prefix: str) -> tuple[bytes, ...]:
+        """Keys besides :meth:`key_in` that a call on this limit touches: none."""
+        return ()
+
+    def waiter_keys(self, prefix: str) -> tuple[bytes, ...]:
+        """The list of tasks waiting for a seat (a concurrency limit's): none."""
+        return ()
+
 
 @dataclass(frozen=True, slots=True)
 class Concurrency:
-    """At most ``slots`` holders of ``name`` (and ``key``) at once, each on a lease.
+    """At most ``seats`` holders of ``name`` (and ``key``) at once, each on a lease.
 
-    A holder (a task id) takes a slot when admitted and gives it back with
+    A holder (a task id) takes a seat when admitted and gives it back with
     :meth:`Gate.release`; :meth:`Gate.extend` renews the lease while it runs.
-    A holder that never does either (its worker was killed) loses the slot
+    A holder that never does either (its worker was killed) loses the seat
     ``lease`` seconds after it last renewed it.
     """
 
     name: str
-    slots: int
+    seats: int
     key: object = field(default=None, repr=False)  # may be a secret: never shown
     lease: float = DEFAULT_LEASE
 
+    leased: ClassVar[bool] = True
+    #: A concurrency limit spaces no starts.
+    interval_us: ClassVar[int] = 0
+
     def __post_init__(self) -> None:
         validate_name(self.name)
-        positive_int("concurrency", self.slots)
+        positive_int("concurrency", self.seats)
         if self.key is not None:
             key_digest(self.key)
         if not 0.1 <= seconds("lease", self.lease) <= 86400:
@@ -70,6 +101,22 @@ class Concurrency:
     def lease_us(self) -> int:
         """The lease in microseconds."""
         return to_us(self.lease)
+
+    def script_args(self) -> tuple[bytes, bytes, bytes]:
+        """This limit's three ARGV of gate.lua: 0 (no interval), seats, lease (us)."""
+        return _encoded(0, self.seats, self.lease_us)
+
+    def key_in(self, prefix: str) -> bytes:
+        """The leases' key (a sorted set: holder -> lease expiry)."""
+        return _key_bytes(leases_key, prefix, self.name, self.key)
+
+    def side_keys(self, prefix: str) -> tuple[bytes, ...]:
+        """The meta hash: average run, holders' starts, pacing cursor, pause."""
+        return (_key_bytes(meta_key, prefix, self.name, self.key),)
+
+    def waiter_keys(self, prefix: str) -> tuple[bytes, ...]:
+        """The list of tasks parked for a seat, handed a freed one in order."""
+        return (_key_bytes(waiters_key, prefix, self.name, self.key),)
 
 
 #: Either kind of limit; :meth:`Gate.acquire_many` decides them together.
@@ -163,3 +210,24 @@ class LeaseState:
     held: int  # unexpired leases
     paused: float  # seconds until a pause ends (0: not paused)
     average_run: float  # seconds, the moving average of released runs (0: none yet)
+
+
+# The arguments of a limit and its keys are encoded once, not per call: with
+# redis-py's pure-Python encoder that is a good part of a decision's cost.
+@functools.lru_cache(maxsize=1024)
+def _encoded(interval_us: int, burst: int, cost: int) -> tuple[bytes, bytes, bytes]:
+    return (str(interval_us).encode(), str(burst).encode(), str(cost).encode())
+
+
+@functools.lru_cache(maxsize=65536)
+def _cached_key(make: Callable[[str, str, object], str], prefix: str, name: str,
+                key: object) -> bytes:
+    return make(prefix, name, key).encode()
+
+
+def _key_bytes(make: Callable[[str, str, object], str], prefix: str, name: str,
+               key: object) -> bytes:
+    try:
+        return _cached_key(make, prefix, name, key)
+    except TypeError:  # an unhashable key value (bytearray): hashed every time
+        return make(prefix, name, key).encode()

@@ -160,7 +160,7 @@ def _give_back(cancel: Callable[..., Any], release: Callable[..., Any],
     with contextlib.suppress(Exception):  # the interruption is what the caller sees
         if booking is not None:
             cancel(limits, booking)
-        if holder and any(isinstance(lim, Concurrency) for lim in limits):
+        if holder and any(lim.leased for lim in limits):
             release(limits, holder)
 
 
@@ -169,7 +169,7 @@ async def _agive_back(gate: AsyncGate, limits: Sequence[AnyLimit],
     with contextlib.suppress(Exception):
         if booking is not None:
             await gate.cancel(limits, booking)
-        if holder and any(isinstance(lim, Concurrency) for lim in limits):
+        if holder and any(lim.leased for lim in limits):
             await gate.release(limits, holder)
 
 
@@ -180,7 +180,7 @@ def _leases(limits: Sequence[AnyLimit]) -> list[Concurrency]:
 @contextlib.contextmanager
 def hold(gate: Gate, limits: Sequence[AnyLimit], *, timeout: float | None = None,
          holder: str | None = None, grace: float = DEFAULT_GRACE) -> Iterator[Decision]:
-    """Wait for a start, then run the block holding its concurrency slots.
+    """Wait for a start, then run the block holding its concurrency seats.
 
     The leases are renewed every third of the shortest lease by a thread
     while the block runs (so it may outlast the lease) and given back when

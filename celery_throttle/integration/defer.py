@@ -175,7 +175,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
         metrics.store_error([lim.name for lim in limits])
         logger.warning("throttle: could not pause %s (%s: %s); task %s[%s] waits %.3fs anyway",
                        names, type(exc).__name__, exc, task.name, request.id, seconds)
-    # Only now: a slot freed before the pause was written could let another
+    # Only now: a seat freed before the pause was written could let another
     # call through to the provider that just refused.
     release_leases_of(task)
     new = WaitState(deferrals=state.deferrals + 1, since=state.since, copy=new_copy(),
@@ -271,15 +271,15 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     name = _limit_name(decision, limits)
     # Dispatched a lead before the slot, on the server clock the slot is on.
     dispatch_at = decision.now + to_us(countdown) - to_us(config.dispatch_lead)
-    slot_of = decision.limit if isinstance(decision.limit, Concurrency) and not new.booked \
+    seat_of = decision.limit if isinstance(decision.limit, Concurrency) and not new.booked \
         else None
-    if slot_of is not None:
-        # Waiting for a concurrency slot (nothing booked): it queues for the
+    if seat_of is not None:
+        # Waiting for a concurrency seat (nothing booked): it queues for the
         # next one freed and is handed it.  Its own return is the fallback
         # for a holder that dies without giving its slot back: by then its
         # lease has expired.
-        dispatch_at = max(dispatch_at, decision.now + slot_of.lease_us)
-    parked = _park(task, runtime, new, at_us=max(dispatch_at, 1), slot_of=slot_of, was=arrived,
+        dispatch_at = max(dispatch_at, decision.now + seat_of.lease_us)
+    parked = _park(task, runtime, new, at_us=max(dispatch_at, 1), seat_of=seat_of, was=arrived,
                    note=wait_note(task, name, decision, new, parked_until=max(dispatch_at, 1)))
     if not parked:  # (a parked task's note was written by the script that parked it)
         _republish(task, new, min(countdown, config.max_countdown))
@@ -295,7 +295,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
 
 def _booked_in_all(limits: list[AnyLimit], booked: int) -> bool:
     """The slot is booked in every limit (none is a concurrency limit, which cannot be)."""
-    return all(isinstance(lim, Limit) and booked >> i & 1 for i, lim in enumerate(limits))
+    return all(not lim.leased and booked >> i & 1 for i, lim in enumerate(limits))
 
 
 def _room_open(task: Task[Any, Any], runtime: Runtime) -> bool:
@@ -306,7 +306,7 @@ def _room_open(task: Task[Any, Any], runtime: Runtime) -> bool:
 def _queues_for_slot(task: Task[Any, Any], runtime: Runtime, decision: Decision) -> bool:
     """A wait for a full concurrency limit: with the waiting room, park it at once.
 
-    Parked, it queues for the next freed slot and is handed it in order; a
+    Parked, it queues for the next freed seat and is handed it in order; a
     task sleeping in a worker for its paced return would only compete.
     """
     booking = decision.reservation
@@ -315,15 +315,15 @@ def _queues_for_slot(task: Task[Any, Any], runtime: Runtime, decision: Decision)
 
 
 def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: int = 0,
-          delay_us: int = 0, note: str = "", slot_of: Concurrency | None = None,
+          delay_us: int = 0, note: str = "", seat_of: Concurrency | None = None,
           was: str = "") -> bool:
     """Park the task in the waiting room until ``at_us`` (server clock) or ``delay_us`` from now.
 
     False when it cannot be parked (the waiting room is off, the app was
     never installed so no worker dispatches it, or the store failed): the
     caller re-publishes it with a countdown instead, never losing it.
-    ``slot_of``: the full concurrency limit it waits for; it queues for the
-    next freed slot of it too (handed over by ``Gate.release``), keeping the
+    ``seat_of``: the full concurrency limit it waits for; it queues for the
+    next freed seat of it too (handed over by ``Gate.release``), keeping the
     turn of ``was``, the entry it arrived as, if it had one.
     """
     if not _room_open(task, runtime):
@@ -333,8 +333,8 @@ def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: in
     headers = {**(request.headers or {}), HEADER: replace(state, entry=entry).to_header()}
     envelope = capture(task.signature_from_request(request, headers=headers))
     try:
-        waiters = (waiters_key(runtime.config.prefix, slot_of.name, slot_of.key)
-                   if slot_of is not None else "")
+        waiters = (waiters_key(runtime.config.prefix, seat_of.name, seat_of.key)
+                   if seat_of is not None else "")
         runtime.room.park(entry, envelope.dumps(), str(request.id), at_us=at_us,
                           delay_us=delay_us, note=note, note_ttl_ms=NOTE_AFTER_MS,
                           waiters=waiters, was=was)

@@ -40,7 +40,7 @@ class FillCollector:
                                    "Starts booked beyond the burst (waiting tasks)",
                                    labels=["limit"])
         held = GaugeMetricFamily("celery_throttle_leases_held",
-                                 "Concurrency slots held (unexpired leases)", labels=["limit"])
+                                 "Concurrency seats held (unexpired leases)", labels=["limit"])
         runtime = runtime_for(self.app)
         room = runtime.room.state()
         parked = GaugeMetricFamily("celery_throttle_parked",

@@ -74,7 +74,7 @@ def _lease_row(known: KnownLimit, state: LeaseState | None, key_given: bool
     lim = known.limit
     assert isinstance(lim, Concurrency)
     row: dict[str, Any] = {
-        "limit": lim.name, "concurrency": lim.slots, "lease_s": lim.lease,
+        "limit": lim.name, "concurrency": lim.seats, "lease_s": lim.lease,
         "per_key": known.keyed, "used_by": list(known.used_by),
     }
     if state is None:
@@ -105,7 +105,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
     head = ["LIMIT", "RATE", "BURST", "FILL", "NEXT FREE", "WAITING", "USED BY"]
     body = []
     for r in rows:
-        if "concurrency" in r:  # a concurrency limit: slots held, in the same columns
+        if "concurrency" in r:  # a concurrency limit: seats held, in the same columns
             if "held" in r:
                 fill = f"{r['held']}/{r['concurrency']} held"
                 free = (f"paused {r['paused_s']:.3f}s" if r["paused_s"] else

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.gate import AnyLimit, Limit, Reservation
+from ..core.gate import AnyLimit, Reservation
 
 __all__ = ["HEADER", "WaitState", "spacing_of"]
 
@@ -84,7 +84,7 @@ class WaitState:
         if not self.booked:
             # Nothing booked (a concurrency wait): nothing to claim; it asks
             # afresh, whether it comes back at its paced time or was handed
-            # a freed slot early.
+            # a freed seat early.
             return None
         now = spacing_of(limits)
         if len(now) != len(self.spacing) or any(
@@ -106,4 +106,4 @@ class WaitState:
 
 def spacing_of(limits: list[AnyLimit]) -> tuple[int, ...]:
     """Each limit's interval (us; 0 for a concurrency limit), carried with a booking."""
-    return tuple(lim.rate.interval_us if isinstance(lim, Limit) else 0 for lim in limits)
+    return tuple(lim.interval_us for lim in limits)

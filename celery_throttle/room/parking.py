@@ -103,7 +103,7 @@ class WaitingRoom:
         ``note``: the wait note to leave for ``celery throttle why`` under
         ``task_id``, kept until ``note_ttl_ms`` after the dispatch time.
         ``waiters``: a concurrency limit's waiters list (``keys.waiters_key``)
-        to join, so a freed slot is handed to this task (``task_id`` is the
+        to join, so a freed seat is handed to this task (``task_id`` is the
         lease holder); ``was``: the entry it had there before, whose turn it
         keeps.  Returns the dispatch time (server clock, microseconds).
         """

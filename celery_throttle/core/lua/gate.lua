@@ -264,7 +264,7 @@ end
 -- run is the average of released runs (at least MIN_RUN).  Before any run
 -- has ended it is how long the oldest holder has been running, at least
 -- MIN_RUN and at most UNKNOWN_RUN: a short guess would bring waiters back
--- too often, a long one would leave a freed slot idle (and a killed
+-- too often, a long one would leave a freed seat idle (and a killed
 -- holder's slot idle past its lease).  Waiters share one cursor ('next'),
 -- so whatever the estimate, returns happen one step apart, never at once.
 local function step_of(lim)
@@ -287,7 +287,7 @@ local function take(lim)
   keep_at_least(lim.meta, META_TTL_MS)
 end
 
--- A freed slot goes to the oldest task parked for it (FIFO), within this
+-- A freed seat goes to the oldest task parked for it (FIFO), within this
 -- call, so no newcomer can take it first: its lease is taken in its name
 -- and it is due for release now.  Waiters that left the waiting room (ran,
 -- expired, lost) are skipped, a few per call.
@@ -353,7 +353,7 @@ local function release()
 end
 
 -- Keep holder's leases; one that expired and was reclaimed is taken again
--- if a slot is free.  Counts the leases lost (all slots taken by others).
+-- if a seat is free.  Counts the leases lost (all seats taken by others).
 local function extend()
   local count = 0
   for i = 1, n do

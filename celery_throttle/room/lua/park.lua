@@ -10,7 +10,7 @@ KEYS[2]  the messages hash: entry id -> the serialized message
 KEYS[3]  the wake list: one token, pushed when this entry is the new earliest,
          so a dispatcher sleeping until a later dispatch wakes at once
 KEYS[4]  the task's wait note (for `celery throttle why`)
-KEYS[5]  a concurrency limit's waiters list (gate.lua hands a freed slot to
+KEYS[5]  a concurrency limit's waiters list (gate.lua hands a freed seat to
          the oldest), or any key when ARGV[7] is ""
 ARGV[1]  entry id
 ARGV[2]  the message (envelope JSON)

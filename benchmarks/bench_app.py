@@ -6,13 +6,13 @@ task at the same limit, RATE per second, burst 1:
 
 * ``ours``: ``@throttled``;
 * ``celery_rate_limit``: Celery's built-in ``rate_limit`` (per worker node);
-* the seed articles' patterns, wrapped in a task that retries with a
-  countdown when denied (``max_retries=None``, so none fails):
-  ``check_then_incr`` (seed 000's documented pattern: read, compare, INCR),
+* the usual hand-written Redis limiters, wrapped in a task that retries
+  with a countdown when denied (``max_retries=None``, so none fails):
+  ``check_then_incr`` (read, compare, INCR: two calls),
   ``incr_then_check`` (its fix: INCR, compare; a fixed window),
-  ``zset_separate_calls`` (seed 001: ZREMRANGEBYSCORE, ZCARD, ZADD as three
-  calls), ``fixed_window_lua`` (seed 002's script, verbatim logic) and
-  ``inprocess_leaky`` (seed 003: a leaky bucket in each process's memory);
+  ``zset_separate_calls`` (a sliding window: ZREMRANGEBYSCORE, ZCARD, ZADD
+  as three calls), ``fixed_window_lua`` (a fixed-window Lua script) and
+  ``inprocess_leaky`` (a leaky bucket in each process's memory);
 * ``limits_moving_window`` (the ``limits`` library, Redis moving window) and
   ``pyrate_redis`` (``pyrate-limiter``'s Redis bucket), retrying likewise.
 
@@ -93,7 +93,7 @@ def _window() -> tuple[int, float]:
 
 @app.task(bind=True, max_retries=None)
 def check_then_incr(self: Task[Any, Any], i: int) -> int:
-    """Seed 000, the documented pattern: read the count, compare, then INCR (two calls)."""
+    """Check then increment: read the count, compare, then INCR (two calls)."""
     window, left = _window()
     key = f"bench:cti:{window}"
     if int(_store.get(key) or 0) >= RATE:
@@ -106,7 +106,7 @@ def check_then_incr(self: Task[Any, Any], i: int) -> int:
 
 @app.task(bind=True, max_retries=None)
 def incr_then_check(self: Task[Any, Any], i: int) -> int:
-    """Seed 000's fix: INCR first and judge the returned count (atomic, fixed window)."""
+    """Its fix: INCR first and judge the returned count (atomic, fixed window)."""
     window, left = _window()
     key = f"bench:itc:{window}"
     hits = _store.incr(key)
@@ -119,7 +119,7 @@ def incr_then_check(self: Task[Any, Any], i: int) -> int:
 
 @app.task(bind=True, max_retries=None)
 def zset_separate_calls(self: Task[Any, Any], i: int) -> int:
-    """Seed 001: a sliding window in a sorted set, with three separate calls."""
+    """A sliding window in a sorted set, with three separate calls."""
     key = "bench:zset"
     now = time.time()
     _store.zremrangebyscore(key, "-inf", now - 1.0)
@@ -131,7 +131,7 @@ def zset_separate_calls(self: Task[Any, Any], i: int) -> int:
     return i
 
 
-_SEED_002 = _store.register_script("""
+_FIXED_WINDOW = _store.register_script("""
 local key = KEYS[1]
 local now = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
@@ -155,13 +155,13 @@ end
 
 @app.task(bind=True, max_retries=None)
 def fixed_window_lua(self: Task[Any, Any], i: int) -> int:
-    """Seed 002's fixed-window Lua script, its logic kept as published.
+    """A fixed-window Lua script, as such limiters are commonly published.
 
     Its first request of a window returns {1, 1} ("blocked") although it
     counts it; the article's caller treats element 1 == 1 as blocked, so that
     slot is wasted.  Kept: the benchmark measures the pattern as published.
     """
-    blocked, _count = _SEED_002(keys=["bench:lua"], args=[int(time.time() * 1000), 1000, RATE])
+    blocked, _count = _FIXED_WINDOW(keys=["bench:lua"], args=[int(time.time() * 1000), 1000, RATE])
     if blocked == 1:
         _retry(self, max(0.01, _store.pttl("bench:lua") / 1000))
     record(self, "fixed_window_lua")
@@ -173,7 +173,7 @@ _bucket = {"level": 0.0, "at": time.monotonic()}
 
 @app.task(bind=True, max_retries=None)
 def inprocess_leaky(self: Task[Any, Any], i: int) -> int:
-    """Seed 003: a leaky bucket (capacity 1, leaking RATE per second) in this process's memory."""
+    """A leaky bucket (capacity 1, leaking RATE per second) in this process's memory."""
     now = time.monotonic()
     _bucket["level"] = max(0.0, _bucket["level"] - (now - _bucket["at"]) * RATE)
     _bucket["at"] = now

@@ -179,7 +179,7 @@ def patient(self: Task[Any, Any], i: int) -> int:
     return i
 
 
-# --- Issue 7: concurrency leases, provider feedback, settled token costs ---
+# --- Concurrency leases, provider feedback, settled token costs ---
 # CT_PROVIDER: the mock provider's URL (a real HTTP server in the test process).
 # CT_LEASE: the concurrency leases' length in seconds.
 

@@ -14,7 +14,7 @@ from celery_throttle.core.packed import IDLE_CONNECTIONS
 
 def test_hundred_concurrent_coroutines_pass_exactly_the_burst(redis_url: str,
                                                              prefix: str) -> None:
-    """The seeds' race, in asyncio: 100 coroutines at once on '5/s' burst 5 -> exactly 5."""
+    """The check-then-act race, in asyncio: 100 coroutines at once on '5/s' burst 5 -> exactly 5."""
     redis.Redis.from_url(redis_url).script_flush()  # the first calls meet NOSCRIPT too
 
     async def main() -> tuple[list[bool], int]:

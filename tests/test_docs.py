@@ -4,6 +4,7 @@ says, the site builds with no dead link."""
 from __future__ import annotations
 
 import os
+import ast
 import re
 import shutil
 import subprocess
@@ -22,6 +23,33 @@ def test_every_setting_is_in_the_settings_table() -> None:
     page = (ROOT / "docs" / "guide" / "settings.md").read_text()
     documented = set(re.findall(r"^\| `(throttle_\w+)` \|", page, flags=re.MULTILINE))
     assert documented == set(SETTINGS)
+
+
+def test_every_settings_default_is_the_codes() -> None:
+    """Each default in the settings table is the code's: the same literal, or, where the
+    code computes it (None in SETTINGS), a description the code's meaning gives too."""
+    page = (ROOT / "docs" / "guide" / "settings.md").read_text()
+    rows = re.findall(r"^\| `(throttle_\w+)` \| (.+?) \| ", page, flags=re.MULTILINE)
+    assert len(rows) == len(SETTINGS)
+    for name, cell in rows:
+        default, meaning = SETTINGS[name]
+        if default is None:
+            # Documented as None exactly when the code does not compute one.
+            assert (cell == "`None`") == ("default:" not in meaning), name
+        else:
+            literal = re.match(r"`([^`]+)`", cell)
+            assert literal is not None, name
+            assert ast.literal_eval(literal.group(1)) == default, name
+
+
+def test_every_metric_served_is_documented() -> None:
+    """The observability page names every metric the package serves."""
+    page = (ROOT / "docs" / "guide" / "observability.md").read_text()
+    code = "".join((ROOT / "celery_throttle" / path).read_text()
+                   for path in ("metrics.py", "integration/exporter.py"))
+    served = set(re.findall(r"\"(celery_throttle_\w+)\"", code))
+    assert len(served) >= 10
+    assert {name for name in served if name not in page} == set()
 
 
 def test_readme_commands_exist_and_ci_runs_the_test_command() -> None:

@@ -1,4 +1,4 @@
-"""Issue 7 with real workers and the mock provider: leases, 429 feedback, settled tokens.
+"""Calls in flight with real workers and the mock provider: leases, 429 feedback, tokens.
 
 The provider (examples.provider.MockProvider, a real HTTP server on
 127.0.0.1 in this process) enforces requests per second, calls in flight and

@@ -67,7 +67,7 @@ def test_cost_above_burst_is_a_clear_error(gate: Gate) -> None:
 
 
 def test_hundred_concurrent_threads_exactly_burst_pass(redis_url: str, prefix: str) -> None:
-    """100 threads on separate connections at '5/m' burst 5: exactly 5 pass (seed 000's race)."""
+    """100 threads on separate connections at '5/m' burst 5: exactly 5 pass (the check-then-increment race)."""
     clients = [redis.Redis.from_url(redis_url) for _ in range(100)]
     gates = [Gate(c, prefix=prefix) for c in clients]
     for g in gates:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 @pytest.mark.parametrize(
     ("max_sleep", "min_share", "max_deferrals", "broker"),
     [
-        # The default (0.5 s): the targets (>= 90 % of the rate, <= 1.1
+        # The default (0.5 s): the targets (>= 90 % of the rate, <= 1.1
         # deferrals per task); near slots are slept for, then claimed.
         (None, 0.9, 1.1, "redis"),
         # Most waits re-published with a countdown (throttle_waiting_room

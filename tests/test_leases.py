@@ -1,4 +1,4 @@
-"""Concurrency leases, provider pauses and settled costs at the gate, on real Redis (issue 7).
+"""Concurrency leases, provider pauses and settled costs at the gate, on real Redis.
 
 Every decision runs the real ``gate.lua``; the caller clock is moved
 explicitly, so lease expiry and pauses are exact without sleeping.

@@ -2,7 +2,7 @@
 
 ``Gate.acquire`` answers "now or not"; code outside a worker (a web handler,
 a script, a notebook) then needs to wait, and a sleep-and-retry loop is the
-herd the seeds warn about.  :func:`plan` is that loop done once: it books the
+thundering herd.  :func:`plan` is that loop done once: it books the
 earliest slot (so N waiters get N distinct, evenly spaced slots), sleeps
 until it, claims it, and gives up with :class:`~celery_throttle.ThrottleTimeout`
 when the wait would pass the timeout, before booking anything.  The drivers

@@ -11,7 +11,7 @@ and then TAT becomes max(TAT, now) + c*T.  Several buckets are decided all or
 nothing: either every bucket admits and every bucket is charged, or none is
 written.  This script is the only copy of the algorithm.
 
-Two more kinds of state share the script (issue 7):
+Two more kinds of state share the script:
 
 * A concurrency limit (interval 0 below) is a sorted set of leases: member
   = the holder (a task id), score = when the lease expires.  Expired leases

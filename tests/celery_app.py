@@ -187,15 +187,15 @@ PROVIDER = os.environ.get("CT_PROVIDER", "http://127.0.0.1:9")
 LEASE = float(os.environ.get("CT_LEASE", "30"))
 
 
-def _estimate(prompt: str, factor: float) -> int:
+def estimate_tokens(prompt: str, factor: float) -> int:
     """The token estimate charged up front: the true count times ``factor`` (0.5-2)."""
     return max(1, round(len(prompt) // 4 * factor))
 
 
 @throttled("8/s", name="p-requests")
 @throttled(concurrency=3, name="p-inflight", lease=LEASE)
-@throttled("90/s", name="p-tokens", burst=80, cost=lambda prompt, factor, work: _estimate(
-    prompt, factor))
+@throttled("90/s", name="p-tokens", burst=80,
+           cost=lambda prompt, factor, work: estimate_tokens(prompt, factor))
 @app.task(bind=True)
 def llm_call(self: Task[Any, Any], prompt: str, factor: float, work: float) -> int:
     """A provider call under requests/s, calls in flight and tokens/s, tokens settled after."""

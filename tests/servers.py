@@ -34,6 +34,11 @@ def command(cli: redis.Redis, *args: object) -> Any:
     return run(*args)
 
 
+def key_slot(cli: redis.Redis, key: str) -> int:
+    """The cluster slot of ``key``, as the server computes it."""
+    return int(command(cli, "CLUSTER KEYSLOT", key))
+
+
 def until(what: str, check: Callable[[], object], timeout: float, every: float = 0.05) -> None:
     """Poll ``check`` until it is truthy (errors count as not yet), at most ``timeout`` s."""
     deadline = time.monotonic() + timeout

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -48,8 +51,16 @@ def app_env(redis_base: str, conf: Mapping[str, object] | None = None,
     return env
 
 
+def throttle_cli(args: list[str], redis_base: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A tests.celery_app throttle ARGS`` against the test app's store."""
+    env = {**os.environ, **app_env(redis_base)}
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.celery_app", "throttle",
+                           *args], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, check=False)
+
+
 @contextlib.contextmanager
-def cluster(redis_base: str, names: tuple[str, ...] = ("w1", "w2"), *, pool: str = "prefork",
+def worker_nodes(redis_base: str, names: tuple[str, ...] = ("w1", "w2"), *, pool: str = "prefork",
             concurrency: int = 4, conf: Mapping[str, object] | None = None,
             fault: str | None = None, env: dict[str, str] | None = None,
             queues: tuple[str, ...] = ("celery", "ext", "bursty"),

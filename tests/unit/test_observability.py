@@ -1,4 +1,5 @@
-"""What an operator sees: counts per limit, `celery throttle`, log lines, rate changes."""
+"""What an operator sees without workers: counts per limit, log lines, rate changes, and
+`celery throttle` on a given state."""
 
 from __future__ import annotations
 
@@ -9,9 +10,7 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -26,8 +25,8 @@ from celery_throttle.integration.notes import read_wait
 from celery_throttle.integration.runtime import forget, runtime_for
 from celery_throttle.testing import free_port
 
-from .clock import T0, StepClock
-from .workers import ROOT, PublishRecorder, app_env, cluster, read_records, wait_results
+from ..clock import T0, StepClock
+from ..workers import ROOT, PublishRecorder, app_env, throttle_cli
 
 
 @pytest.fixture
@@ -48,7 +47,7 @@ def test_counts_log_line_and_wait_note_after_a_known_run(
     """Three calls at 1/s: 1 admitted, 2 deferred (waits 1 s and 2 s), one INFO line each."""
     published: list[dict[str, Any]] = []
     # The countdown path, whose publish the recorder stands in for (parked
-    # tasks' notes and counts: tests/test_waiting_room.py).
+    # tasks' notes and counts: tests/unit/test_parking.py).
     app.conf.throttle_waiting_room = False
     forget(app)
 
@@ -184,59 +183,6 @@ def test_lowered_rate_voids_bookings_made_at_the_old_pace(app: Celery) -> None:
     assert waits == pytest.approx([0.3, 1.2, 2.1], abs=0.05)
 
 
-def _celery(args: list[str], redis_base: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **app_env(redis_base)}
-    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.celery_app", "throttle",
-                           *args], env=env, capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, check=False)
-
-
-@pytest.mark.integration
-def test_command_answers_why_a_task_waits_and_until_when(
-    capp: ModuleType, records: redis.Redis, redis_base: str
-) -> None:
-    """`celery throttle status/why/reset` against live workers and Redis."""
-    with cluster(redis_base, ("w1",)):
-        results = [capp.patient.delay(i) for i in range(20)]  # 1/s: a 19 s queue
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and records.llen("records") < 2:
-            time.sleep(0.1)
-        time.sleep(0.5)
-        status = _celery(["status", "--json", "patient"], redis_base)
-        table = _celery(["status"], redis_base)
-        why = _celery(["why", results[15].id], redis_base)
-        why_json = _celery(["why", "--json", results[15].id], redis_base)
-        keyed = _celery(["status", "tests.celery_app.per_tenant", "--key", "acme"], redis_base)
-        reset = _celery(["reset", "patient"], redis_base)
-        unknown = _celery(["status", "nope"], redis_base)
-    for done in (status, table, why, why_json, keyed, reset):
-        assert done.returncode == 0, done.stderr
-    (row,) = json.loads(status.stdout)["limits"]
-    assert row["limit"] == "patient"
-    assert row["rate"] == "1/s"
-    assert 14 <= row["booked_ahead"] <= 19  # the tasks still waiting hold their bookings
-    assert 14 <= row["next_free_s"] <= 19
-    assert re.search(r"^patient\s+1/s\s+1\s+100%\s+in \d+\.\d{3}s\s+1\d\s+"
-                     r"tests.celery_app.patient$", table.stdout, flags=re.MULTILINE), table.stdout
-    assert re.search(r"^tests.celery_app.per_tenant \(per key\) .* per key: name one with --key",
-                     table.stdout, flags=re.MULTILINE), table.stdout
-    assert re.search(rf"^task {results[15].id} \(tests\.celery_app\.patient\) is parked "
-                     r"until .* UTC \(dispatched in \d+\.\d{3}s\) and waits for limit 'patient'",
-                     why.stdout), why.stdout
-    wait = json.loads(why_json.stdout)["waiting"]
-    # The 16th task sent starts about 15 s after the first start.  Judged on the
-    # note's absolute due time (server clock, the records' clock on this host):
-    # the relative due_in_s shrinks with every second the commands before it
-    # took to start up (seen on a loaded CI box: 9.2 s left for a bound of 10).
-    first = min(float(json.loads(r)["t"]) for r in records.lrange("records", 0, -1))
-    assert 12 <= wait["due"] / 1e6 - first <= 18
-    assert wait["booked"] is True
-    assert "per_tenant (per key)  5/s" in keyed.stdout
-    assert "bucket reset" in reset.stdout
-    assert unknown.returncode == 2
-    assert "unknown limit 'nope'" in unknown.stderr
-
-
 def test_command_shows_and_resets_concurrency_leases(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
@@ -245,9 +191,9 @@ def test_command_shows_and_resets_concurrency_leases(
     one = Concurrency("one-slot", 1)
     assert gate.acquire_many([one], holder="task-1").allowed
     gate.pause([one], 30)
-    status = _celery(["status", "--json", "one-slot"], redis_base)
-    table = _celery(["status", "one-slot"], redis_base)
-    reset = _celery(["reset", "one-slot"], redis_base)
+    status = throttle_cli(["status", "--json", "one-slot"], redis_base)
+    table = throttle_cli(["status", "one-slot"], redis_base)
+    reset = throttle_cli(["reset", "one-slot"], redis_base)
     for done in (status, table, reset):
         assert done.returncode == 0, done.stderr
     (row,) = json.loads(status.stdout)["limits"]
@@ -258,34 +204,6 @@ def test_command_shows_and_resets_concurrency_leases(
     assert "leases reset" in reset.stdout
     assert gate.inspect_leases(one).held == 0
     gate.client.close()
-
-
-@pytest.mark.integration
-def test_prometheus_endpoint_counts_a_prefork_run(
-    capp: ModuleType, records: redis.Redis, redis_base: str, tmp_path: Path
-) -> None:
-    """A prefork node in multiprocess mode: /metrics adds up every child's counts."""
-    port = free_port()
-    conf = {"throttle_metrics_port": port,
-            "throttle_max_sleep": 0.05}  # waits are re-published: deferrals to count
-    with cluster(redis_base, ("w1",), conf=conf, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}):
-        results = [capp.steady.delay(i) for i in range(40)]  # 2 s at 20/s
-        assert wait_results(results, timeout=30) == ["SUCCESS"] * 40
-        rows = read_records(records, expect=40, timeout=5)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-    label = 'limit="tests.celery_app.steady"'
-
-    def value(metric: str) -> float:
-        found = re.search(rf"^{metric}\{{{label}\}} (\S+)$", text, flags=re.MULTILINE)
-        assert found, f"{metric} missing:\n{text[:3000]}"
-        return float(found.group(1))
-
-    assert value("celery_throttle_admitted_total") == 40
-    assert value("celery_throttle_deferred_total") == sum(r["deferrals"] for r in rows) > 0
-    assert value("celery_throttle_wait_seconds_count") == value("celery_throttle_deferred_total")
-    assert value("celery_throttle_fill_ratio") >= 0
-    assert "celery_throttle_next_free_seconds" in text
 
 
 def test_command_with_the_store_down_says_so_in_one_line(redis_base: str) -> None:

@@ -14,17 +14,17 @@ import redis
 
 from celery_throttle.testing import RedisServer
 
-from .workers import (
+from ..workers import (
     ACKS_LATE,
     COUNTDOWNS,
     check_window_bound,
-    cluster,
     logs,
     read_records,
     read_records_until_quiet,
     short_visibility,
     until_done_or_quiet,
     wait_results,
+    worker_nodes,
 )
 
 pytestmark = pytest.mark.integration
@@ -42,7 +42,7 @@ def test_store_killed_mid_run_defers_then_completes_exactly_once(
     capp: ModuleType, records: redis.Redis, redis_base: str, store: RedisServer
 ) -> None:
     """Store SIGKILLed for 3 s under on_error='defer': no start while down, all run once after."""
-    with cluster(redis_base, ("w1", "w2"), conf={"throttle_redis_url": f"{store.url}/0"}):
+    with worker_nodes(redis_base, ("w1", "w2"), conf={"throttle_redis_url": f"{store.url}/0"}):
         results = [capp.steady.delay(i) for i in range(100)]  # 5 s of work at 20/s
         time.sleep(1.5)
         store.kill()
@@ -69,7 +69,7 @@ def test_script_flush_mid_run_fails_nothing(
 ) -> None:
     """SCRIPT FLUSH three times during a run: every task succeeds once, the bound holds."""
     store = redis.Redis.from_url(f"{redis_base}/11")
-    with cluster(redis_base, ("w1", "w2")):
+    with worker_nodes(redis_base, ("w1", "w2")):
         results = [capp.steady.delay(i) for i in range(60)]  # 3 s at 20/s
         for _ in range(3):
             time.sleep(0.7)
@@ -90,7 +90,7 @@ def test_store_down_policies_in_real_workers(
     store.kill()
     url = f"redis://:hunter2@127.0.0.1:{store.port}/0"  # a password that must not leak
     conf = {"throttle_redis_url": url, "throttle_on_error": policy}
-    with cluster(redis_base, ("w1",), conf=conf) as nodes:
+    with worker_nodes(redis_base, ("w1",), conf=conf) as nodes:
         results = [capp.steady.delay(i) for i in range(10)]
         states = wait_results(results, timeout=30)
         text = logs(nodes)
@@ -115,8 +115,8 @@ def test_long_waits_under_short_visibility_timeout_run_once(
     throttle's countdowns stay under half of it (4 s) and longer waits hop.
     """
     # The countdown path (the waiting room parks such waits instead:
-    # test_waiting_room_workers.py has that version).
-    with cluster(redis_base, ("w1", "w2"), conf={**short_visibility(8), **COUNTDOWNS}):
+    # tests/e2e/test_waiting_room.py has that version).
+    with worker_nodes(redis_base, ("w1", "w2"), conf={**short_visibility(8), **COUNTDOWNS}):
         results = [capp.patient.delay(i) for i in range(32)]  # 1/s: the last waits ~31 s
         states = wait_results(results, timeout=75)
         rows = read_records(records, expect=32, timeout=5)
@@ -187,9 +187,9 @@ def test_node_dies_between_republish_and_ack_acks_late(
     """
     # Short in-worker sleeps, so that waits are re-published (the window under
     # test), on the countdown path: the waiting room's own crash windows are
-    # in test_waiting_room_workers.py.
+    # in tests/e2e/test_waiting_room.py.
     conf = {**short_visibility(8), **ACKS_LATE, "throttle_max_sleep": 0.05, **COUNTDOWNS}
-    with cluster(redis_base, ("w2",), conf=conf) as survivors, cluster(
+    with worker_nodes(redis_base, ("w2",), conf=conf) as survivors, worker_nodes(
             redis_base, ("w1",), conf=conf, fault="defer.after_republish") as doomed:
         results = [capp.steady.delay(i) for i in range(100)]  # 5 s at 20/s
         # One message the node had popped may be lost with it (kombu's Redis
@@ -233,7 +233,7 @@ def test_node_killed_without_acks_late_strands_nothing_deferred(
     deferred message the node held unacknowledged comes back and runs once.
     """
     conf = short_visibility(8)
-    with cluster(redis_base, ("w2",), conf=conf) as survivors, cluster(
+    with worker_nodes(redis_base, ("w2",), conf=conf) as survivors, worker_nodes(
             redis_base, ("w1",), conf=conf) as doomed:
         results = [capp.steady.delay(i) for i in range(100)]
         time.sleep(2.0)
@@ -268,9 +268,9 @@ def test_skewed_worker_clocks_keep_the_bound(
     """
     # The countdown path: with the waiting room (the default) skew costs
     # nothing (test_skewed_worker_clocks_cost_nothing_with_the_waiting_room).
-    with cluster(redis_base, ("fast",), conf=COUNTDOWNS, env={"CT_CLOCK_OFFSET": "3"}), cluster(
-            redis_base, ("slow",), conf=COUNTDOWNS, env={"CT_CLOCK_OFFSET": "-3"}), cluster(
-            redis_base, ("true",), conf=COUNTDOWNS):
+    with worker_nodes(redis_base, ("fast",), conf=COUNTDOWNS, env={"CT_CLOCK_OFFSET": "3"}), \
+            worker_nodes(redis_base, ("slow",), conf=COUNTDOWNS, env={"CT_CLOCK_OFFSET": "-3"}), \
+            worker_nodes(redis_base, ("true",), conf=COUNTDOWNS):
         sent = time.time()
         results = [capp.steady.delay(i) for i in range(100)]  # 5 s at 20/s
         states = wait_results(results, timeout=90)
@@ -288,7 +288,7 @@ def test_bad_key_value_fails_only_that_task(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """A None key value fails its own task with a clear ValueError; the worker goes on."""
-    with cluster(redis_base, ("w1",)) as nodes:
+    with worker_nodes(redis_base, ("w1",)) as nodes:
         bad = capp.per_tenant.delay(None, 0)
         huge = capp.per_tenant.delay("x" * 10_000, 1)
         good = [capp.per_tenant.delay("acme", i) for i in range(3)]

@@ -18,8 +18,8 @@ from celery_throttle import Decision, Gate, Limit, Reservation, parse_rate
 from celery_throttle.core.keys import bucket_key, key_digest
 from celery_throttle.testing import max_in_window
 
-from .clock import T0, StepClock
-from .model import Model, ModelLimit
+from ..clock import T0, StepClock
+from ..model import Model, ModelLimit
 
 
 def test_first_start_allowed_second_waits_one_interval(gate: Gate) -> None:
@@ -67,7 +67,8 @@ def test_cost_above_burst_is_a_clear_error(gate: Gate) -> None:
 
 
 def test_hundred_concurrent_threads_exactly_burst_pass(redis_url: str, prefix: str) -> None:
-    """100 threads on separate connections at '5/m' burst 5: exactly 5 pass (the check-then-increment race)."""
+    """100 threads on separate connections at "5/m" burst 5: exactly 5 pass (no check-then-act
+    race)."""
     clients = [redis.Redis.from_url(redis_url) for _ in range(100)]
     gates = [Gate(c, prefix=prefix) for c in clients]
     for g in gates:

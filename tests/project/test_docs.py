@@ -3,8 +3,8 @@ says, the site builds with no dead link."""
 
 from __future__ import annotations
 
-import os
 import ast
+import os
 import re
 import shutil
 import subprocess
@@ -15,7 +15,7 @@ import pytest
 
 from celery_throttle.integration.config import SETTINGS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_setting_is_in_the_settings_table() -> None:
@@ -70,7 +70,7 @@ def test_guarantees_table_names_only_real_tests() -> None:
     cited = set(re.findall(r"`(test_\w+)`", table))
     assert len(cited) >= 15
     defined = set()
-    for path in (ROOT / "tests").glob("test_*.py"):
+    for path in (ROOT / "tests").rglob("test_*.py"):
         defined |= set(re.findall(r"^def (test_\w+)\(", path.read_text(), flags=re.MULTILINE))
     assert cited <= defined, cited - defined
 
@@ -82,7 +82,7 @@ def test_version_is_the_distributions_and_in_the_changelog() -> None:
     import celery_throttle
 
     assert importlib.metadata.version("celery-gcra-throttle") == celery_throttle.__version__
-    changelog = (Path(__file__).resolve().parent.parent / "CHANGELOG.md").read_text()
+    changelog = (ROOT / "CHANGELOG.md").read_text()
     assert f"## {celery_throttle.__version__}" in changelog
 
 

@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 import redis
 
-from .workers import COUNTDOWNS, check_window_bound, cluster, logs, read_records, wait_results
+from ..workers import COUNTDOWNS, check_window_bound, logs, read_records, wait_results, worker_nodes
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def test_backlog_two_prefork_nodes_keeps_bound_and_rate(
                                if max_sleep else {})
     if max_sleep and max_sleep.endswith("-countdown"):
         conf.update(COUNTDOWNS)
-    with cluster(redis_base, ("w1", "w2"), conf=conf) as nodes:
+    with worker_nodes(redis_base, ("w1", "w2"), conf=conf) as nodes:
         results = [capp.steady.delay(i) for i in range(200)]
         rows = read_records(records, expect=200, timeout=60)
         states = wait_results(results, timeout=30)
@@ -79,7 +79,7 @@ def test_per_key_buckets_are_independent(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """A tenant flooding its key does not delay another tenant on the same queue."""
-    with cluster(redis_base, ("w1",)):
+    with worker_nodes(redis_base, ("w1",)):
         flood = [capp.per_tenant.delay("big", i) for i in range(40)]  # 8 s of work at 5/s
         time.sleep(0.5)
         t_sent = time.time()
@@ -101,7 +101,7 @@ def test_queue_limit_applies_to_undecorated_task(
     capp: ModuleType, records: redis.Redis, redis_base: str, broker: str
 ) -> None:
     """An undecorated task consumed from the 'ext' queue (10/s) keeps the queue's limit."""
-    with cluster(redis_base, ("w1", "w2")):
+    with worker_nodes(redis_base, ("w1", "w2")):
         results = [capp.undecorated.apply_async((i,), queue="ext") for i in range(40)]
         rows = read_records(records, expect=40, timeout=30)
         assert wait_results(results, timeout=20) == ["SUCCESS"] * 40
@@ -116,7 +116,7 @@ def test_stacked_limit_waiting_does_not_consume_sibling_limit(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """A task held by its own 2/s limit leaves the shared 10/s limit to its sibling."""
-    with cluster(redis_base, ("w1", "w2")):
+    with worker_nodes(redis_base, ("w1", "w2")):
         held = [capp.held_by_own.delay(i) for i in range(10)]  # ~5 s at its own 2/s
         sib = [capp.sibling.delay(i) for i in range(40)]
         rows = read_records(records, expect=50, timeout=40)
@@ -136,7 +136,7 @@ def test_retry_budget_untouched_and_expiry_honoured(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """max_retries=0 tasks deferred many times succeed with retries 0; expired ones never run."""
-    with cluster(redis_base, ("w1",)):
+    with worker_nodes(redis_base, ("w1",)):
         plain = [capp.no_retries.delay(i) for i in range(15)]  # up to ~3 s of waiting
         expiring = [capp.expiring.apply_async((i,), expires=2.0) for i in range(12)]
         impatient = [capp.impatient.delay(i) for i in range(5)]
@@ -164,7 +164,7 @@ def test_retry_budget_untouched_and_expiry_honoured(
 @pytest.mark.parametrize("pool", ["threads", "solo"])
 def test_other_pools(capp: ModuleType, records: redis.Redis, redis_base: str, pool: str) -> None:
     """The threads and solo pools gate the same way (stacked limits with a token cost)."""
-    with cluster(redis_base, ("w1",), pool=pool, concurrency=4):
+    with worker_nodes(redis_base, ("w1",), pool=pool, concurrency=4):
         prompts = ["x" * (40 * (i % 4 + 1)) for i in range(30)]
         results = [capp.summarize.delay(p) for p in prompts]
         rows = read_records(records, expect=30, timeout=40)
@@ -174,7 +174,7 @@ def test_other_pools(capp: ModuleType, records: redis.Redis, redis_base: str, po
 
 def test_shared_task_is_gated(capp: ModuleType, records: redis.Redis, redis_base: str) -> None:
     """A @shared_task under @throttled keeps its limit in the worker."""
-    with cluster(redis_base, ("w1",)):
+    with worker_nodes(redis_base, ("w1",)):
         results = [capp.shared_one.delay(i) for i in range(20)]
         rows = read_records(records, expect=20, timeout=30)
         assert wait_results(results, timeout=20) == ["SUCCESS"] * 20
@@ -185,7 +185,7 @@ def test_user_retry_does_not_reuse_a_spent_slot(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """A task that retries right after starting in its booked slot passes the gate again."""
-    with cluster(redis_base, ("w1", "w2")):
+    with worker_nodes(redis_base, ("w1", "w2")):
         results = [capp.retry_once.delay(i) for i in range(20)]
         rows = read_records(records, expect=40, timeout=40)
         assert wait_results(results, timeout=20) == ["SUCCESS"] * 20
@@ -197,7 +197,7 @@ def test_long_waits_hop_within_max_countdown(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """With a 1 s max countdown, 4 s waits take several hops and keep the bound (countdown path)."""
-    with cluster(redis_base, ("w1",), conf={"throttle_max_countdown": 1, **COUNTDOWNS}):
+    with worker_nodes(redis_base, ("w1",), conf={"throttle_max_countdown": 1, **COUNTDOWNS}):
         results = [capp.long_wait.delay(i) for i in range(3)]  # starts at 0, 2 and 4 s
         assert wait_results(results, timeout=30) == ["SUCCESS"] * 3
         rows = read_records(records, expect=3, timeout=5)
@@ -216,7 +216,7 @@ def test_deferrals_leave_no_garbage_behind(capp: ModuleType, records: redis.Redi
     control) they wait for the collector's rare full passes, dozens at a
     time (``celery_throttle/memory.py`` has the measured cost of that).
     """
-    with cluster(redis_base, ("w1",), concurrency=2,
+    with worker_nodes(redis_base, ("w1",), concurrency=2,
                  conf={"throttle_max_sleep": 0, "throttle_gc_freeze": freeze == "1"}):
         results = [capp.steady.delay(i) for i in range(40)]
         assert wait_results(results, timeout=30) == ["SUCCESS"] * 40
@@ -235,7 +235,7 @@ def test_deferrals_leave_no_garbage_behind(capp: ModuleType, records: redis.Redi
 
 def test_worker_warns_when_the_app_was_never_installed(redis_base: str) -> None:
     """@throttled tasks, no install(app): one WARNING at start saying what is missing."""
-    with cluster(redis_base, ("w1",), concurrency=1, env={"CT_NO_INSTALL": "1"}) as nodes:
+    with worker_nodes(redis_base, ("w1",), concurrency=1, env={"CT_NO_INSTALL": "1"}) as nodes:
         text = logs(nodes)
     assert "celery_throttle.install(app) was never called" in text
     assert "queue limits (throttle_queues)" in text

@@ -14,7 +14,7 @@ from celery_throttle import Concurrency, Limit, throttled
 from celery_throttle.integration.throttled import specs_of
 from celery_throttle.room.header import HEADER
 
-from .workers import PublishRecorder
+from ..workers import PublishRecorder
 
 
 def test_bad_rate_names_task_and_value(app: Celery) -> None:

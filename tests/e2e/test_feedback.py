@@ -21,7 +21,7 @@ import redis
 from celery_throttle.testing import max_in_window
 from examples.provider import MockProvider
 
-from .workers import cluster, read_records, wait_results
+from ..workers import read_records, wait_results, worker_nodes
 
 pytestmark = pytest.mark.integration
 
@@ -66,14 +66,14 @@ def test_concurrency_rate_and_settled_tokens_make_no_429(
     jobs = [(_prompt(rng), rng.choice([0.5] * 7 + [2.0]), rng.uniform(0.1, 0.6))
             for _ in range(40)]
     env = {"CT_PROVIDER": provider.url}
-    with cluster(redis_base, ("w1", "w2"), concurrency=3, env=env):
+    with worker_nodes(redis_base, ("w1", "w2"), concurrency=3, env=env):
         results = [capp.llm_call.delay(*job) for job in jobs]
         states = wait_results(results, timeout=90)
     assert Counter(states) == {"SUCCESS": 40}
     calls = [json.loads(c) for c in records.lrange("calls", 0, -1)]
     accepted = [start for start, _, _ in provider.calls]
     worst = _most_tokens_in_window(provider.calls, TOKEN_WINDOW)
-    estimated = sum(_estimate(p, f) for p, f, _ in jobs)
+    estimated = sum(capp.estimate_tokens(p, f) for p, f, _ in jobs)
     actual = sum(tokens for _, _, tokens in provider.calls)
     print(f"\ntokens: actual {actual}, estimated {estimated}; worst {TOKEN_WINDOW:g} s window "
           f"{worst} of {TOKEN_BUDGET}; most in flight {provider.most_inflight}; "
@@ -90,10 +90,6 @@ def test_concurrency_rate_and_settled_tokens_make_no_429(
     # failed there), hence 0.65.
     span = max(accepted) - min(accepted)
     assert actual >= 0.65 * (90 * span)
-
-
-def _estimate(prompt: str, factor: float) -> int:
-    return max(1, round(len(prompt) // 4 * factor))
 
 
 def _most_tokens_in_window(calls: list[tuple[float, float, int]], window: float) -> int:
@@ -116,7 +112,7 @@ def test_429_with_retry_after_3_stops_every_worker_for_3_s(
     """The provider refuses for 3 s: one 429 pauses both nodes; nothing is lost or retried;
     never more than 3 calls in flight (its concurrency limit)."""
     env = {"CT_PROVIDER": provider.url}
-    with cluster(redis_base, ("w1", "w2"), concurrency=3, env=env):
+    with worker_nodes(redis_base, ("w1", "w2"), concurrency=3, env=env):
         results = [capp.llm_call.delay("x" * 40, 1.0, 0.05) for _ in range(40)]
         read_records(records, expect=8, timeout=30)  # calls are flowing
         provider.hold(3.0)
@@ -146,8 +142,8 @@ def test_sigkilled_worker_frees_its_slot_within_the_lease(
     so the kill takes nothing but the holder and its lease.
     """
     env = {"CT_LEASE": "3"}
-    with cluster(redis_base, ("w1",), env=env, queues=("q1",)) as (w1,), \
-            cluster(redis_base, ("w2",), env=env, queues=("q2",)):
+    with worker_nodes(redis_base, ("w1",), env=env, queues=("q1",)) as (w1,), \
+            worker_nodes(redis_base, ("w2",), env=env, queues=("q2",)):
         holder = capp.one_slot.apply_async((60,), queue="q1")
         read_records(records, expect=1, timeout=30)
         waiter = capp.one_slot.apply_async((0,), queue="q2")

@@ -18,10 +18,10 @@ from celery_throttle import Gate, store_warnings
 from celery_throttle.integration.runtime import forget, runtime_for
 from celery_throttle.testing import RedisServer
 
-from .tls_proxy import TLSProxy
+from ..tls_proxy import TLSProxy
 
 PASSWORD = "hunter2-Zq9"  # must never show up in logs or errors
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

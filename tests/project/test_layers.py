@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "celery_throttle"
+PACKAGE = Path(__file__).resolve().parents[2] / "celery_throttle"
 
 # Each layer may import the layers below it, never one above (not even
 # lazily, inside a function).  A folder is a layer; the modules at the top

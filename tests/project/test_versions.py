@@ -23,28 +23,25 @@ import redis
 
 from celery_throttle.testing import RedisServer, find_redis_server
 
-from .conftest import REQUIRE_SERVERS
+from ..conftest import REQUIRE_SERVERS
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOWEST_VENV = ROOT / ".venv-lowest"
 #: What the suite part below needs besides the package (no linters, no docs).
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "freezegun>=1.4", "msgpack>=1.0",
               "prometheus-client>=0.17"]
 #: The part of the suite run on other versions: every script, a config, a real worker, the
 #: Sentinel and Cluster clients.
-PART = ["tests/test_gate.py", "tests/test_leases.py", "tests/test_waiting_room.py",
-        "tests/test_copies.py", "tests/test_config.py", "tests/test_waiting.py",
-        "tests/test_async_gate.py",
-        "tests/test_integration.py::test_queue_limit_applies_to_undecorated_task[redis]",
+PART = ["tests/unit/test_gate.py", "tests/unit/test_leases.py", "tests/unit/test_parking.py",
+        "tests/unit/test_copies.py", "tests/unit/test_keys.py", "tests/unit/test_config.py",
+        "tests/unit/test_waiting.py", "tests/unit/test_async_gate.py",
+        "tests/e2e/test_integration.py::test_queue_limit_applies_to_undecorated_task[redis]",
         # Sentinel and Cluster clients (they start their own servers).
-        *(f"tests/test_ha_stores.py::{name}" for name in (
-            "test_cluster_gate_room_and_leases_keep_one_slot", "test_async_gate_on_the_cluster",
-            "test_moved_after_resharding_the_prefix_slot_is_survived",
-            "test_a_park_returns_once_a_replica_has_it"))]
+        "tests/unit/test_ha_stores.py"]
 #: The tests of the Lua scripts alone (run on each other Redis server version).
-SCRIPTS = PART[:5]
+SCRIPTS = PART[:5]  # gate, leases, parking, copies, keys
 CORE = ("celery", "kombu", "redis")
 
 

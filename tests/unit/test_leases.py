@@ -16,7 +16,7 @@ from celery_throttle import (
     settle,
 )
 
-from .clock import T0, StepClock
+from ..clock import T0, StepClock
 
 
 def test_at_most_n_holders_and_a_release_frees_a_seat(cgate: Gate) -> None:

@@ -19,14 +19,15 @@ import redis
 
 from celery_throttle.testing import RedisServer
 
-from .workers import (
+from ..workers import (
     PICKLE,
     check_window_bound,
-    cluster,
     logs,
     read_records,
     short_visibility,
+    throttle_cli,
     wait_results,
+    worker_nodes,
 )
 
 pytestmark = pytest.mark.integration
@@ -38,7 +39,7 @@ def test_parked_tasks_run_once_in_their_slots_with_no_eta(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """40 tasks at 5/s (pickle, msgpack): parked, dispatched, each run once, no ETA, bound held."""
-    with cluster(redis_base, ("w1", "w2"), conf={**ROOM, **PICKLE}) as nodes:
+    with worker_nodes(redis_base, ("w1", "w2"), conf={**ROOM, **PICKLE}) as nodes:
         results = [capp.parked_pickle.delay(i, payload={1, 2}) for i in range(30)]
         results += [capp.parked_msgpack.delay(i) for i in range(30, 40)]
         rows = read_records(records, expect=40, timeout=40)
@@ -65,7 +66,7 @@ def test_waits_three_times_the_visibility_timeout_with_no_hops(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """Broker visibility_timeout 4 s, waits up to 15 s: parked once, run once, never redelivered."""
-    with cluster(redis_base, ("w1", "w2"), conf={**ROOM, **short_visibility(4)}) as nodes:
+    with worker_nodes(redis_base, ("w1", "w2"), conf={**ROOM, **short_visibility(4)}) as nodes:
         results = [capp.patient.delay(i) for i in range(16)]  # 1/s: the last waits ~15 s
         states = wait_results(results, timeout=40)
         time.sleep(2.0)  # a redelivered duplicate would start within the next sweep
@@ -85,7 +86,7 @@ def test_dispatcher_killed_mid_dispatch_loses_nothing_and_runs_nothing_twice(
 ) -> None:
     """A node dies after its dispatcher claimed a due task, before publishing: it runs once."""
     conf = {**ROOM, "throttle_dispatch_timeout": 3, **short_visibility(5)}
-    with cluster(redis_base, ("w1",), conf=conf, fault="dispatch.before_publish"):
+    with worker_nodes(redis_base, ("w1",), conf=conf, fault="dispatch.before_publish"):
         results = [capp.patient.delay(i) for i in range(8)]  # 1/s: all parked within 1 s
         deadline = time.monotonic() + 15
         while records.get("crashed") is None and time.monotonic() < deadline:
@@ -93,7 +94,7 @@ def test_dispatcher_killed_mid_dispatch_loses_nothing_and_runs_nothing_twice(
     crash = records.get("crashed")
     assert crash is not None, "the injected crash did not happen"
     killed = json.loads(crash)["t"]
-    with cluster(redis_base, ("w2",), conf=conf):
+    with worker_nodes(redis_base, ("w2",), conf=conf):
         states = wait_results(results, timeout=40)
         rows = read_records(records, expect=8, timeout=5)
     assert states == ["SUCCESS"] * 8
@@ -107,7 +108,7 @@ def test_revoked_parked_task_never_runs(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """app.control.revoke on a parked task: it is discarded when dispatched, the others run."""
-    with cluster(redis_base, ("w1",), conf=ROOM):
+    with worker_nodes(redis_base, ("w1",), conf=ROOM):
         results = [capp.patient.delay(i) for i in range(5)]  # 1/s: the last waits ~4 s
         time.sleep(0.5)
         capp.app.control.revoke(results[3].id)
@@ -129,7 +130,7 @@ def test_store_killed_with_tasks_parked_runs_each_once_after_restart(
     capp: ModuleType, records: redis.Redis, redis_base: str, aof_store: RedisServer
 ) -> None:
     """Store SIGKILLed for 3 s with tasks parked (AOF on): none starts meanwhile, all run once."""
-    with cluster(redis_base, ("w1", "w2"),
+    with worker_nodes(redis_base, ("w1", "w2"),
                  conf={**ROOM, "throttle_redis_url": f"{aof_store.url}/0"}) as nodes:
         results = [capp.patient.delay(i) for i in range(10)]  # 1/s: 9 s of waits
         time.sleep(2.5)
@@ -155,16 +156,14 @@ def test_commands_show_parked_tasks_and_why_one_waits(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """`celery throttle status` counts the parked tasks; `why` names a parked task's limit."""
-    from .test_observability import _celery
-
-    with cluster(redis_base, ("w1",), conf=ROOM):
+    with worker_nodes(redis_base, ("w1",), conf=ROOM):
         results = [capp.patient.delay(i) for i in range(12)]  # 1/s: an 11 s queue
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and records.llen("records") < 2:
             time.sleep(0.1)
-        status = _celery(["status", "--json", "patient"], redis_base)
-        table = _celery(["status", "patient"], redis_base)
-        why = _celery(["why", results[9].id], redis_base)
+        status = throttle_cli(["status", "--json", "patient"], redis_base)
+        table = throttle_cli(["status", "patient"], redis_base)
+        why = throttle_cli(["why", results[9].id], redis_base)
         wait_results(results, timeout=20)
     for done in (status, table, why):
         assert done.returncode == 0, done.stderr
@@ -189,8 +188,8 @@ def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(
     judged on the server's clock.
     """
     conf = {**ROOM, **PICKLE}
-    with cluster(redis_base, ("fast",), conf=conf, env={"CT_CLOCK_OFFSET": "3"}), cluster(
-            redis_base, ("slow",), conf=conf, env={"CT_CLOCK_OFFSET": "-3"}), cluster(
+    with worker_nodes(redis_base, ("fast",), conf=conf, env={"CT_CLOCK_OFFSET": "3"}), worker_nodes(
+            redis_base, ("slow",), conf=conf, env={"CT_CLOCK_OFFSET": "-3"}), worker_nodes(
             redis_base, ("true",), conf=conf):
         results = [capp.parked_msgpack.delay(i) for i in range(40)]  # 7.8 s at 5/s
         states = wait_results(results, timeout=40)
@@ -210,7 +209,7 @@ def test_a_freed_concurrency_slot_goes_to_the_oldest_waiter_at_once(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """concurrency=1: parked waiters start in their order, each right after the last ends."""
-    with cluster(redis_base, ("w1", "w2"), conf=ROOM):
+    with worker_nodes(redis_base, ("w1", "w2"), conf=ROOM):
         first = capp.one_slot.delay(1.0)
         time.sleep(0.3)  # the first holds the slot before the waiters arrive
         waiters = []
@@ -237,8 +236,6 @@ def test_parked_lists_the_next_tasks_and_purge_needs_yes(
     from celery_throttle.room.envelope import Envelope
     from celery_throttle.room.parking import WaitingRoom
 
-    from .test_observability import _celery
-
     store = redis.Redis.from_url(f"{redis_base}/11")  # the test app's store, prefix "throttle"
     room = WaitingRoom(store, "throttle")
     for i, limit in enumerate(["llm", "other", "llm"]):
@@ -246,10 +243,10 @@ def test_parked_lists_the_next_tasks_and_purge_needs_yes(
                            {"id": f"id-{i}", "task": "proj.summarize"}).dumps()
         room.park(f"e{i}", message, f"id-{i}", delay_us=(10 + i) * 1_000_000,
                   note=json.dumps({"limit": limit}))
-    listed = _celery(["parked", "--limit", "llm"], redis_base)
-    refused = _celery(["purge"], redis_base)
+    listed = throttle_cli(["parked", "--limit", "llm"], redis_base)
+    refused = throttle_cli(["purge"], redis_base)
     still = room.state().parked
-    purged = _celery(["purge", "--yes"], redis_base)
+    purged = throttle_cli(["purge", "--yes"], redis_base)
     after = room.state().parked
     store.close()
     assert listed.returncode == 0, listed.stderr

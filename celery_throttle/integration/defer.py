@@ -1,13 +1,13 @@
 """Making an over-limit task wait for its slot: the flow, top to bottom.
 
-:func:`admit` asks the gate (``gate.py``) for every limit of the task at once.
+:func:`admit` asks the gate (``core/gate.py``) for every limit of the task at once.
 Allowed: the task runs.  A short wait (``throttle_max_sleep``): it sleeps and
 claims its booked slot.  A longer one: the task waits outside the worker,
-parked in the waiting room (``waiting_room.py``, dispatched by ``dispatcher.py``)
-or, without it, re-published with a countdown (in hops of at most
+parked in the waiting room (``room/parking.py``, sent on by
+``room/dispatcher.py``) or, without it, re-published with a countdown (in hops of at most
 ``throttle_max_countdown``); then the running copy ends with Celery's
 ``Ignore`` (its message is acknowledged, no result is stored).  What it needs
-on its next arrival travels in one header (``wait_state.py``); why it waits
+on its next arrival travels in one header (``room/header.py``); why it waits
 is noted for ``celery throttle why`` (``notes.py``); an ``acks_late`` task's
 copies are told apart by the copy pointer (``copies.py``).  Expiry,
 ``max_wait``, a provider's 429 and the store being down are handled here.

@@ -32,7 +32,7 @@ class WaitState:
     copy: str = ""  # set by every re-publish: tells a duplicate from a redelivery
     prev: str = ""  # the copy that published this one ("-": the user's message)
     spacing: tuple[int, ...] = ()  # each limit's interval (us) when the slot was booked
-    entry: str = ""  # the waiting-room entry this copy was dispatched from (waiting_room.py)
+    entry: str = ""  # the waiting-room entry this copy was dispatched from (parking.py)
     token: str = ""  # the dispatch that published this copy (set by the dispatcher)
     room: int = 0  # the store's epoch when it was dispatched (set by the dispatcher)
 

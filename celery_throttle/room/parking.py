@@ -195,7 +195,7 @@ class WaitingRoom:
 
     def read_note(self, key: str) -> tuple[int, bytes]:
         """A task's wait note under ``key`` (b"" if none) and the server's time, in us: one
-        read, on the node that holds the key (``notes.py`` names the key)."""
+        read, on the node that holds the key (``integration/notes.py`` names the key)."""
         sec, usec, raw = self._look(keys=[key], args=["note"])
         return _micros(sec, usec), _raw(raw)
 

@@ -46,7 +46,7 @@ With op "release" only (m = the number of concurrency limits):
 KEYS[n+1+m+j] the j-th concurrency limit's waiters: a list of "entry holder",
           tasks parked in the waiting room for a slot, oldest first
 KEYS[n+2+2m], KEYS[n+3+2m], KEYS[n+4+2m] the waiting room's parked set,
-          messages hash and wake list (waiting_room.py)
+          messages hash and wake list (room/parking.py)
 
 ARGV[1]   now, microseconds; 0 = use this server's TIME
 ARGV[2]   reservation horizon, microseconds; -1 = never reserve.

@@ -1,5 +1,5 @@
 --[[
-Park a waiting task in the waiting room (see waiting_room.py).
+Park a waiting task in the waiting room (see room/parking.py).
 
 The message waits in Redis, scored by when it is to be dispatched to its
 queue (its slot less the dispatch lead) on this server's clock, instead of

@@ -105,6 +105,13 @@ def summarize(self: Task[Any, Any], prompt: str) -> int:
     return len(prompt)
 
 
+@app.task(bind=True)
+def total(self: Task[Any, Any], values: list[int]) -> int:
+    """A chord's callback (no limit of its own): records its run, sums the header's results."""
+    record(self, n=len(values))
+    return sum(values)
+
+
 @throttled("5/s")
 @app.task(bind=True, max_retries=0)
 def no_retries(self: Task[Any, Any], i: int) -> int:

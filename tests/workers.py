@@ -60,11 +60,12 @@ def throttle_cli(args: list[str], redis_base: str) -> subprocess.CompletedProces
 
 
 @contextlib.contextmanager
-def worker_nodes(redis_base: str, names: tuple[str, ...] = ("w1", "w2"), *, pool: str = "prefork",
-            concurrency: int = 4, conf: Mapping[str, object] | None = None,
-            fault: str | None = None, env: dict[str, str] | None = None,
-            queues: tuple[str, ...] = ("celery", "ext", "bursty"),
-            ) -> Iterator[list[WorkerProcess]]:
+def worker_nodes(redis_base: str, names: tuple[str, ...] = ("w1", "w2"), *,
+                 pool: str = "prefork", concurrency: int = 4,
+                 conf: Mapping[str, object] | None = None, fault: str | None = None,
+                 env: dict[str, str] | None = None,
+                 queues: tuple[str, ...] = ("celery", "ext", "bursty"),
+                 ) -> Iterator[list[WorkerProcess]]:
     """Worker nodes of tests.celery_app (on every test queue by default), against ``redis_base``.
 
     ``conf``: settings of the app (``CT_CONF``); ``fault``: a point of

@@ -64,8 +64,9 @@ class GateCalls:
     """What a gate sends and how it reads the answer, without the I/O.
 
     :class:`Gate` (redis-py) and :class:`~celery_throttle.AsyncGate`
-    (``redis.asyncio``) are this plus one line of I/O per method, so both
-    send the same script the same arguments and read its replies one way.
+    (``redis.asyncio``) are this plus the I/O of each method (a script call,
+    or for a plain decision the packed path of ``packed.py``), so both send
+    the same script the same arguments and read its replies one way.
     """
 
     def __init__(self, prefix: str, clock: Clock) -> None:
@@ -225,8 +226,8 @@ class Gate(GateCalls):
                  clock: Clock = "server", packed: bool = True) -> None:
         super().__init__(prefix, clock)
         self.client = client
-        # redis-py's Script does EVALSHA and reloads the body on NOSCRIPT
-        # (after SCRIPT FLUSH or a restart), so no SHA cache of our own.
+        # Every call off the packed path goes through redis-py's Script:
+        # EVALSHA, and the body again on NOSCRIPT (SCRIPT FLUSH, a restart).
         self._script = client.register_script(SCRIPT)
         if packed and PackedPath.takes(client):
             self._packed = PackedPath(cast(redis.Redis, client), SCRIPT, self._script.sha)

@@ -24,7 +24,7 @@ from celery.local import PromiseProxy, Proxy
 from ..core.gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit
 from ..core.keys import validate_name
 from ..core.rates import Rate, parse_rate
-from ..errors import RateLimited
+from ..errors import RateLimited, ThrottleTimeout
 from ..room.dispatcher import queue_of
 from ..values import check_cost, positive_int, seconds
 from . import memory
@@ -245,6 +245,10 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         return
     run = task.run
     task.__dict__[_ORIGINAL_RUN] = run
+    # Failing past max_wait is the documented outcome, not a crash: Celery
+    # logs an expected exception at INFO, without a traceback.
+    if not issubclass(ThrottleTimeout, task.throws or ()):
+        task.throws = (*(task.throws or ()), ThrottleTimeout)
 
     @functools.wraps(run)
     def gated_run(*args: Any, **kwargs: Any) -> Any:

@@ -135,8 +135,9 @@ def test_stacked_limit_waiting_does_not_consume_sibling_limit(
 def test_retry_budget_untouched_and_expiry_honoured(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """max_retries=0 tasks deferred many times succeed with retries 0; expired ones never run."""
-    with worker_nodes(redis_base, ("w1",)):
+    """max_retries=0 tasks deferred many times succeed with retries 0; expired ones never run;
+    a task past its max_wait fails with ThrottleTimeout, logged as expected (no traceback)."""
+    with worker_nodes(redis_base, ("w1",)) as nodes:
         plain = [capp.no_retries.delay(i) for i in range(15)]  # up to ~3 s of waiting
         expiring = [capp.expiring.apply_async((i,), expires=2.0) for i in range(12)]
         impatient = [capp.impatient.delay(i) for i in range(5)]
@@ -145,6 +146,7 @@ def test_retry_budget_untouched_and_expiry_honoured(
         late = wait_results(impatient, timeout=10)
         time.sleep(0.5)
         rows = read_records(records, expect=0, timeout=0)
+        log = logs(nodes)
     assert states[:15] == ["SUCCESS"] * 15
     assert {r["retries"] for r in rows if r["task"].endswith("no_retries")} == {0}
     assert max(r["deferrals"] for r in rows if r["task"].endswith("no_retries")) >= 1
@@ -158,6 +160,8 @@ def test_retry_budget_untouched_and_expiry_honoured(
     assert 2 <= late.count("SUCCESS") <= 3
     failed = [r for r in impatient if r.state == "FAILURE"]
     assert all(type(r.result).__name__ == "ThrottleTimeout" for r in failed)
+    assert log.count("raised expected: ThrottleTimeout") == len(failed)
+    assert "raised unexpected" not in log
     assert len([r for r in rows if r["task"].endswith("impatient")]) == late.count("SUCCESS")
 
 

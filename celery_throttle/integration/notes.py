@@ -13,7 +13,8 @@ import json
 from typing import Any
 
 import redis
-from celery import Task
+from celery import Celery, Task
+from celery.backends.base import DisabledBackend
 
 from ..core.gate import Decision
 from ..core.keys import task_key
@@ -21,7 +22,7 @@ from ..room.header import WaitState
 from ..values import from_us, to_us
 from .runtime import Runtime
 
-__all__ = ["NOTE_AFTER_MS", "read_wait", "wait_note", "write_note"]
+__all__ = ["NOTE_AFTER_MS", "forget_dropped", "read_wait", "wait_note", "write_note"]
 
 
 def _wait_key(runtime: Runtime, task_id: str) -> str:
@@ -67,3 +68,25 @@ def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
     note["dispatched_in_s"] = round(from_us(parked - now), 3) if parked else None
     note["waiting_s"] = round(from_us(now - (note["since"] or now)), 3)
     return dict(note)
+
+
+# Wait notes deleted per command (one slot: a cluster takes them in one DEL).
+_DELETE_BATCH = 1000
+
+
+def forget_dropped(app: Celery, runtime: Runtime, task_ids: list[str], reason: str) -> int:
+    """Tasks dropped while they waited (they will never run): their wait notes go, and the
+    app's result backend marks them REVOKED with ``reason``, so ``AsyncResult.get()`` raises
+    ``TaskRevokedError`` instead of waiting forever.  Returns how many were marked (0 when
+    the app has no result backend)."""
+    ids = [task_id for task_id in task_ids if task_id]
+    keys = [_wait_key(runtime, task_id) for task_id in ids]
+    with contextlib.suppress(redis.RedisError):  # the notes expire on their own anyway
+        for i in range(0, len(keys), _DELETE_BATCH):
+            runtime.gate.client.delete(*keys[i:i + _DELETE_BATCH])
+    backend = app.backend
+    if isinstance(backend, DisabledBackend):
+        return 0
+    for task_id in ids:
+        backend.mark_as_revoked(task_id, reason)
+    return len(ids)

@@ -10,7 +10,8 @@ in ``pyproject.toml``), so it runs with the app and settings of ``-A proj``:
 * ``reset NAME [--key K]``: forget a bucket (it is full again);
 * ``parked [--limit NAME] [-n N]``: the tasks parked in the waiting room
   that are dispatched next;
-* ``purge --yes``: drop every parked task (they never run).
+* ``purge --yes``: drop every parked task (they never run; the result backend
+  marks them REVOKED).
 
 Per-key buckets are never listed (that would need a key scan, and key values
 are stored hashed): name one with ``--key`` (``--int-key`` for integer keys).
@@ -32,7 +33,7 @@ from kombu.utils.url import maybe_sanitize_url
 from ..core.gate import BucketState, Concurrency, LeaseState, Limit
 from ..integration.config import read_config
 from ..integration.declared import KnownLimit, known_limits
-from ..integration.notes import read_wait
+from ..integration.notes import forget_dropped, read_wait
 from ..integration.runtime import runtime_for
 
 __all__ = ["throttle"]
@@ -282,10 +283,14 @@ def purge(ctx: click.Context, yes: bool) -> None:
 
     Without --yes nothing is dropped: the count is shown and the exit code is 2.
     """
-    room = runtime_for(_app(ctx)).room
+    app = _app(ctx)
+    runtime = runtime_for(app)
     if not yes:
-        state = room.state()
+        state = runtime.room.state()
         click.echo(f"would drop {state.parked + state.dispatching} parked task(s); "
                    "add --yes to drop them (they will never run)")
         ctx.exit(2)
-    click.echo(f"dropped {room.purge()} parked task(s)")
+    dropped = runtime.room.purge()
+    revoked = forget_dropped(app, runtime, dropped, "purged from the waiting room")
+    click.echo(f"dropped {len(dropped)} parked task(s)"
+               + (f"; {revoked} marked REVOKED in the result backend" if revoked else ""))

@@ -180,10 +180,12 @@ class WaitingRoom:
         return [Waiting(e, from_us(score - now), m, n)
                 for e, score, m, n in zip(entries, scores, messages, notes, strict=True)]
 
-    def purge(self) -> int:
-        """Drop every parked and every dispatched-but-not-arrived task; return how many."""
-        return int(self._look(keys=[self.parked, self.messages, self.claimed, self.wake],
-                              args=["purge"]))
+    def purge(self) -> list[str]:
+        """Drop every parked and every dispatched-but-not-arrived task (a dispatched copy that
+        arrives later is refused); return their task ids ("" for an unreadable message)."""
+        ids = self._look(keys=[self.parked, self.messages, self.claimed, self.wake],
+                         args=["purge"])
+        return [_raw(i).decode() for i in ids]
 
     def state(self) -> RoomState:
         """Counts and the next dispatch time, read in one round trip."""

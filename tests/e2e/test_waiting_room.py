@@ -232,7 +232,12 @@ def test_a_freed_concurrency_slot_goes_to_the_oldest_waiter_at_once(
 def test_parked_lists_the_next_tasks_and_purge_needs_yes(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """`parked` lists the next tasks with their limit; `purge` drops them only with --yes."""
+    """`parked` lists the next tasks with their limit; `purge` drops them only with --yes,
+    and then the result backend has them REVOKED (get() raises, never hangs) and their wait
+    notes are gone."""
+    from celery.exceptions import TaskRevokedError
+
+    from celery_throttle.core.keys import task_key
     from celery_throttle.room.envelope import Envelope
     from celery_throttle.room.parking import WaitingRoom
 
@@ -248,6 +253,7 @@ def test_parked_lists_the_next_tasks_and_purge_needs_yes(
     still = room.state().parked
     purged = throttle_cli(["purge", "--yes"], redis_base)
     after = room.state().parked
+    notes = store.exists(*(task_key("throttle", "wait", f"id-{i}") for i in range(3)))
     store.close()
     assert listed.returncode == 0, listed.stderr
     lines = listed.stdout.splitlines()
@@ -259,5 +265,9 @@ def test_parked_lists_the_next_tasks_and_purge_needs_yes(
     assert "would drop 3 parked task(s)" in refused.stdout
     assert still == 3
     assert purged.returncode == 0, purged.stderr
-    assert "dropped 3 parked task(s)" in purged.stdout
+    assert "dropped 3 parked task(s); 3 marked REVOKED in the result backend" in purged.stdout
     assert after == 0
+    assert notes == 0
+    assert [capp.app.AsyncResult(f"id-{i}").state for i in range(3)] == ["REVOKED"] * 3
+    with pytest.raises(TaskRevokedError, match="purged from the waiting room"):
+        capp.app.AsyncResult("id-1").get(timeout=5)

@@ -13,7 +13,8 @@ ARGV[1]  the operation:
   "peek"   KEYS[1] parked, KEYS[2] messages (hash); ARGV[2] count
            -> {sec, usec, entry, score, message, entry, score, message, ...}
   "purge"  KEYS[1] parked, KEYS[2] messages, KEYS[3] claimed, KEYS[4] wake
-           -> how many messages were dropped
+           -> the task ids of the messages dropped ("" for one that cannot be
+              read), for the caller to mark them revoked
   "note"   KEYS[1] a wait note -> {sec, usec, note or ""}
 Scores are microseconds on the server clock, returned as strings.
 ]]
@@ -34,9 +35,15 @@ elseif op == 'peek' then
   end
   return out
 elseif op == 'purge' then
-  local count = redis.call('HLEN', KEYS[2])
+  local ids = {}
+  local messages = redis.call('HVALS', KEYS[2])
+  for i = 1, #messages do
+    local ok, m = pcall(cjson.decode, messages[i])
+    local id = ok and type(m) == 'table' and type(m.h) == 'table' and m.h.id
+    ids[i] = type(id) == 'string' and id or ''
+  end
   redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-  return count
+  return ids
 elseif op == 'note' then
   return {t[1], t[2], redis.call('GET', KEYS[1]) or ''}
 end

@@ -38,6 +38,7 @@ from . import leases
 from .copies import new_copy
 from .notes import NOTE_AFTER_MS, wait_note, write_note
 from .runtime import INSTALLED, Runtime
+from .visible import announce
 
 __all__ = ["admit", "defer_after_start", "release_leases_of", "run_ended"]
 
@@ -185,6 +186,8 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
     metrics.deferred(limits[0].name if limits else "(provider)", seconds)
+    announce(task, limit=names or "(provider)", wait=seconds, deferrals=new.deferrals,
+             reason="provider")
     logger.info("throttle: task %s[%s] refused by the provider: %s paused %.3fs on every "
                 "worker; re-scheduled (deferral %d)", task.name, request.id, names, seconds,
                 new.deferrals)
@@ -287,6 +290,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
     metrics.deferred(name, decision.retry_after)
+    announce(task, limit=name, wait=decision.retry_after, deferrals=new.deferrals,
+             reason="limit")
     logger.info("throttle: task %s[%s] waits %.3fs for limit %r (deferral %d%s)",
                 task.name, request.id, decision.retry_after, name, new.deferrals,
                 ", parked" if parked else "")
@@ -424,6 +429,7 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     # The copy pointer is not moved (the store is down): the new copy names
     # this one as its predecessor, which the pointer accepts.
     _republish(task, new, backoff)
+    announce(task, limit="(store)", wait=backoff, deferrals=new.deferrals, reason="store")
     logger.info("throttle: task %s[%s] re-scheduled in %.1fs: store unavailable (deferral %d)",
                 task.name, task.request.id, backoff, new.deferrals)
     raise Ignore()

@@ -64,6 +64,12 @@ def install(app: Celery) -> Celery:
 
     def on_worker_init(sender: Any = None, **_: Any) -> None:
         if _is_ours(sender):
+            # Pool processes cannot see the node's -E flag; the setting carries
+            # it to them (the value the worker derived from both), so that a
+            # deferral sends its task-throttled event only where events are on.
+            events = getattr(sender, "task_events", None)
+            if events is not None:
+                app.conf.worker_send_task_events = bool(events)
             read_config(app)
             gate_all()
             metrics.prepare()  # before the pool forks: never on a task's path

@@ -170,9 +170,11 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     state = started[1] if isinstance(started, tuple) else WaitState.from_request(request)
     setattr(request, _STARTED, None)  # this copy's run did not complete
     names = ", ".join(sorted({lim.name for lim in limits}))
+    store_up = True
     try:
         seconds = max(seconds, runtime.gate.pause(limits, seconds))
     except redis.RedisError as exc:
+        store_up = False
         metrics.store_error([lim.name for lim in limits])
         logger.warning("throttle: could not pause %s (%s: %s); task %s[%s] waits %.3fs anyway",
                        names, type(exc).__name__, exc, task.name, request.id, seconds)
@@ -186,8 +188,9 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
     metrics.deferred(limits[0].name if limits else "(provider)", seconds)
-    announce(task, limit=names or "(provider)", wait=seconds, deferrals=new.deferrals,
-             reason="provider")
+    if store_up:  # (as in the store-down path, a backend beside it may be down too)
+        announce(task, limit=names or "(provider)", wait=seconds, deferrals=new.deferrals,
+                 reason="provider")
     logger.info("throttle: task %s[%s] refused by the provider: %s paused %.3fs on every "
                 "worker; re-scheduled (deferral %d)", task.name, request.id, names, seconds,
                 new.deferrals)
@@ -428,8 +431,9 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     new = replace(state, deferrals=state.deferrals + 1, copy=new_copy(), prev=state.copy_id)
     # The copy pointer is not moved (the store is down): the new copy names
     # this one as its predecessor, which the pointer accepts.
+    # (No THROTTLED state here: a result backend on the store's server is down
+    # too, and Celery's Redis backend retries a write for about 20 s.)
     _republish(task, new, backoff)
-    announce(task, limit="(store)", wait=backoff, deferrals=new.deferrals, reason="store")
     logger.info("throttle: task %s[%s] re-scheduled in %.1fs: store unavailable (deferral %d)",
                 task.name, task.request.id, backoff, new.deferrals)
     raise Ignore()

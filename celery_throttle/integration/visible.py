@@ -9,7 +9,7 @@ wait:
 * in the result backend, where the app has one and the task keeps results:
   the state ``THROTTLED``, its meta the limit, when the task expects to start
   (``eta``, ISO 8601 UTC), its deferral count and why it waits (one backend
-  write per deferral);
+  write per deferral; none while the throttle's store is down);
 * as a task event ``task-throttled`` with the same fields, where the worker
   sends task events (``-E``, ``worker_send_task_events``).  Celery's event
   state, which Flower and ``celery events`` use, takes a custom event's type
@@ -39,8 +39,10 @@ EVENT = "task-throttled"
 
 def announce(task: Task[Any, Any], *, limit: str, wait: float, deferrals: int,
              reason: str) -> None:
-    """Record that ``task`` waits ``wait`` seconds for ``limit`` (``reason``: "limit",
-    "provider" or "store")."""
+    """Record that ``task`` waits ``wait`` seconds for ``limit`` (``reason``: "limit", or
+    "provider" for a 429's pause).  Not called while the throttle's store is down: a result
+    backend on the same server would be down too, and Celery's Redis backend retries a
+    write for about 20 s."""
     eta = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=max(0.0, wait))
     meta: dict[str, Any] = {"limit": limit, "eta": eta.isoformat(), "deferrals": deferrals,
                             "reason": reason}

@@ -16,7 +16,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
-from ..values import US_PER_SECOND, to_us
+from ..values import from_us, to_us
 from . import waiting
 from .connect import connect_async
 from .gate import (
@@ -116,7 +116,7 @@ class AsyncGate(GateCalls):
 
     async def pause(self, limits: Sequence[AnyLimit], seconds: float) -> float:
         """Admit nothing in ``limits`` for ``seconds`` (see :meth:`Gate.pause`)."""
-        return await self._op(limits, "pause", to_us(seconds), "") / US_PER_SECOND
+        return from_us(await self._op(limits, "pause", to_us(seconds), ""))
 
     async def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int:
         """Give back an unused booking (see :meth:`Gate.cancel`)."""

@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar, cast
 import redis
 from redis.cluster import RedisCluster
 
-from ..values import US_PER_SECOND, to_us, units
+from ..values import US_PER_SECOND, from_us, to_us, units
 from . import waiting
 from .connect import connect
 from .keys import (
@@ -130,7 +130,7 @@ class GateCalls:
             return ADMITTED
         status, wait_us, blocking, slot_us, now_us, mask, epoch, shift = reply
         blocked = limits[blocking - 1] if blocking else None
-        retry_after = wait_us / US_PER_SECOND
+        retry_after = from_us(wait_us)
         booking = (Reservation(slot=slot_us, booked=mask, epoch=epoch, shift=shift)
                    if slot_us else None)
         if status == _ALLOWED:  # a claim honoured, at once or for its slot just ahead
@@ -174,14 +174,14 @@ class GateCalls:
         used = ahead / limit.rate.interval_us  # the bucket's content, in starts
         booked = max(0, math.ceil(used - 1e-9) - limit.burst)
         return BucketState(limit=limit, exists=bool(exists), used=used,
-                           next_free=next_free / US_PER_SECOND, booked_ahead=booked,
-                           ttl=max(0, pttl) / 1000, now=now, paused=paused / US_PER_SECOND)
+                           next_free=from_us(next_free), booked_ahead=booked,
+                           ttl=max(0, pttl) / 1000, now=now, paused=from_us(paused))
 
     @staticmethod
     def _lease_state(limit: Concurrency, reply: Any) -> LeaseState:
         held, paused, run, _now = (int(v) for v in reply)
-        return LeaseState(limit=limit, held=held, paused=paused / US_PER_SECOND,
-                          average_run=run / US_PER_SECOND)
+        return LeaseState(limit=limit, held=held, paused=from_us(paused),
+                          average_run=from_us(run))
 
     def _reset_keys(self, limit: AnyLimit) -> list[bytes]:
         return [limit.key_in(self.prefix), *limit.side_keys(self.prefix)]
@@ -335,7 +335,7 @@ class Gate(GateCalls):
         pause ends are void (their tasks book again after it).  A longer
         pause already set is kept.  Returns the seconds the pause lasts.
         """
-        return self._op(limits, "pause", to_us(seconds), "") / US_PER_SECOND
+        return from_us(self._op(limits, "pause", to_us(seconds), ""))
 
     def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int:
         """Give back ``booking`` (from :meth:`acquire_many` with the same ``limits``) unused.

@@ -16,7 +16,6 @@ copies are told apart by the copy pointer (``copies.py``).  Expiry,
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import random
 import time
 from dataclasses import replace
@@ -29,6 +28,7 @@ from celery.exceptions import Ignore
 from .. import faults, metrics
 from ..core.gate import AnyLimit, Concurrency, Decision, Limit
 from ..core.keys import key_digest, waiters_key
+from ..core.logs import logger
 from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import queue_of
 from ..room.envelope import capture
@@ -42,7 +42,6 @@ from .visible import announce
 
 __all__ = ["admit", "defer_after_start", "release_leases_of", "run_ended"]
 
-logger = logging.getLogger("celery_throttle")
 
 _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _MAX_SLEEPS = 3

@@ -21,7 +21,6 @@ Receivers (all idempotent, all for this app only):
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import redis
@@ -29,6 +28,7 @@ from celery import Celery, signals
 from redis.cluster import RedisCluster
 
 from .. import metrics
+from ..core.logs import logger
 from ..room.dispatcher import Dispatcher, add_lanes
 from .config import read_config
 from .declared import limits_in_force
@@ -40,7 +40,6 @@ from .throttled import ensure_gated
 
 __all__ = ["install", "store_warnings"]
 
-logger = logging.getLogger("celery_throttle")
 
 
 

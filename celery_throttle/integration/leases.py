@@ -14,7 +14,6 @@ lease time later, reclaimed by the next decision on that limit.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -24,11 +23,11 @@ import redis
 from celery import current_task
 
 from ..core.gate import AnyLimit, Concurrency, Gate, Limit
+from ..core.logs import logger
 from ..values import renew_every, units
 
 __all__ = ["Admitted", "Held", "hold", "release", "settle"]
 
-logger = logging.getLogger("celery_throttle")
 
 #: Request attribute naming what the current run was admitted under.
 ADMITTED = "_celery_throttle_admitted"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
@@ -23,6 +22,7 @@ from celery.local import PromiseProxy, Proxy
 
 from ..core.gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit
 from ..core.keys import validate_name
+from ..core.logs import logger
 from ..core.rates import Rate, parse_rate
 from ..errors import RateLimited, ThrottleTimeout
 from ..room.dispatcher import queue_of
@@ -33,7 +33,6 @@ from .runtime import INSTALLED, runtime_for
 
 __all__ = ["Throttle", "ensure_gated", "throttled"]
 
-logger = logging.getLogger("celery_throttle")
 
 T = TypeVar("T")
 ArgFn = Callable[..., Any]

@@ -35,6 +35,7 @@ from ..integration.config import read_config
 from ..integration.declared import KnownLimit, known_limits
 from ..integration.notes import forget_dropped, read_wait
 from ..integration.runtime import runtime_for
+from ..values import from_us
 
 __all__ = ["throttle"]
 
@@ -209,7 +210,7 @@ def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
     when = f"in {due:.3f}s" if due >= 0 else f"{-due:.3f}s ago (started, or deciding again)"
     parked = ""
     if wait.get("parked_until"):
-        at = dt.datetime.fromtimestamp(wait["parked_until"] / 1e6, dt.timezone.utc)
+        at = dt.datetime.fromtimestamp(from_us(wait["parked_until"]), dt.timezone.utc)
         stamp = at.isoformat(sep=" ", timespec="milliseconds").removesuffix("+00:00")
         parked = f" is parked until {stamp} UTC (dispatched in {wait['dispatched_in_s']:.3f}s) and"
     click.echo(f"task {task_id} ({wait['task']}){parked} waits for limit {wait['limit']!r}: "

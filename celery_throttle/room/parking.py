@@ -25,7 +25,6 @@ measured trip from dispatch to arrival, which dispatches run ahead by).
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from ..core.keys import epoch_key, room_key, task_key
+from ..core.logs import logger
 from ..core.scripts import source
 from ..values import US_PER_SECOND, from_us
 
@@ -44,7 +44,6 @@ __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 REPLICA_WAIT_MS = 500
 #: After a park that reached too few replicas, parks do not wait for this long.
 REPLICA_RETRY_S = 10
-logger = logging.getLogger("celery_throttle")
 
 
 @dataclass(frozen=True, slots=True)

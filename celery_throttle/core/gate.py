@@ -39,18 +39,19 @@ from .limits import (
 )
 from .packed import AsyncPackedPath, Call, PackedPath, Plain
 from .rates import Rate, parse_rate
-from .scripts import source
+from .scripts import BUCKET, joined
 
 # The records live in limits.py; they are re-exported here, where they were first.
 __all__ = ["DEFAULT_LEASE", "SCRIPT", "AnyLimit", "BucketState", "Clock",
            "Concurrency", "Decision", "Gate", "GateCalls", "LeaseState", "Limit",
            "Reservation"]
 
-#: gate.lua, the one copy of the algorithm (Gate and AsyncGate both run it).
-SCRIPT = source(__package__, "gate.lua")
+#: gate.lua, the one copy of the algorithm (Gate and AsyncGate both run it), after the
+#: rate bucket it shares with the waiting room's dispatch.
+SCRIPT = joined(BUCKET, (__package__, "gate.lua"))
 
 # Reply status codes of gate.lua (0 denied and 2 reserved are told apart by the booking).
-_ALLOWED, _EARLY = 1, 3
+_ALLOWED, _EARLY, _QUEUED = 1, 3, 4
 _NEVER = -1
 # The booked-limits mask travels as an integer (exact in a Lua double).
 _MAX_LIMITS = 50
@@ -100,29 +101,36 @@ class GateCalls:
         return limits
 
     def _plain(self, limits: Sequence[AnyLimit], reserve: float | None, grace: float,
-               claim: Reservation | None, holder: str) -> Plain | None:
+               claim: Reservation | None, holder: str, in_line: bool = False) -> Plain | None:
         """A plain decision's cache key and its packed command (or, the first time, its KEYS
         and ARGV, validated before any I/O); None: not a plain decision, the full path."""
         if self._packed is None or claim is not None or holder or self.clock != "server":
             return None
-        key = (tuple(limits), reserve, grace)
+        key = (tuple(limits), reserve, grace, in_line)
         try:
             packed = self._packed.cached(key)  # the one hash of the key
         except TypeError:  # an unhashable key value (bytearray): the full path
             return None
         return key, packed if packed is not None else self._decide_call(
-            limits, reserve, None, grace, "")
+            limits, reserve, None, grace, "", in_line)
 
     def _decide_call(self, limits: Sequence[AnyLimit], reserve: float | None,
-                     claim: Reservation | None, grace: float, holder: str) -> Call:
+                     claim: Reservation | None, grace: float, holder: str,
+                     in_line: bool = False) -> Call:
         if not limits or len(limits) > _MAX_LIMITS:
             raise ValueError(f"acquire_many takes 1 to {_MAX_LIMITS} limits, got {len(limits)}")
         if not holder and any(lim.leased for lim in limits):
             raise ValueError("a Concurrency limit needs a holder (the lease owner's id)")
+        keys = self._keys(limits)
+        if in_line:
+            if any(lim.leased for lim in limits):
+                raise ValueError("in_line takes rate limits only")
+            keys += [lim.queue_in(self.prefix) for lim in limits if isinstance(lim, Limit)]
         args = list(_head_args(now=self._now_us(),
                                horizon=_NEVER if reserve is None else to_us(reserve),
-                               claim=claim, grace=to_us(grace), holder=holder))
-        return self._keys(limits), args + self._limit_args(limits)
+                               claim=claim, grace=to_us(grace), holder=holder,
+                               op=b"q" if in_line else b"a"))
+        return keys, args + self._limit_args(limits)
 
     @staticmethod
     def _decision(limits: Sequence[AnyLimit], reply: Any) -> Decision:
@@ -137,6 +145,8 @@ class GateCalls:
             return Decision(True, retry_after, reservation=booking, now=now_us)
         if status == _EARLY:
             return Decision(False, retry_after, reservation=booking, now=now_us, early=True)
+        if status == _QUEUED:
+            return Decision(False, retry_after, limit=blocked, now=now_us, queued=True)
         return Decision(False, retry_after, limit=blocked, reservation=booking, now=now_us)
 
     def _op_call(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> Call:
@@ -249,7 +259,7 @@ class Gate(GateCalls):
 
     def acquire_many(self, limits: Sequence[AnyLimit], *, reserve: float | None = None,
                      claim: Reservation | None = None, grace: float = 0.0,
-                     holder: str = "") -> Decision:
+                     holder: str = "", in_line: bool = False) -> Decision:
         """Pass every limit in ``limits`` at once, or none of them.
 
         ``reserve``: when denied and the wait is at most this many seconds, book
@@ -265,13 +275,16 @@ class Gate(GateCalls):
         asking again keeps its one lease).  A full concurrency limit books
         nothing: with ``reserve`` the decision is ``reserved`` with nothing
         booked (``Reservation.booked == 0``) at the holder's paced return time.
+        ``in_line`` (rate limits only, no claim): while a limit has tasks
+        waiting in its queue (``room/queues.py``), do not start ahead of them;
+        the decision is ``queued``, naming that limit, with the estimated wait.
         """
-        plain = self._plain(limits, reserve, grace, claim, holder)
+        plain = self._plain(limits, reserve, grace, claim, holder, in_line)
         if plain is not None:
             reply = cast(PackedPath, self._packed).send(plain)
             if reply is not None:
                 return self._decision(limits, reply)
-        keys, args = self._decide_call(limits, reserve, claim, grace, holder)
+        keys, args = self._decide_call(limits, reserve, claim, grace, holder, in_line)
         return self._decision(limits, self._script(keys=keys, args=args))
 
     def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
@@ -403,8 +416,8 @@ def _head_args(*, now: int = 0, horizon: int = _NEVER, claim: Reservation | None
                grace: int = 0, holder: str = "", op: bytes = b"a",
                op_arg: int = 0) -> tuple[bytes, ...]:
     """ARGV[1..10] of gate.lua (its header names them), microseconds throughout."""
-    if now == 0 and claim is None and not holder and op == b"a":
-        return _plain_head(horizon, grace)  # most calls: cache the few distinct ones
+    if now == 0 and claim is None and not holder and op in (b"a", b"q"):
+        return _plain_head(horizon, grace, op)  # most calls: cache the few distinct ones
     slot, mask, epoch, shift = ((claim.slot, claim.booked, claim.epoch, claim.shift)
                                 if claim is not None else (0, 0, 0, 0))
     return (*(str(v).encode() for v in (now, horizon, slot, grace, mask, epoch)),
@@ -412,8 +425,8 @@ def _head_args(*, now: int = 0, horizon: int = _NEVER, claim: Reservation | None
 
 
 @functools.lru_cache(maxsize=256)
-def _plain_head(horizon: int, grace: int) -> tuple[bytes, ...]:
-    return (b"0", str(horizon).encode(), b"0", str(grace).encode(), b"0", b"0", b"", b"a",
+def _plain_head(horizon: int, grace: int, op: bytes) -> tuple[bytes, ...]:
+    return (b"0", str(horizon).encode(), b"0", str(grace).encode(), b"0", b"0", b"", op,
             b"0", b"0")
 
 

@@ -1,8 +1,9 @@
 """Where state lives: every key name is built here.
 
 A limit's keys: ``{<prefix>}:<kind>:<digest>:<name>``, where ``kind`` is
-``b`` (a rate bucket), ``l`` (a concurrency limit's leases), ``m`` (its
-meta hash) or ``w`` (its waiters list), and ``digest`` is the hashed key
+``b`` (a rate bucket), ``q`` (its queue of waiting tasks), ``l`` (a
+concurrency limit's leases), ``m`` (its meta hash) or ``w`` (its waiters
+list), and ``digest`` is the hashed key
 value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
 one.  The name comes last, after two parts of fixed form, so a limit name
 can hold any character (``:`` included) and still never be the key of
@@ -34,7 +35,8 @@ import hashlib
 import uuid
 
 __all__ = ["bucket_key", "copy_key", "epoch_key", "key_digest", "leases_key", "meta_key",
-           "room_key", "task_key", "validate_name", "validate_prefix", "waiters_key"]
+           "queue_key", "queue_of_bucket", "room_key", "task_key", "validate_name",
+           "validate_prefix", "waiters_key"]
 
 _MAX_NAME = 200
 
@@ -88,6 +90,23 @@ def key_digest(value: object) -> str:
 def bucket_key(prefix: str, name: str, key: object = None) -> str:
     """The Redis key of the rate bucket ``name`` (and key value ``key``, if given)."""
     return _limit_key("b", prefix, name, key)
+
+
+def queue_key(prefix: str, name: str, key: object = None) -> str:
+    """The queue of tasks waiting for rate limit ``name`` (and ``key``): a sorted set."""
+    return _limit_key("q", prefix, name, key)
+
+
+def queue_of_bucket(bucket: str) -> str:
+    """The queue key of the limit whose bucket key is ``bucket`` (and back: ``q`` <-> ``b``).
+
+    The kind sits right after the hash tag, whose prefix holds no brace.
+    """
+    tag = bucket.find("}") + 1
+    kind = bucket[tag + 1: tag + 2]
+    if bucket[tag: tag + 1] != ":" or kind not in ("b", "q") or bucket[tag + 2: tag + 3] != ":":
+        raise ValueError("not a bucket or queue key of this package")
+    return f"{bucket[:tag + 1]}{'q' if kind == 'b' else 'b'}{bucket[tag + 2:]}"
 
 
 def leases_key(prefix: str, name: str, key: object = None) -> str:

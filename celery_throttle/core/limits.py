@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..values import check_cost, positive_int, seconds, to_us
-from .keys import bucket_key, key_digest, leases_key, meta_key, validate_name, waiters_key
+from .keys import (
+    bucket_key,
+    key_digest,
+    leases_key,
+    meta_key,
+    queue_key,
+    validate_name,
+    waiters_key,
+)
 from .rates import Rate, parse_rate
 
 __all__ = ["DEFAULT_LEASE", "AnyLimit", "BucketState", "Concurrency", "Decision", "LeaseState",
@@ -63,6 +71,10 @@ class Limit:
     def side_keys(self, prefix: str) -> tuple[bytes, ...]:
         """Keys besides :meth:`key_in` that a call on this limit touches: none."""
         return ()
+
+    def queue_in(self, prefix: str) -> bytes:
+        """The queue of tasks waiting for this limit (``room/queues.py``)."""
+        return _key_bytes(queue_key, prefix, self.name, self.key)
 
     def waiter_keys(self, prefix: str) -> tuple[bytes, ...]:
         """The list of tasks waiting for a seat (a concurrency limit's): none."""
@@ -161,6 +173,7 @@ class Decision:
     reservation: Reservation | None = None
     now: int = 0
     early: bool = False
+    queued: bool = False  # in line: ``limit`` has waiting tasks; join its queue
 
     @property
     def reserved(self) -> bool:

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-from celery_throttle import Decision, Gate, Limit, Reservation, parse_rate
+from celery_throttle import Concurrency, Decision, Gate, Limit, Reservation, parse_rate
 from celery_throttle.core.keys import bucket_key, key_digest
 from celery_throttle.testing import max_in_window
 
@@ -112,6 +112,29 @@ def test_multi_limit_all_or_nothing(cgate: Gate, client: redis.Redis) -> None:
     assert denied.retry_after == 1.0
     after = {k: (client.get(k), client.pttl(k)) for k in map(cgate.key_of, (tenant, shared))}
     assert [v[0] for v in before.values()] == [v[0] for v in after.values()]
+
+
+def test_in_line_decision_sees_the_queues_in_the_same_call(gate: Gate,
+                                                           client: redis.Redis) -> None:
+    """In line, a limit with waiting tasks answers queued (writing nothing), naming the
+    limit with the longest estimated wait; without waiting tasks it admits as usual."""
+    tenant = Limit("tenant", parse_rate("10/s"), burst=5, key="acme")
+    shared = Limit("provider", parse_rate("2/s"), burst=5)
+    assert gate.acquire_many([tenant, shared], in_line=True).allowed
+    client.zadd(shared.queue_in(gate.prefix), {"a": 1, "b": 2, "c": 3})
+    client.zadd(tenant.queue_in(gate.prefix), {"d": 1})
+    stored = [client.get(gate.key_of(lim)) for lim in (tenant, shared)]
+    queued = gate.acquire_many([tenant, shared], in_line=True)
+    assert queued.queued
+    assert not queued.allowed
+    assert queued.limit == shared  # three waiting at 2/s: 1.5 s, against 0.1 s
+    assert queued.retry_after == 1.5
+    assert [client.get(gate.key_of(lim)) for lim in (tenant, shared)] == stored
+    assert gate.acquire_many([tenant, shared]).allowed  # not in line: not held back
+    client.delete(shared.queue_in(gate.prefix), tenant.queue_in(gate.prefix))
+    assert gate.acquire_many([tenant, shared], in_line=True).allowed
+    with pytest.raises(ValueError, match="rate limits only"):
+        gate.acquire_many([Concurrency("seats", 1)], holder="h", in_line=True)
 
 
 def test_denied_call_writes_nothing(gate: Gate, client: redis.Redis) -> None:

@@ -9,7 +9,9 @@ emission interval T, a burst B and a cost c, a start at `now` is allowed when
 
 and then TAT becomes max(TAT, now) + c*T.  Several buckets are decided all or
 nothing: either every bucket admits and every bucket is charged, or none is
-written.  This script is the only copy of the algorithm.
+written.  The bucket itself (its stored value, the admission test and the charge)
+is bucket.lua, which the loader puts in front of this script: the waiting
+room's dispatch (room/lua/serve.lua) charges through the same functions.
 
 Two more kinds of state share the script:
 
@@ -47,6 +49,8 @@ KEYS[n+1+m+j] the j-th concurrency limit's waiters: a list of "entry holder",
           tasks parked in the waiting room for a slot, oldest first
 KEYS[n+2+2m], KEYS[n+3+2m], KEYS[n+4+2m] the waiting room's parked set,
           messages hash and wake list (room/parking.py)
+With op "q" only (rate limits only, m = 0):
+KEYS[n+1+i] limit i's queue of waiting tasks (room/queues.py), i = 1..n
 
 ARGV[1]   now, microseconds; 0 = use this server's TIME
 ARGV[2]   reservation horizon, microseconds; -1 = never reserve.
@@ -73,7 +77,10 @@ ARGV[6]   claim epoch: the epoch the claimed slot was booked in; 0 without.
           (TAT < S + c*T: the key was evicted or reset).
 ARGV[7]   holder: the lease owner's id (a task id) when a concurrency limit
           takes part, else ""
-ARGV[8]   op: "a" decide (the reply below); "release", "extend", "pause",
+ARGV[8]   op: "a" decide (the reply below); "q" decide in line: while a
+          limit has tasks in its queue, a fresh start (no claim) is not
+          admitted ahead of them but told to join the queue (status 4);
+          "release", "extend", "pause",
           "settle", "cancel" (a booking given back: the claim fields name
           it), "inspect" (one function each, near the end of the script)
 ARGV[9]   op argument (microseconds): release: how long the holder ran;
@@ -100,7 +107,9 @@ Reply: 1 when simply allowed (charged now); otherwise
            written), 2 reserved (slot booked, start at slot_us; with mask 0,
            nothing booked: a full concurrency limit's paced return time), 3 early (a
            claim for a slot still ahead, or one whose unbooked limits free up
-           within the grace and are now booked too: claim again after wait_us)
+           within the grace and are now booked too: claim again after wait_us),
+           4 queued (op "q": limit `blocking` has waiting tasks; nothing
+           written; wait_us estimates the wait behind them)
   wait_us  microseconds until the start may happen (0 when allowed)
   blocking the 1-based index of the limit that forced the longest wait, or 0
   slot_us  the booked or claimed slot, or 0
@@ -111,7 +120,7 @@ Reply: 1 when simply allowed (charged now); otherwise
            booking (hand it back as ARGV[10] with the claim)
 ]]
 
-local now = tonumber(ARGV[1])
+now = tonumber(ARGV[1]) -- declared by bucket.lua, which comes first
 if now <= 0 then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -131,10 +140,6 @@ local epoch_key = KEYS[n + 1]
 -- A waiter's return is paced by the expected run: at least this long.
 local MIN_RUN, UNKNOWN_RUN = 50000, 1000000
 local META_TTL_MS = 86400000
-
-local function us(v)
-  return string.format('%d', v) -- %d: the default format rounds 16 digits
-end
 
 local function booked_in(m, i)
   return math.floor(m / 2 ^ (i - 1)) % 2 == 1
@@ -166,64 +171,27 @@ end
 -- ---------------------------------------------------------------------------
 -- Rate buckets.
 
--- A rate bucket's value: "TAT", "TAT:until" while paused, "TAT:until:shift"
--- once a settlement has shifted its bookings (until may then be 0).
-local function read_rate(key)
-  local raw = redis.call('GET', key)
-  if not raw then
-    return 0, 0, 0, false
-  end
-  local tat = tonumber(raw)
-  if tat then
-    return tat, 0, 0, true
-  end
-  local t, p, d = string.match(raw, '^(%d+):(%d+):?(%d*)$')
-  return tonumber(t), tonumber(p), tonumber(d) or 0, true
-end
-
--- Write a rate bucket; TTL = time until it has drained and any pause is
--- over, so the key never expires while it holds state (a shift matters
--- only to bookings, which an expired bucket voids anyway).
-local function write_rate(key, tat, paused, shift)
-  local value = us(tat)
-  local last = tat
-  if paused > now then
-    last = math.max(tat, paused)
-  end
-  if shift > 0 then
-    value = value .. ':' .. us(paused > now and paused or 0) .. ':' .. us(shift)
-  elseif paused > now then
-    value = value .. ':' .. us(paused)
-  end
-  local ttl_ms = math.ceil((last - now) / 1000)
-  if ttl_ms < 1 then
-    ttl_ms = 1
-  end
-  redis.call('SET', key, value, 'PX', ttl_ms)
-end
-
--- THE admission test (GCRA): how long until rate limit `lim` admits its
--- cost, from its TAT (at least now) and pause.  <= 0: admitted now.
-local function rate_wait(lim, tat, paused)
-  return math.max(tat + (lim.cost - lim.burst) * lim.interval, paused) - now
-end
-
--- The TAT after charging a start at `at`.
-local function charged(lim, tat, at)
-  return math.max(tat, at) + lim.cost * lim.interval
-end
-
 -- The hot path: a plain decision (no claim, rate limits only) that admits.
 -- Read and test every bucket, charge them all, reply 1, before the rest of
 -- the script's functions are even defined (Lua makes each one anew per
 -- call).  Anything else (a wait, a claim, a lease) falls through to the
 -- full decision below, which reads the buckets again.
-if op == 'a' and claim == 0 and m == 0 then
+local in_line = op == 'q'
+if in_line then
+  if m > 0 then
+    return redis.error_reply('celery_throttle gate.lua: op q takes rate limits only')
+  end
+  for i = 1, n do
+    L[i].queue = KEYS[n + 1 + i]
+  end
+end
+if (op == 'a' or in_line) and claim == 0 and m == 0 then
   local tats, pauses, shifts = {}, {}, {}
   for i = 1, n do
     local tat, paused, shift = read_rate(L[i].key)
     tat = math.max(tat, now)
-    if rate_wait(L[i], tat, paused) > 0 then
+    if rate_wait(L[i], tat, paused) > 0
+        or (in_line and redis.call('EXISTS', L[i].queue) == 1) then
       tats = nil
       break
     end
@@ -484,6 +452,25 @@ local function decide()
     end
   end
 
+  -- In line: a fresh start does not pass tasks waiting in a limit's queue.
+  -- It joins the longest wait among them (estimated: the limit's own wait,
+  -- then one start per task ahead).
+  if in_line and claim == 0 then
+    local behind, at = 0, 0
+    for i = 1, n do
+      local ahead = redis.call('ZCARD', L[i].queue)
+      if ahead > 0 then
+        local est = math.max(waits[i], 0) + ahead * L[i].cost * L[i].interval
+        if est > behind then
+          behind, at = est, i
+        end
+      end
+    end
+    if at > 0 then
+      return { 4, behind, at, 0, now, 0, 0, 0 }
+    end
+  end
+
   -- Charge limit i for a start at `at`: a rate bucket's TAT moves on; a
   -- concurrency limit gets this holder's lease.
   local function charge(i, at)
@@ -654,8 +641,8 @@ end
 
 -- ---------------------------------------------------------------------------
 -- Dispatch: once, here.
-local OPS = { a = decide, release = release, extend = extend, pause = pause, settle = settle,
-              cancel = cancel, inspect = inspect }
+local OPS = { a = decide, q = decide, release = release, extend = extend, pause = pause,
+              settle = settle, cancel = cancel, inspect = inspect }
 local run = OPS[op]
 if not run then
   return redis.error_reply('celery_throttle gate.lua: unknown op ' .. tostring(op))

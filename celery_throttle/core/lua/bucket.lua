@@ -1,0 +1,61 @@
+--[[
+celery_throttle bucket.lua: the rate bucket, one copy for every script that
+charges one (gate.lua decides a start, room/lua/serve.lua dispatches a
+waiting task).  The loader puts this text in front of theirs
+(core/scripts.py: `joined`); the script sets `now` (microseconds) before it
+calls any function below.
+
+A rate limit here is a table { key, interval (us), burst, cost }.
+]]
+local now
+
+local function us(v)
+  return string.format('%d', v) -- %d: the default format rounds 16 digits
+end
+
+-- A rate bucket's value: "TAT", "TAT:until" while paused, "TAT:until:shift"
+-- once a settlement has shifted its bookings (until may then be 0).
+local function read_rate(key)
+  local raw = redis.call('GET', key)
+  if not raw then
+    return 0, 0, 0, false
+  end
+  local tat = tonumber(raw)
+  if tat then
+    return tat, 0, 0, true
+  end
+  local t, p, d = string.match(raw, '^(%d+):(%d+):?(%d*)$')
+  return tonumber(t), tonumber(p), tonumber(d) or 0, true
+end
+
+-- Write a rate bucket; TTL = time until it has drained and any pause is
+-- over, so the key never expires while it holds state (a shift matters
+-- only to bookings, which an expired bucket voids anyway).
+local function write_rate(key, tat, paused, shift)
+  local value = us(tat)
+  local last = tat
+  if paused > now then
+    last = math.max(tat, paused)
+  end
+  if shift > 0 then
+    value = value .. ':' .. us(paused > now and paused or 0) .. ':' .. us(shift)
+  elseif paused > now then
+    value = value .. ':' .. us(paused)
+  end
+  local ttl_ms = math.ceil((last - now) / 1000)
+  if ttl_ms < 1 then
+    ttl_ms = 1
+  end
+  redis.call('SET', key, value, 'PX', ttl_ms)
+end
+
+-- THE admission test (GCRA): how long until rate limit `lim` admits its
+-- cost, from its TAT (at least now) and pause.  <= 0: admitted now.
+local function rate_wait(lim, tat, paused)
+  return math.max(tat + (lim.cost - lim.burst) * lim.interval, paused) - now
+end
+
+-- The TAT after charging a start at `at`.
+local function charged(lim, tat, at)
+  return math.max(tat, at) + lim.cost * lim.interval
+end

@@ -246,6 +246,21 @@ def parked_msgpack(self: Task[Any, Any], i: int) -> int:
     return i
 
 
+# --- The scheduler: tasks waiting in line (throttle_scheduler) ---
+# CT_LINE_RATE: the rate of the "line" limit, as a new release of the code
+# would change it (the tests restart the workers with another one).
+
+LINE_RATE = os.environ.get("CT_LINE_RATE", "5/s")
+
+
+@throttled(LINE_RATE, name="line")
+@app.task(bind=True)
+def in_line(self: Task[Any, Any], i: int) -> int:
+    """One limit shared by a batch and urgent work, sent with Celery's own priorities."""
+    record(self, i=i, priority=(self.request.delivery_info or {}).get("priority"))
+    return i
+
+
 # --- Fault injection, per worker node (set only in that node's environment) ---
 
 if os.environ.get("CT_FAULT"):

@@ -62,6 +62,13 @@ SETTINGS: dict[str, tuple[object, str]] = {
     "throttle_waiting_room": (True, "park tasks that wait longer than throttle_max_sleep in "
                               "Redis (dispatched to their queue just before their slot) "
                               "instead of re-publishing them with a countdown"),
+    "throttle_scheduler": (False, "tasks that must wait longer than throttle_max_sleep wait in "
+                           "line, in the queue of the limit that blocks them, and are "
+                           "dispatched when it admits them, best priority first (see the "
+                           "scheduler); False: they book their slot when they arrive"),
+    "throttle_priority_ageing": (3600.0, "with the scheduler, seconds of waiting that are worth "
+                                 "one priority level: a waiting task moves up one level per "
+                                 "step, so urgent work never starves the rest for ever"),
     "throttle_dispatch_lead": (0.05, "the waiting room dispatches a task this many seconds before "
                               "its slot, to cover the broker trip (it sleeps the rest)"),
     "throttle_dispatch_timeout": (60.0, "a dispatched task that has not reached a worker after "
@@ -101,12 +108,17 @@ class Config:
     claim_grace: float | None
     metrics_port: int | None
     waiting_room: bool
+    scheduler: bool
+    priority_ageing: float
     dispatch_lead: float
     dispatch_timeout: float
     gc_freeze: bool
     # Not a throttle_* setting: the broker's, read for max_countdown and for
     # how long a duplicate copy of an acks_late message can still turn up.
     visibility_timeout: float
+    # Not a setting either: how the broker orders priorities (AMQP brokers
+    # deliver a higher number first, kombu's Redis and others a lower one).
+    high_priority_first: bool = False
 
     def connect(self, **options: Any) -> redis.Redis | RedisCluster:
         """A new client of the store (one server, Sentinel's master, or a Cluster)."""
@@ -241,6 +253,10 @@ def read_config(app: Celery) -> Config:
         visibility_timeout=visibility,
         metrics_port=_port(get("throttle_metrics_port")),
         waiting_room=waiting_room,
+        scheduler=_flag("throttle_scheduler", get("throttle_scheduler")),
+        priority_ageing=_at_least_one("throttle_priority_ageing",
+                                      get("throttle_priority_ageing")),
+        high_priority_first=_amqp(conf.broker_url),
         dispatch_lead=_seconds("throttle_dispatch_lead", get("throttle_dispatch_lead"),
                               allow_none=False) or 0.0,
         dispatch_timeout=_at_least_one("throttle_dispatch_timeout",
@@ -265,6 +281,12 @@ def _horizon(value: object, waiting_room: bool) -> float:
     if value is None:
         return LONGEST_WAIT if waiting_room else 3600.0
     return _seconds("throttle_horizon", value, allow_none=False) or 0.0
+
+
+def _amqp(broker_url: object) -> bool:
+    """The broker speaks AMQP (RabbitMQ): it delivers a higher priority number first."""
+    first = str(broker_url or "").split(";")[0]
+    return first.split("://")[0].lower() in ("amqp", "amqps", "pyamqp", "librabbitmq")
 
 
 def _flag(name: str, value: object) -> bool:

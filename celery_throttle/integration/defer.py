@@ -19,7 +19,7 @@ import datetime as dt
 import random
 import time
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import redis
 from celery import Task
@@ -45,6 +45,9 @@ __all__ = ["admit", "defer_after_start", "release_leases_of", "run_ended"]
 
 _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _MAX_SLEEPS = 3
+# The longest a task dispatched from its queue sleeps until the start it was
+# charged for (serve.lua's MAX_AHEAD, in seconds).
+_MAX_AHEAD = 0.5
 _STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of a started copy
 _LEASED = "_celery_throttle_leased"  # request attribute: the leases.Held of this run
 
@@ -90,22 +93,36 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     request = task.request
     state = WaitState.from_request(request)
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
+    charged = state.charged  # ... from a limit's queue: how (queues.Served.flag)
+    arrived_at: int | None = 0  # the server's time when it arrived (0: unknown)
     if arrived:
-        if not _first_arrival(task, runtime, state):
+        arrived_at = _first_arrival(task, runtime, state)
+        if arrived_at is None:
             logger.info("throttle: task %s[%s] dropped: a second copy dispatched from the "
                         "waiting room (the first one goes on)", task.name, request.id)
             raise Ignore()
         # The entry is taken: a copy made from here on is a new one, and goes
         # to the task's queue, not the lane it came by (retry() and parking
         # again take the routing from delivery_info).
-        state = replace(state, entry="", token="", room=0)
+        state = replace(state, entry="", token="", room=0, charged="")
         info: dict[str, Any] = dict(request.delivery_info or {})
         if info.get("routing_key"):
             info["routing_key"] = queue_of(str(info["routing_key"]))
             request.delivery_info = info  # type: ignore[assignment]
     concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
     holder = str(request.id) if concurrent else ""
-    if _wait_for_slot(task, runtime, limits, max_wait, state, holder, arrived):
+    if charged == "c" and arrived and _in_time(task, runtime, limits, state, arrived_at):
+        admitted = True  # its turn came in its queue: every limit was charged for it ...
+        if state.slot and arrived_at:
+            # ... at this moment, which it arrived ahead of by at most the dispatch's
+            # lead (queues.py): it starts then, not earlier.
+            time.sleep(min(max(0.0, from_us(state.slot - arrived_at)), _MAX_AHEAD))
+    elif charged == "t" and arrived:
+        raise ThrottleTimeout.exceeded(task.name, limits[0].name if limits else "",
+                                       _waited(runtime, state), max_wait or 0.0)
+    else:
+        admitted = _wait_for_slot(task, runtime, limits, max_wait, state, holder, arrived)
+    if admitted:
         if concurrent:
             # Recorded before anything else may raise: postrun gives it back.
             setattr(request, _LEASED, leases.hold(runtime.gate, concurrent, holder))
@@ -209,6 +226,10 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         horizon = min(horizon, max(0.0, to_expiry))
     if max_wait is not None:
         horizon = min(horizon, max_wait)
+    in_line = _in_line(task, runtime, limits)
+    if in_line:
+        # Book only what is near: a longer wait waits in line, unbooked.
+        horizon = min(horizon, config.max_sleep)
     claim = state.claim_under(limits)
     # A short wait is slept, then the booked slot claimed: the claim is what
     # charges the limits the slot is not booked in.  Bounded: if the slot is
@@ -222,7 +243,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     for attempt in range(_MAX_SLEEPS):
         try:
             decision = runtime.gate.acquire_many(
-                limits, reserve=horizon, claim=claim, grace=grace, holder=holder)
+                limits, reserve=horizon, claim=claim, grace=grace, holder=holder,
+                in_line=in_line and claim is None)
         except redis.RedisError as exc:
             metrics.store_error([lim.name for lim in limits])
             _store_failed(task, runtime, state, exc)
@@ -238,6 +260,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
             # late (that could burst).
             logger.info("throttle: task %s[%s] lost its slot (%.3fs ago); asking again",
                         task.name, request.id, from_us(decision.now - claim.slot))
+        if decision.queued:
+            break  # (its expiry and max_wait are the dispatch's to enforce)
         waited = from_us(decision.now - state.since) if state.since else 0.0
         if to_expiry is not None and decision.retry_after > to_expiry:
             _expire(task, decision)
@@ -260,6 +284,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         ahead = grace / 2 if _booked_in_all(limits, decision.reservation.booked) else 0.0
         time.sleep(max(0.0, decision.retry_after - ahead))
         claim = decision.reservation
+    if in_line and decision.reservation is None and isinstance(decision.limit, Limit):
+        _join_line(task, runtime, limits, decision, state, to_expiry, max_wait)
     if decision.slot is not None:
         countdown = decision.retry_after
     else:
@@ -310,6 +336,116 @@ def _room_open(task: Task[Any, Any], runtime: Runtime) -> bool:
     return runtime.config.waiting_room and getattr(task.app, INSTALLED, False)
 
 
+def _in_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit]) -> bool:
+    """Does the task wait in line (the scheduler)?  Rate limits only, for now: a task
+    with a concurrency limit waits as before (its seat is handed over in order)."""
+    return (runtime.config.scheduler and _room_open(task, runtime)
+            and all(isinstance(lim, Limit) for lim in limits))
+
+
+def _rank(task: Task[Any, Any], runtime: Runtime) -> int:
+    """The task's priority as a rank, 0 first, in the order its broker delivers them.
+
+    kombu's Redis transport (and the other virtual ones) delivers 0 first and
+    counts a message without a priority as 0; AMQP brokers deliver a higher
+    number first and count none as 0, the lowest.  Celery's range is 0-9.
+    """
+    raw = (task.request.delivery_info or {}).get("priority")
+    priority = min(max(raw, 0), 9) if isinstance(raw, int) else 0
+    return 9 - priority if runtime.config.high_priority_first else priority
+
+
+def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+               decision: Decision, state: WaitState, to_expiry: float | None,
+               max_wait: float | None) -> None:
+    """Wait in the queue of the limit that blocks the task, then raise ``Ignore``.
+
+    Returns (the caller re-publishes it) if it cannot be put in line: the
+    store failed.  Its place: its first wait plus its rank's ageing steps.
+    """
+    request = task.request
+    config = runtime.config
+    blocking = cast(Limit, decision.limit)
+    since = state.since or decision.now
+    new = WaitState(deferrals=state.deferrals + 1, since=since, copy=new_copy(),
+                    prev=state.copy_id, spacing=spacing_of(limits))
+    entry = _entry_of(task, new.prev)
+    headers = {**(request.headers or {}), HEADER: replace(new, entry=entry).to_header()}
+    envelope = capture(task.signature_from_request(request, headers=headers))
+    due = decision.now + to_us(decision.retry_after)
+    try:
+        waiting = runtime.room.queues.enqueue(
+            entry, envelope.dumps(), str(request.id),
+            limits=[lim for lim in limits if isinstance(lim, Limit)], blocking=blocking,
+            place_us=since + _rank(task, runtime) * to_us(config.priority_ageing),
+            due_us=0 if decision.queued else due,
+            expires_us=decision.now + to_us(max(to_expiry, 0.0)) if to_expiry is not None
+            else 0,
+            deadline_us=since + to_us(max_wait) if max_wait is not None else 0,
+            note=wait_note(task, blocking.name, decision, new, parked_until=due),
+            note_ttl_ms=int(decision.retry_after * 1000) + NOTE_AFTER_MS)
+    except redis.RedisError as exc:
+        metrics.store_error(["(waiting room)"])
+        _log_outage(runtime, exc, "re-published with a countdown instead of put in line")
+        return
+    if not waiting:
+        _delivered_again(task)
+    if getattr(task, "acks_late", False):
+        _move_pointer(task, runtime, state, new.copy)
+    metrics.deferred(blocking.name, decision.retry_after)
+    announce(task, limit=blocking.name, wait=decision.retry_after, deferrals=new.deferrals,
+             reason="limit")
+    logger.info("throttle: task %s[%s] waits in line for limit %r (~%.3fs; deferral %d)",
+                task.name, request.id, blocking.name, decision.retry_after, new.deferrals)
+    raise Ignore()
+
+
+def _in_time(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+             state: WaitState, arrived_at: int | None) -> bool:
+    """Did a task dispatched from its queue arrive in time for the start it was charged for?
+
+    Later than the grace (``_grace``), starting would put two starts closer
+    than an interval (the next task keeps its own moment): its turn is lost
+    (a little throughput) and it asks again, in line, keeping its place.
+    """
+    if not state.slot or not arrived_at:
+        return True
+    late = from_us(arrived_at - state.slot)
+    if late <= _grace(runtime, limits, (1 << len(limits)) - 1):
+        return True
+    logger.info("throttle: task %s[%s] arrived %.3fs after its turn; in line again",
+                task.name, task.request.id, late)
+    return False
+
+
+def _entry_of(task: Task[Any, Any], copy: str) -> str:
+    """The waiting room's entry of the task's message copy ``copy`` ("-": the user's message).
+
+    Named by the copy that waits, not by the one it becomes: a broker that
+    delivers that copy again (a node's warm shutdown gives back messages
+    whose acknowledgement it had not sent yet) finds it waiting already.
+    """
+    return f"{key_digest(str(task.request.id))}:{copy or '-'}"
+
+
+def _delivered_again(task: Task[Any, Any]) -> NoReturn:
+    """This delivery's message already waits in the waiting room: it ends here."""
+    logger.info("throttle: task %s[%s] dropped: its message was delivered again while it "
+                "waits (the copy waiting goes on)", task.name, task.request.id)
+    raise Ignore()
+
+
+def _waited(runtime: Runtime, state: WaitState) -> float:
+    """Seconds since the task first waited (0 if unknown or the store is down)."""
+    if not state.since:
+        return 0.0
+    try:
+        sec, usec = runtime.gate.client.time()
+    except redis.RedisError:
+        return 0.0
+    return max(0.0, from_us(int(sec) * 1_000_000 + int(usec) - state.since))
+
+
 def _queues_for_slot(task: Task[Any, Any], runtime: Runtime, decision: Decision) -> bool:
     """A wait for a full concurrency limit: with the waiting room, park it at once.
 
@@ -336,26 +472,29 @@ def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: in
     if not _room_open(task, runtime):
         return False
     request = task.request
-    entry = f"{key_digest(str(request.id))}:{state.copy}"
+    entry = _entry_of(task, state.prev)
     headers = {**(request.headers or {}), HEADER: replace(state, entry=entry).to_header()}
     envelope = capture(task.signature_from_request(request, headers=headers))
     try:
         waiters = (waiters_key(runtime.config.prefix, seat_of.name, seat_of.key)
                    if seat_of is not None else "")
-        runtime.room.park(entry, envelope.dumps(), str(request.id), at_us=at_us,
-                          delay_us=delay_us, note=note, note_ttl_ms=NOTE_AFTER_MS,
-                          waiters=waiters, was=was)
+        at = runtime.room.park(entry, envelope.dumps(), str(request.id), at_us=at_us,
+                               delay_us=delay_us, note=note, note_ttl_ms=NOTE_AFTER_MS,
+                               waiters=waiters, was=was)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _log_outage(runtime, exc, "re-published with a countdown instead of parked")
         return False
+    if not at:
+        _delivered_again(task)
     return True
 
 
-def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> bool:
+def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> int | None:
     """A copy dispatched from the waiting room: is it the first of its entry to arrive?
 
-    With the store down this is the store-down policy's call (``defer``
+    None: no; else the server's time (us; 0 when the store is down).  With
+    the store down this is the store-down policy's call (``defer``
     re-publishes the copy, still naming its entry, so exactly one copy of
     the entry goes on once the store is back).
     """
@@ -364,11 +503,12 @@ def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> 
     # as late as its visibility timeout; the marker must outlive that.
     ttl_ms = int(runtime.config.visibility_timeout * 1000) + 60_000 if acks_late else 0
     try:
-        return runtime.room.arrive(state.entry, state.token, state.room, marker_ttl_ms=ttl_ms)
+        now = runtime.room.arrive(state.entry, state.token, state.room, marker_ttl_ms=ttl_ms)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _store_failed(task, runtime, state, exc)
-        return True  # policy "allow"
+        return 0  # policy "allow"
+    return now or None
 
 
 def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, then: str) -> bool:

@@ -25,13 +25,15 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
+from celery.worker import state as worker_state
 from redis.cluster import RedisCluster
 
 from .. import metrics
+from ..core.gate import Limit
 from ..core.logs import logger
 from ..room.dispatcher import Dispatcher, add_lanes
 from .config import read_config
-from .declared import limits_in_force
+from .declared import known_limits, limits_in_force
 from .defer import run_ended
 from .exporter import serve
 from .memory import freeze_inherited
@@ -101,9 +103,18 @@ def install(app: Celery) -> Celery:
             except redis.RedisError as exc:
                 logger.warning("celery_throttle: store not reachable at start: %s",
                                type(exc).__name__)
+            if config.scheduler:
+                try:
+                    # The tasks already waiting in line follow the rates of this code.
+                    runtime_for(app).room.queues.declare(
+                        [k.limit for k in known_limits(app) if isinstance(k.limit, Limit)])
+                except redis.RedisError as exc:
+                    logger.warning("celery_throttle: could not record the limits' rates: %s",
+                                   type(exc).__name__)
             if config.waiting_room and not dispatchers:
                 dispatcher = Dispatcher(app, config.connect, config.prefix,
-                                        timeout=config.dispatch_timeout)
+                                        timeout=config.dispatch_timeout,
+                                        revoked=_revoked)
                 dispatcher.start()
                 dispatchers.append(dispatcher)
                 logger.info("celery_throttle: waiting room on: this node dispatches parked tasks "
@@ -177,3 +188,9 @@ def store_warnings(client: redis.Redis | RedisCluster, *,
                      "parked in the waiting room are lost if it restarts; turn on "
                      "appendonly yes")
     return found
+
+
+def _revoked(task_id: str) -> bool:
+    """Revoked, as this worker node knows it (``app.control.revoke`` reaches every node's
+    main process, where the dispatcher runs)."""
+    return task_id in worker_state.revoked

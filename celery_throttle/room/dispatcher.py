@@ -1,7 +1,9 @@
 """The dispatcher: one thread per worker node moving due tasks from the waiting room to their queue.
 
 Started by ``install(app)`` when the worker is ready (in the node's main
-process, never in producers or pool children).  It claims the due entries
+process, never in producers or pool children).  It serves the limits'
+queues (``queues.py``: each task when its limits admit it) and claims the
+due parked entries
 in batches (``lua/dispatch.lua``: atomic, so two nodes never claim one
 entry), publishes each message as captured, without an ETA, and sleeps
 until the next dispatch time: a blocking pop on the wake list, which a park
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -36,6 +38,7 @@ from ..values import to_us
 from .envelope import Envelope
 from .header import HEADER
 from .parking import Parked, WaitingRoom
+from .queues import Served
 
 __all__ = ["LANE", "Dispatcher", "add_lanes", "lane_of", "queue_of"]
 
@@ -84,10 +87,14 @@ class Dispatcher:
     """Dispatches ``app``'s due parked tasks to their queues, in a daemon thread."""
 
     def __init__(self, app: Celery, connect: Callable[..., Any], prefix: str, *,
-                 timeout: float) -> None:
+                 timeout: float,
+                 revoked: Callable[[str], bool] = lambda task_id: False) -> None:
         """``connect(**options)`` makes a client of the store (the app's ``Config.connect``);
-        ``timeout``: seconds after which a dispatched task that never arrived is due again."""
+        ``timeout``: seconds after which a dispatched task that never arrived is due again;
+        ``revoked(task_id)``: is that task revoked (a task waiting in a limit's queue is then
+        dispatched without taking the limit, and its worker drops it)."""
         self.app = app
+        self.revoked = revoked
         self.timeout_us = to_us(timeout)
         # A client of its own: its blocking pop must not hold the tasks'
         # connection, and its read timeout must outlast the pop.
@@ -110,20 +117,28 @@ class Dispatcher:
         self.client.close()
 
     def dispatch_due(self) -> float | None:
-        """Claim and publish one batch; return seconds until the next is due (None: empty)."""
+        """Claim and publish one batch of parked tasks, and one of the limits' queues; return
+        seconds until the next is due (0: more now; None: nothing waits)."""
         wait, parked = self.room.claim_due(BATCH, self.timeout_us)
         if parked:
             faults.at("dispatch.before_publish", parked)
             self._publish(parked)
-        return wait
+        turn, served = self.room.queues.serve_due(BATCH, self.timeout_us, self.revoked)
+        if served:
+            faults.at("dispatch.before_publish", served)
+            self._publish(served)
+        waits = [w for w in (wait, turn) if w is not None]
+        return min(waits) if waits else None
 
-    def _publish(self, parked: list[Parked]) -> None:
+    def _publish(self, parked: Sequence[Parked | Served]) -> None:
         policy = self.app.conf.task_publish_retry_policy
         queues = self.app.amqp.queues
         with self.app.producer_or_acquire() as producer:
             for item in parked:
-                envelope = Envelope.loads(item.message).with_header(
-                    HEADER, token=item.token, room=item.epoch)
+                marks: dict[str, Any] = {"token": item.token, "room": item.epoch}
+                if isinstance(item, Served):
+                    marks.update(charged=item.flag, slot=item.start or None)
+                envelope = Envelope.loads(item.message).with_header(HEADER, **marks)
                 declare = None
                 if not envelope.exchange:  # addressed to its queue by name: use its lane
                     envelope = envelope.to(lane_of(envelope.routing_key))

@@ -35,6 +35,9 @@ class WaitState:
     entry: str = ""  # the waiting-room entry this copy was dispatched from (parking.py)
     token: str = ""  # the dispatch that published this copy (set by the dispatcher)
     room: int = 0  # the store's epoch when it was dispatched (set by the dispatcher)
+    # Dispatched from a limit's queue (queues.py): "c" its limits were charged
+    # for it, "t" its max_wait passed, "x" uncharged (revoked or expired).
+    charged: str = ""
 
     @classmethod
     def from_request(cls, request: Any) -> WaitState:
@@ -60,7 +63,7 @@ class WaitState:
                    shift=num("shift"), deferrals=num("deferrals"),
                    since=num("since") or None, copy=text("copy"),
                    prev=text("prev"), spacing=tuple(spacing), entry=text("entry", 64),
-                   token=text("token", 40), room=num("room"))
+                   token=text("token", 40), room=num("room"), charged=text("charged", 1))
 
     @property
     def copy_id(self) -> str:
@@ -101,6 +104,8 @@ class WaitState:
             "prev": self.prev, "spacing": list(self.spacing)}
         if self.entry:
             header.update(entry=self.entry, token=self.token, room=self.room)
+            if self.charged:
+                header.update(charged=self.charged)
         return header
 
 

@@ -36,6 +36,7 @@ from ..core.keys import epoch_key, room_key, task_key
 from ..core.logs import logger
 from ..core.scripts import source
 from ..values import US_PER_SECOND, from_us
+from .queues import Queues
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 
@@ -93,6 +94,7 @@ class WaitingRoom:
         self._dispatch = client.register_script(source(__package__, "dispatch.lua"))
         self._arrive = client.register_script(source(__package__, "arrive.lua"))
         self._look = client.register_script(source(__package__, "look.lua"))  # server clock
+        self.queues = Queues(client, prefix)  # the limits' queues share the messages
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
              delay_us: int = 0, note: str = "", note_ttl_ms: int = 60_000,
@@ -104,7 +106,8 @@ class WaitingRoom:
         ``waiters``: a concurrency limit's waiters list (``keys.waiters_key``)
         to join, so a freed seat is handed to this task (``task_id`` is the
         lease holder); ``was``: the entry it had there before, whose turn it
-        keeps.  Returns the dispatch time (server clock, microseconds).
+        keeps.  Returns the dispatch time (server clock, microseconds), or 0 when
+        ``entry`` is parked already (nothing written).
         """
         keys = [self.parked, self.messages, self.wake, task_key(self.prefix, "wait", task_id),
                 waiters or self.wake]
@@ -146,15 +149,16 @@ class WaitingRoom:
                   for i in range(0, len(items), 3)]
         return (None if wait < 0 else from_us(wait)), parked
 
-    def arrive(self, entry: str, token: str, epoch: int, *, marker_ttl_ms: int = 0) -> bool:
-        """May this dispatched copy go on?  False: another copy of the entry arrived first.
+    def arrive(self, entry: str, token: str, epoch: int, *, marker_ttl_ms: int = 0) -> int:
+        """May this dispatched copy go on?  0: no, another copy of the entry arrived first;
+        else yes, and the server's time (us), which a charged start waits for.
 
         ``marker_ttl_ms`` > 0 (acks_late): remember the copy that went on for
         that long, so the broker's redelivery of it may go on again.
         """
         marker = task_key(self.prefix, "arrived", entry)
-        return bool(self._arrive(keys=[self.messages, self.claimed, marker, self.epoch,
-                                       self.trip],
+        return int(self._arrive(keys=[self.messages, self.claimed, marker, self.epoch,
+                                       self.trip, self.queues.entries],
                                  args=[entry, token, marker_ttl_ms, epoch]))
 
     def sleep(self, seconds: float) -> bool:
@@ -184,6 +188,7 @@ class WaitingRoom:
         arrives later is refused); return their task ids ("" for an unreadable message)."""
         ids = self._look(keys=[self.parked, self.messages, self.claimed, self.wake],
                          args=["purge"])
+        self.queues.clear()
         return [_raw(i).decode() for i in ids]
 
     def state(self) -> RoomState:

@@ -13,6 +13,7 @@ KEYS[2]  the claimed set
 KEYS[3]  the arrival marker of this entry
 KEYS[4]  the prefix's epoch
 KEYS[5]  the waiting room's trip estimate (a hash: "avg" and "dev", us)
+KEYS[6]  the limits' queues' entries hash (queues.py): the entry's record goes too
 ARGV[1]  entry id
 ARGV[2]  the token of the dispatch that published this copy
 ARGV[3]  marker TTL, milliseconds; 0 = no marker (not acks_late: its message
@@ -22,15 +23,18 @@ ARGV[4]  the epoch the entry was parked in
 The first arrival also measures the trip from its dispatch (the token is
 "<dispatch time>.<n>") into the trip estimate the dispatcher dispatches ahead by.
 
-Reply: 1 this copy goes on, 0 it is a duplicate
+Reply: this server's time (us, > 0) when this copy goes on, 0 when it is a
+duplicate
 ]]
 local entry = ARGV[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 if redis.call('HDEL', KEYS[1], entry) == 1 then
   redis.call('ZREM', KEYS[2], entry)
+  redis.call('HDEL', KEYS[6], entry)
   local dispatched = tonumber(string.match(ARGV[2], '^(%d+)%.'))
   if dispatched then
-    local t = redis.call('TIME')
-    local trip = tonumber(t[1]) * 1000000 + tonumber(t[2]) - dispatched
+    local trip = now - dispatched
     -- Moving averages of the trip and of its deviation, an eighth of the way
     -- per arrival (as TCP estimates a round trip), capped at a minute.
     trip = math.min(math.max(trip, 0), 60000000)
@@ -44,15 +48,15 @@ if redis.call('HDEL', KEYS[1], entry) == 1 then
   if tonumber(ARGV[3]) > 0 then
     redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
   end
-  return 1
+  return now
 end
 if tonumber(ARGV[3]) > 0 and redis.call('GET', KEYS[3]) == ARGV[2] then
-  return 1
+  return now
 end
 if redis.call('GET', KEYS[4]) ~= ARGV[4] then
   -- The store lost its data (restart without persistence, flush) since the
   -- entry was parked: nothing tells a duplicate now, and running it beats
   -- losing it.
-  return 1
+  return now
 end
 return 0

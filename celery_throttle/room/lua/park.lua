@@ -22,7 +22,8 @@ ARGV[7]  "entry holder" to append to the waiters list, or ""
 ARGV[8]  the item this task had in that list before (it came back and waits
          again): replaced in place, so the task keeps its turn; or ""
 
-Reply: { dispatch time (us), now (us) }
+Reply: { dispatch time (us), now (us) }; dispatch time 0 when the entry is
+parked already (nothing written): the broker delivered the same message again
 ]]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -31,7 +32,9 @@ if at <= 0 then
   at = now + tonumber(ARGV[4])
 end
 local entry = ARGV[1]
-redis.call('HSET', KEYS[2], entry, ARGV[2])
+if redis.call('HSETNX', KEYS[2], entry, ARGV[2]) == 0 then
+  return { 0, now }
+end
 redis.call('ZADD', KEYS[1], at, entry)
 local first = redis.call('ZRANGE', KEYS[1], 0, 0)
 if first[1] == entry then

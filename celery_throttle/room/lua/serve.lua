@@ -1,0 +1,231 @@
+--[[
+Serve the limits' queues: dispatch each queue's best waiting task when its
+limits admit it (see room/queues.py).  bucket.lua comes first (the loader
+joins them): the charge here is the gate's own.
+
+Three operations, ARGV[1]:
+
+"look"   which queues are due.
+  KEYS[1] the ready index (queue key -> when its limit admits a start, us)
+  KEYS[2] the trip estimate (parking.py): a queue is due this much ahead
+  ARGV[2] the most queues returned
+  Reply: { now, ahead, next, queue 1, queue 2, ... }: next is the earliest
+         time (us) of a queue not due yet, or -1
+
+"heads"  the first waiting tasks of the given queues (read only).
+  KEYS[1] the entries hash; KEYS[2..] the queues
+  ARGV[2] how many per queue
+  Reply: { queue count, entry 1, its JSON, entry 2, ... } per queue, in order
+
+"serve"  dispatch.
+  KEYS[1] messages hash   KEYS[2] entries hash   KEYS[3] ready index
+  KEYS[4] claimed set     KEYS[5] epoch          KEYS[6] trip estimate
+  KEYS[7] wake list       KEYS[8] specs hash (limit name -> "interval burst")
+  KEYS[7+2j], KEYS[8+2j]  a bucket and its queue, j = 1..; the first ARGV[5]
+          pairs are the queues to serve, the rest are other limits of their
+          tasks (every limit a served task has must be among the pairs)
+  ARGV[2] the most tasks dispatched
+  ARGV[3] claim timeout, us (as dispatch.lua: not arrived by then, due again)
+  ARGV[4] entries to dispatch without a charge (revoked: the worker drops them)
+  ARGV[5] the number of queues to serve
+  A task's turn: its limits (at their rate in the specs hash, else as it was
+  enqueued) admit it within `ahead`: every one is charged for that moment
+  and the task is dispatched.  The limit that blocks it is another one: it
+  moves to that limit's queue with its place in line.  Its expiry or its
+  max_wait passed: dispatched without a charge (flag "x" or "t"), so the
+  worker ends it at once.
+  Reply: { wait, epoch, entry, token, flag, start, message, ... }: wait as
+         dispatch.lua's (0: call again now; -1: nothing due later); start:
+         the moment its limits were charged for (us; 0 uncharged)
+
+Ahead: a queue is served ahead of its limit's next start by the trip from
+dispatch to arrival (parking.py's estimate), at most MAX_AHEAD: the task
+sleeps the rest of it in a worker process, which a long estimate (a node
+starting up delays a few arrivals by seconds) must not fill.
+]]
+local MAX_AHEAD = 500000
+local t = redis.call('TIME')
+now = tonumber(t[1]) * 1000000 + tonumber(t[2]) -- declared by bucket.lua
+local op = ARGV[1]
+
+local function ahead_of(trip)
+  local est = redis.call('HMGET', trip, 'avg', 'dev')
+  return math.min(MAX_AHEAD, math.floor((tonumber(est[1]) or 0) + 2 * (tonumber(est[2]) or 0)))
+end
+
+local function next_due(ready, ahead)
+  local first = redis.call('ZRANGE', ready, 0, 0, 'WITHSCORES')
+  if not first[1] then
+    return -1
+  end
+  return math.max(1, tonumber(first[2]) - ahead - now)
+end
+
+if op == 'look' then
+  local ahead = ahead_of(KEYS[2])
+  local out = { now, ahead, -1 }
+  local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + ahead, 'LIMIT', 0,
+                         tonumber(ARGV[2]))
+  for _, q in ipairs(due) do
+    out[#out + 1] = q
+  end
+  if #due == 0 then
+    out[3] = next_due(KEYS[1], ahead)
+  end
+  return out
+end
+
+if op == 'heads' then
+  local out = {}
+  for j = 2, #KEYS do
+    local entries = redis.call('ZRANGE', KEYS[j], 0, tonumber(ARGV[2]) - 1)
+    out[#out + 1] = #entries
+    for _, e in ipairs(entries) do
+      out[#out + 1] = e
+      out[#out + 1] = redis.call('HGET', KEYS[1], e) or ''
+    end
+  end
+  return out
+end
+
+if op ~= 'serve' then
+  return redis.error_reply('celery_throttle serve.lua: unknown op ' .. tostring(op))
+end
+
+local messages, entries, ready, claimed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local specs = KEYS[8]
+local batch = tonumber(ARGV[2])
+local deadline = now + tonumber(ARGV[3])
+local uncharged = {}
+for e in string.gmatch(ARGV[4], '%S+') do
+  uncharged[e] = true
+end
+local nq = tonumber(ARGV[5])
+local queue_of, buckets = {}, {}
+for j = 1, (#KEYS - 8) / 2 do
+  queue_of[KEYS[7 + 2 * j]] = KEYS[8 + 2 * j]
+  buckets[j] = KEYS[7 + 2 * j]
+end
+local ahead = ahead_of(KEYS[6])
+local epoch = redis.call('GET', KEYS[5])
+if not epoch then
+  epoch = string.format('%d', now)
+  redis.call('SET', KEYS[5], epoch)
+end
+local out = { 0, tonumber(epoch) }
+local served = 0
+-- Tasks looked at in this call, dispatched or not (moved, dropped): bounded.
+local steps = 4 * batch
+
+-- The queue's limit admits its next start at `at`: look at it then (an
+-- earlier look stays: another task may be due there sooner).
+local function due_at(q, at, exact)
+  local current = tonumber(redis.call('ZSCORE', ready, q))
+  if exact or not current or at < current then
+    redis.call('ZADD', ready, at, q)
+  end
+end
+
+local function dispatch(q, entry, flag, at)
+  redis.call('ZREM', q, entry)
+  redis.call('HDEL', entries, entry)
+  local message = redis.call('HGET', messages, entry)
+  if message then
+    served = served + 1
+    redis.call('ZADD', claimed, deadline, entry)
+    out[#out + 1] = entry
+    out[#out + 1] = string.format('%d.%d', now, served)
+    out[#out + 1] = flag
+    out[#out + 1] = at
+    out[#out + 1] = message
+  end
+end
+
+-- The task's limits as they are now; nil when one of its buckets was not
+-- passed (the caller looks at the queue again and brings it).
+local function limits_of(task)
+  local lims = {}
+  for i, l in ipairs(task.l) do
+    if not queue_of[l[1]] then
+      return nil
+    end
+    local interval, burst = l[3], l[4]
+    local spec = redis.call('HGET', specs, l[2])
+    if spec then
+      local ti, bu = string.match(spec, '^(%d+) (%d+)$')
+      interval, burst = tonumber(ti) or interval, tonumber(bu) or burst
+    end
+    -- A burst lowered below the cost could never admit it: the cost is capped.
+    lims[i] = { key = l[1], interval = interval, burst = burst, cost = math.min(l[5], burst) }
+  end
+  return lims
+end
+
+-- One queue: dispatch its best tasks while their limits admit them.
+local function serve(q)
+  while served < batch and steps > 0 do
+    steps = steps - 1
+    local head = redis.call('ZRANGE', q, 0, 0, 'WITHSCORES')
+    if not head[1] then
+      redis.call('ZREM', ready, q)
+      return
+    end
+    local entry, place = head[1], head[2]
+    local raw = redis.call('HGET', entries, entry)
+    local task = raw and cjson.decode(raw)
+    if not task or redis.call('HEXISTS', messages, entry) == 0 then
+      redis.call('ZREM', q, entry) -- its message is gone (purged): nothing to dispatch
+      redis.call('HDEL', entries, entry)
+    elseif uncharged[entry] or (task.e > 0 and now >= task.e) then
+      dispatch(q, entry, 'x', 0)
+    elseif task.w > 0 and now >= task.w then
+      dispatch(q, entry, 't', 0)
+    else
+      local lims = limits_of(task)
+      if not lims then
+        due_at(q, now, true)
+        return
+      end
+      local wait, blocking, state = 0, 1, {}
+      for i, lim in ipairs(lims) do
+        local tat, paused, shift = read_rate(lim.key)
+        state[i] = { math.max(tat, now), paused, shift }
+        local w = rate_wait(lim, state[i][1], paused)
+        if w > wait then
+          wait, blocking = w, i
+        end
+      end
+      if wait <= ahead then
+        local at = now + math.max(wait, 0)
+        for i, lim in ipairs(lims) do
+          write_rate(lim.key, charged(lim, state[i][1], at), state[i][2], state[i][3])
+        end
+        dispatch(q, entry, 'c', at)
+      else
+        local other = queue_of[lims[blocking].key]
+        if other == q then
+          due_at(q, now + wait, true)
+          return
+        end
+        -- Another of its limits blocks it: it waits in that one's line,
+        -- keeping its place.
+        redis.call('ZREM', q, entry)
+        redis.call('ZADD', other, place, entry)
+        due_at(other, now + wait, false)
+      end
+    end
+  end
+end
+
+for j = 1, nq do
+  local q = queue_of[buckets[j]]
+  -- Served already by an earlier call, or not due after all: look again later.
+  local score = tonumber(redis.call('ZSCORE', ready, q))
+  if score and score <= now + ahead then
+    serve(q)
+  end
+end
+if served < batch and steps > 0 then
+  out[1] = next_due(ready, ahead)
+end
+return out

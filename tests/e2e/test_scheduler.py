@@ -1,0 +1,144 @@
+"""The scheduler with real prefork workers: waiting tasks in line, ordered and dispatched in time.
+
+Every node here runs with ``throttle_scheduler``: a task that must wait longer
+than ``throttle_max_sleep`` waits unbooked in the queue of its limit, and its
+limits are charged when the dispatcher gives it its turn.  Judged from the
+start records and the result backend, as in test_waiting_room.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from types import ModuleType
+
+import pytest
+import redis
+
+from ..workers import (
+    check_window_bound,
+    logs,
+    read_records,
+    throttle_cli,
+    wait_results,
+    worker_nodes,
+)
+
+pytestmark = pytest.mark.integration
+
+LINE: dict[str, object] = {"throttle_scheduler": True}
+# kombu's Redis transport delivers priority 0 first: the batch goes last.
+BATCH, URGENT = 9, 0
+
+
+def _in_line(redis_base: str, count: int, timeout: float) -> None:
+    """Wait until ``count`` tasks wait in the limits' queues or the waiting room (bounded)."""
+    store = redis.Redis.from_url(f"{redis_base}/11")  # the test app's store
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if (int(store.hlen("{throttle}:room:entries"))
+                    + int(store.zcard("{throttle}:room:parked"))) >= count:
+                return
+            time.sleep(0.05)
+    finally:
+        store.close()
+    raise AssertionError(f"fewer than {count} tasks got in line within {timeout}s")
+
+
+def test_urgent_task_starts_ahead_of_a_waiting_batch(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """40 batch tasks wait in line at 5/s; an urgent one sent after them starts within ~1
+    interval."""
+    with worker_nodes(redis_base, ("w1", "w2"), conf=LINE) as nodes:
+        batch = [capp.in_line.apply_async((i,), priority=BATCH) for i in range(40)]
+        _in_line(redis_base, 30, timeout=20)
+        sent = time.time()
+        urgent = capp.in_line.apply_async((1000,), priority=URGENT)
+        states = wait_results([*batch, urgent], timeout=40)
+        rows = read_records(records, expect=41, timeout=5)
+        text = logs(nodes)
+    assert states == ["SUCCESS"] * 41
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in [*batch, urgent])
+    start = next(r["t"] for r in rows if r["i"] == 1000)
+    after = sum(1 for r in rows if r["i"] != 1000 and r["t"] > start)
+    print(f"\nurgent behind 40 waiting: started {start - sent:.3f}s after it was sent, "
+          f"{after} batch tasks after it")
+    assert start - sent <= 1.5  # one interval (0.2 s) and the trips, not the batch's 8 s
+    assert after >= 25
+    check_window_bound([r["t"] for r in rows], rate=5, burst=1, period=1.0)
+    assert "waits in line" in text
+    assert " ERROR" not in text
+
+
+def test_purge_frees_the_limit_at_once(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """After `throttle purge --yes` drops 40 waiting tasks, a new task starts within ~1 interval."""
+    with worker_nodes(redis_base, ("w1",), conf=LINE):
+        batch = [capp.in_line.apply_async((i,), priority=BATCH) for i in range(40)]
+        _in_line(redis_base, 30, timeout=20)
+        done = throttle_cli(["purge", "--yes"], redis_base)
+        assert done.returncode == 0, done.stderr
+        sent = time.time()
+        fresh = capp.in_line.delay(1000)
+        assert wait_results([fresh], timeout=20) == ["SUCCESS"]
+        rows = read_records(records, expect=41, timeout=1)
+        purged = wait_results(batch, timeout=5)
+    start = next(r["t"] for r in rows if r["i"] == 1000)
+    print(f"\nafter the purge: a new task started {start - sent:.3f}s after it was sent")
+    assert start - sent <= 1.5  # not behind the 40 purged tasks' slots (8 s)
+    assert purged.count("REVOKED") >= 30
+    assert len(rows) <= 11  # the purged tasks never ran
+
+
+def test_revoked_waiting_tasks_free_the_limit_at_once(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """Revoking 40 waiting tasks frees their turns: a new task starts within ~1 interval."""
+    with worker_nodes(redis_base, ("w1",), conf=LINE):
+        batch = [capp.in_line.apply_async((i,), priority=BATCH) for i in range(40)]
+        _in_line(redis_base, 30, timeout=20)
+        capp.app.control.revoke([r.id for r in batch])
+        time.sleep(0.5)  # the revoke broadcast reaches the node
+        sent = time.time()
+        fresh = capp.in_line.delay(1000)
+        assert wait_results([fresh], timeout=20) == ["SUCCESS"]
+        rows = read_records(records, expect=41, timeout=1)
+        revoked = wait_results(batch, timeout=10)
+    start = next(r["t"] for r in rows if r["i"] == 1000)
+    print(f"\nafter revoking 40: a new task started {start - sent:.3f}s after it was sent")
+    assert start - sent <= 1.5
+    assert revoked.count("REVOKED") >= 30
+    assert len(rows) <= 11
+
+
+def test_waiting_tasks_follow_a_new_rate_in_the_code(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """60 tasks in line at 2/s; the node restarted with 20/s drains the rest at 20/s."""
+    with worker_nodes(redis_base, ("w1",), conf=LINE, env={"CT_LINE_RATE": "2/s"}) as old:
+        results = [capp.in_line.delay(i) for i in range(60)]
+        _in_line(redis_base, 50, timeout=20)
+        # A warm shutdown (SIGTERM to the main process): the tasks it runs finish.
+        os.kill(old[0].proc.pid, signal.SIGTERM)
+        old[0].proc.wait(30)
+        text = logs(old)  # (its log file goes with the node)
+    restarted = time.time()
+    with worker_nodes(redis_base, ("w2",), conf=LINE, env={"CT_LINE_RATE": "20/s"}) as new:
+        states = wait_results(results, timeout=30)
+        rows = read_records(records, expect=60, timeout=2)
+        text += logs(new)
+    assert states == ["SUCCESS"] * 60
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)
+    later = sorted(r["t"] for r in rows if r["t"] > restarted)
+    span = later[-1] - later[0]
+    print(f"\nafter the restart at 20/s: {len(later)} in {span:.2f}s "
+          f"(at 2/s: {(len(later) - 1) / 2:.1f}s)")
+    assert len(later) >= 45
+    assert span <= (len(later) - 1) / 20 / 0.8 + 1.0  # the new pace, not the old 2/s
+    check_window_bound(later, rate=20, burst=1, period=1.0)
+    assert " ERROR" not in text

@@ -1,0 +1,151 @@
+"""The limits' queues on a real Redis: order by place, dispatch at the limit's pace, in line."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import redis
+
+from celery_throttle import Gate, Limit
+from celery_throttle.room.parking import WaitingRoom
+from celery_throttle.room.queues import Queues
+
+TIMEOUT_US = 60_000_000
+
+
+def _now_us(client: redis.Redis) -> int:
+    sec, usec = client.time()
+    return int(sec) * 1_000_000 + int(usec)
+
+
+def _serve_all(queues: Queues, *, within: float, want: int) -> list[tuple[str, str, float]]:
+    """Serve until ``want`` tasks are out or ``within`` seconds pass: (entry, flag, time)."""
+    out: list[tuple[str, str, float]] = []
+    start = time.monotonic()
+    while len(out) < want and time.monotonic() - start < within:
+        wait, served = queues.serve_due(50, TIMEOUT_US)
+        out += [(s.entry, s.flag, time.monotonic() - start) for s in served]
+        if not served:
+            time.sleep(min(0.01 if wait is None else wait, 0.05))
+    return out
+
+
+def test_tasks_leave_in_place_order_at_the_limits_pace(client: redis.Redis, prefix: str) -> None:
+    """Six tasks in one queue at 20/s leave lowest place first, one interval (50 ms) apart."""
+    queues = Queues(client, prefix)
+    limit = Limit("api", "20/s")
+    now = _now_us(client)
+    for i, place in enumerate([5, 3, 9, 1, 7, 2]):
+        queues.enqueue(f"e{place}", b"m", f"t{i}", limits=[limit], blocking=limit,
+                       place_us=now + place)
+    out = _serve_all(queues, within=3.0, want=6)
+    assert [e for e, _, _ in out] == ["e1", "e2", "e3", "e5", "e7", "e9"]
+    assert {f for _, f, _ in out} == {"c"}
+    gaps = [b - a for (_, _, a), (_, _, b) in itertools.pairwise(out)]
+    assert sum(gaps) / len(gaps) >= 0.045  # the limit's pace, not all at once
+    assert queues.waiting() == 0
+
+
+def test_a_fresh_start_joins_the_line_of_a_limit_with_waiting_tasks(
+        client: redis.Redis, prefix: str) -> None:
+    """In line, a free limit with a queue answers queued (naming it); without a queue, admits."""
+    gate = Gate(client, prefix=prefix)
+    queues = Queues(client, prefix)
+    limit = Limit("api", "10/s", burst=5)
+    assert gate.acquire_many([limit], in_line=True).allowed
+    queues.enqueue("e1", b"m", "t1", limits=[limit], blocking=limit, place_us=_now_us(client))
+    decision = gate.acquire_many([limit], in_line=True)
+    assert decision.queued
+    assert decision.limit == limit
+    assert not decision.allowed
+    assert 0.05 <= decision.retry_after <= 0.1 + 1e-6  # one task ahead at 10/s
+    assert gate.acquire_many([limit]).allowed  # a caller not in line is not held back
+    gate.close()
+
+
+def test_a_task_blocked_by_its_other_limit_moves_to_that_queue_keeping_its_place(
+        client: redis.Redis, prefix: str) -> None:
+    """A task of two limits whose second is busy waits in the second's line, ahead of later ones."""
+    gate = Gate(client, prefix=prefix)
+    queues = Queues(client, prefix)
+    shared, tenant = Limit("shared", "100/s"), Limit("tenant", "2/s")
+    assert gate.acquire_many([tenant]).allowed  # the tenant's limit is busy for 0.5 s
+    now = _now_us(client)
+    queues.enqueue("early", b"m", "t1", limits=[shared, tenant], blocking=shared,
+                   place_us=now)
+    queues.enqueue("late", b"m", "t2", limits=[tenant], blocking=tenant, place_us=now + 10)
+    _, served = queues.serve_due(50, TIMEOUT_US)
+    assert served == []
+    assert client.zrange(tenant.queue_in(prefix), 0, -1) == [b"early", b"late"]
+    out = _serve_all(queues, within=3.0, want=2)
+    assert [e for e, _, _ in out] == ["early", "late"]
+    gate.close()
+
+
+def test_expired_revoked_and_timed_out_tasks_leave_uncharged(client: redis.Redis,
+                                                             prefix: str) -> None:
+    """Past its expiry or max_wait, or revoked, a task leaves at once without taking the limit."""
+    gate = Gate(client, prefix=prefix)
+    queues = Queues(client, prefix)
+    limit = Limit("slow", "1/m")
+    assert gate.acquire_many([limit]).allowed  # busy for a minute
+    now = _now_us(client)
+    queues.enqueue("gone", b"m", "t1", limits=[limit], blocking=limit, place_us=now,
+                   expires_us=now - 1)
+    queues.enqueue("late", b"m", "t2", limits=[limit], blocking=limit, place_us=now + 1,
+                   deadline_us=now - 1)
+    queues.enqueue("revoked", b"m", "t3", limits=[limit], blocking=limit, place_us=now + 2)
+    queues.enqueue("waits", b"m", "t4", limits=[limit], blocking=limit, place_us=now + 3)
+    wait, served = queues.serve_due(50, TIMEOUT_US, revoked=lambda task_id: task_id == "t3")
+    assert [(s.entry, s.flag) for s in served] == [("gone", "x"), ("late", "t"),
+                                                   ("revoked", "x")]
+    assert wait is not None
+    assert 55 < wait <= 60  # the next start of the limit
+    assert queues.waiting() == 1
+    gate.close()
+
+
+def test_a_new_rate_applies_to_the_tasks_already_waiting(client: redis.Redis,
+                                                         prefix: str) -> None:
+    """Enqueued at 1/s, dispatched at 20/s once the code declares 20/s."""
+    queues = Queues(client, prefix)
+    old = Limit("api", "1/s")
+    now = _now_us(client)
+    for i in range(10):
+        queues.enqueue(f"e{i}", b"m", f"t{i}", limits=[old], blocking=old, place_us=now + i)
+    queues.declare([Limit("api", "20/s")])
+    out = _serve_all(queues, within=3.0, want=10)
+    assert len(out) == 10
+    assert out[-1][2] < 1.5  # 9 intervals of 50 ms, not 9 s
+
+
+def test_purge_drops_the_queues_and_frees_the_limit(client: redis.Redis, prefix: str) -> None:
+    """After a purge nothing is left in line and a fresh start in line is admitted at once."""
+    gate = Gate(client, prefix=prefix)
+    room = WaitingRoom(client, prefix)
+    limit = Limit("api", "1/s")
+    now = _now_us(client)
+    for i in range(20):
+        room.queues.enqueue(f"e{i}", b'{"h": {"id": "t%d"}}' % i, f"t{i}", limits=[limit],
+                            blocking=limit, place_us=now + i)
+    assert sorted(room.purge()) == sorted(f"t{i}" for i in range(20))
+    assert room.queues.waiting() == 0
+    assert room.queues.serve_due(50, TIMEOUT_US) == (None, [])
+    assert gate.acquire_many([limit], in_line=True).allowed
+    gate.close()
+
+
+def test_an_entry_waits_once_whatever_the_broker_delivers_again(client: redis.Redis,
+                                                                prefix: str) -> None:
+    """Enqueueing or parking an entry that already waits writes nothing and says so (0)."""
+    room = WaitingRoom(client, prefix)
+    limit = Limit("api", "1/s")
+    now = _now_us(client)
+    assert room.queues.enqueue("e", b"first", "t", limits=[limit], blocking=limit,
+                               place_us=now) > 0
+    assert room.queues.enqueue("e", b"again", "t", limits=[limit], blocking=limit,
+                               place_us=now - 5) == 0
+    assert room.park("e", b"again", "t", delay_us=1) == 0
+    assert client.hget(room.messages, "e") == b"first"
+    assert client.zrange(limit.queue_in(prefix), 0, -1, withscores=True) == [(b"e", now)]

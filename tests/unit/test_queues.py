@@ -7,7 +7,7 @@ import time
 
 import redis
 
-from celery_throttle import Gate, Limit
+from celery_throttle import Gate, Limit, parse_rate
 from celery_throttle.room.parking import WaitingRoom
 from celery_throttle.room.queues import Queues
 
@@ -34,7 +34,7 @@ def _serve_all(queues: Queues, *, within: float, want: int) -> list[tuple[str, s
 def test_tasks_leave_in_place_order_at_the_limits_pace(client: redis.Redis, prefix: str) -> None:
     """Six tasks in one queue at 20/s leave lowest place first, one interval (50 ms) apart."""
     queues = Queues(client, prefix)
-    limit = Limit("api", "20/s")
+    limit = Limit("api", parse_rate("20/s"))
     now = _now_us(client)
     for i, place in enumerate([5, 3, 9, 1, 7, 2]):
         queues.enqueue(f"e{place}", b"m", f"t{i}", limits=[limit], blocking=limit,
@@ -52,7 +52,7 @@ def test_a_fresh_start_joins_the_line_of_a_limit_with_waiting_tasks(
     """In line, a free limit with a queue answers queued (naming it); without a queue, admits."""
     gate = Gate(client, prefix=prefix)
     queues = Queues(client, prefix)
-    limit = Limit("api", "10/s", burst=5)
+    limit = Limit("api", parse_rate("10/s"), burst=5)
     assert gate.acquire_many([limit], in_line=True).allowed
     queues.enqueue("e1", b"m", "t1", limits=[limit], blocking=limit, place_us=_now_us(client))
     decision = gate.acquire_many([limit], in_line=True)
@@ -69,7 +69,7 @@ def test_a_task_blocked_by_its_other_limit_moves_to_that_queue_keeping_its_place
     """A task of two limits whose second is busy waits in the second's line, ahead of later ones."""
     gate = Gate(client, prefix=prefix)
     queues = Queues(client, prefix)
-    shared, tenant = Limit("shared", "100/s"), Limit("tenant", "2/s")
+    shared, tenant = Limit("shared", parse_rate("100/s")), Limit("tenant", parse_rate("2/s"))
     assert gate.acquire_many([tenant]).allowed  # the tenant's limit is busy for 0.5 s
     now = _now_us(client)
     queues.enqueue("early", b"m", "t1", limits=[shared, tenant], blocking=shared,
@@ -88,7 +88,7 @@ def test_expired_revoked_and_timed_out_tasks_leave_uncharged(client: redis.Redis
     """Past its expiry or max_wait, or revoked, a task leaves at once without taking the limit."""
     gate = Gate(client, prefix=prefix)
     queues = Queues(client, prefix)
-    limit = Limit("slow", "1/m")
+    limit = Limit("slow", parse_rate("1/m"))
     assert gate.acquire_many([limit]).allowed  # busy for a minute
     now = _now_us(client)
     queues.enqueue("gone", b"m", "t1", limits=[limit], blocking=limit, place_us=now,
@@ -110,11 +110,11 @@ def test_a_new_rate_applies_to_the_tasks_already_waiting(client: redis.Redis,
                                                          prefix: str) -> None:
     """Enqueued at 1/s, dispatched at 20/s once the code declares 20/s."""
     queues = Queues(client, prefix)
-    old = Limit("api", "1/s")
+    old = Limit("api", parse_rate("1/s"))
     now = _now_us(client)
     for i in range(10):
         queues.enqueue(f"e{i}", b"m", f"t{i}", limits=[old], blocking=old, place_us=now + i)
-    queues.declare([Limit("api", "20/s")])
+    queues.declare([Limit("api", parse_rate("20/s"))])
     out = _serve_all(queues, within=3.0, want=10)
     assert len(out) == 10
     assert out[-1][2] < 1.5  # 9 intervals of 50 ms, not 9 s
@@ -124,7 +124,7 @@ def test_purge_drops_the_queues_and_frees_the_limit(client: redis.Redis, prefix:
     """After a purge nothing is left in line and a fresh start in line is admitted at once."""
     gate = Gate(client, prefix=prefix)
     room = WaitingRoom(client, prefix)
-    limit = Limit("api", "1/s")
+    limit = Limit("api", parse_rate("1/s"))
     now = _now_us(client)
     for i in range(20):
         room.queues.enqueue(f"e{i}", b'{"h": {"id": "t%d"}}' % i, f"t{i}", limits=[limit],
@@ -140,7 +140,7 @@ def test_an_entry_waits_once_whatever_the_broker_delivers_again(client: redis.Re
                                                                 prefix: str) -> None:
     """Enqueueing or parking an entry that already waits writes nothing and says so (0)."""
     room = WaitingRoom(client, prefix)
-    limit = Limit("api", "1/s")
+    limit = Limit("api", parse_rate("1/s"))
     now = _now_us(client)
     assert room.queues.enqueue("e", b"first", "t", limits=[limit], blocking=limit,
                                place_us=now) > 0

@@ -261,6 +261,14 @@ def in_line(self: Task[Any, Any], i: int) -> int:
     return i
 
 
+@throttled("10/s", name="fair", fair="tenant")
+@app.task(bind=True)
+def fair_line(self: Task[Any, Any], tenant: str, i: int) -> int:
+    """One limit shared by tenants, served by tenant in turn."""
+    record(self, i=i, tenant=tenant)
+    return i
+
+
 # --- Fault injection, per worker node (set only in that node's environment) ---
 
 if os.environ.get("CT_FAULT"):

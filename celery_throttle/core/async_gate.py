@@ -118,6 +118,10 @@ class AsyncGate(GateCalls):
         """Admit nothing in ``limits`` for ``seconds`` (see :meth:`Gate.pause`)."""
         return from_us(await self._op(limits, "pause", to_us(seconds), ""))
 
+    async def resume(self, limits: Sequence[AnyLimit]) -> int:
+        """End a pause of ``limits`` now (see :meth:`Gate.resume`)."""
+        return await self._op(limits, "resume", 0, "")
+
     async def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int:
         """Give back an unused booking (see :meth:`Gate.cancel`)."""
         keys, args = self._cancel_call(limits, booking)

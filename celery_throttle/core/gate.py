@@ -150,8 +150,8 @@ class GateCalls:
         return Decision(False, retry_after, limit=blocked, reservation=booking, now=now_us)
 
     def _op_call(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> Call:
-        if op == "pause" and not limits:
-            raise ValueError("pause needs at least one limit")
+        if op in ("pause", "resume") and not limits:
+            raise ValueError(f"{op} needs at least one limit")
         args = list(_head_args(now=self._now_us(), holder=holder, op=op.encode(), op_arg=arg))
         keys = self._keys(limits)
         if op == "release":
@@ -349,6 +349,10 @@ class Gate(GateCalls):
         pause already set is kept.  Returns the seconds the pause lasts.
         """
         return from_us(self._op(limits, "pause", to_us(seconds), ""))
+
+    def resume(self, limits: Sequence[AnyLimit]) -> int:
+        """End a pause of ``limits`` now (:meth:`pause`); returns how many were paused."""
+        return self._op(limits, "resume", 0, "")
 
     def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int:
         """Give back ``booking`` (from :meth:`acquire_many` with the same ``limits``) unused.

@@ -1,15 +1,15 @@
 """Where state lives: every key name is built here.
 
 A limit's keys: ``{<prefix>}:<kind>:<digest>:<name>``, where ``kind`` is
-``b`` (a rate bucket), ``q`` (its queue of waiting tasks), ``l`` (a
-concurrency limit's leases), ``m`` (its meta hash) or ``w`` (its waiters
-list), and ``digest`` is the hashed key
+``b`` (a rate bucket), ``q`` (its queue of waiting tasks), ``t`` (the
+turns of a fair queue), ``l`` (a concurrency limit's leases), ``m`` (its meta
+hash) or ``w`` (its waiters list), and ``digest`` is the hashed key
 value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
 one.  The name comes last, after two parts of fixed form, so a limit name
 can hold any character (``:`` included) and still never be the key of
-another limit, nor of the package's own keys: those (``epoch``, ``room:*``,
-``wait:*``, ``copy:*``, ``arrived:*``) start with a word no limit key starts
-with.
+another limit, nor of the package's own keys: those (``epoch``, ``live``,
+``room:*``, ``wait:*``, ``copy:*``, ``arrived:*``) start with a word no limit
+key starts with.
 
 * The prefix is the key's *first* ``{...}`` group, i.e. its Redis Cluster hash
   tag.  One decision may span several buckets (a tenant rate, a provider rate,
@@ -34,9 +34,9 @@ import base64
 import hashlib
 import uuid
 
-__all__ = ["bucket_key", "copy_key", "epoch_key", "key_digest", "leases_key", "meta_key",
-           "queue_key", "queue_of_bucket", "room_key", "task_key", "validate_name",
-           "validate_prefix", "waiters_key"]
+__all__ = ["bucket_key", "copy_key", "epoch_key", "key_digest", "leases_key", "live_key",
+           "meta_key", "queue_key", "room_key", "sibling_key", "split_limit_key", "task_key",
+           "turns_key", "validate_name", "validate_prefix", "waiters_key"]
 
 _MAX_NAME = 200
 
@@ -97,16 +97,27 @@ def queue_key(prefix: str, name: str, key: object = None) -> str:
     return _limit_key("q", prefix, name, key)
 
 
-def queue_of_bucket(bucket: str) -> str:
-    """The queue key of the limit whose bucket key is ``bucket`` (and back: ``q`` <-> ``b``).
+def split_limit_key(key: str) -> tuple[str, str, str]:
+    """A limit key's (kind, key digest or "-", name); ``ValueError`` for any other key."""
+    tag = key.find("}") + 1
+    parts = key[tag + 1:].split(":", 2) if key[tag: tag + 1] == ":" else []
+    if len(parts) != 3 or len(parts[0]) != 1:
+        raise ValueError("not a limit key of this package")
+    kind, digest, name = parts
+    return kind, digest, name
 
-    The kind sits right after the hash tag, whose prefix holds no brace.
-    """
-    tag = bucket.find("}") + 1
-    kind = bucket[tag + 1: tag + 2]
-    if bucket[tag: tag + 1] != ":" or kind not in ("b", "q") or bucket[tag + 2: tag + 3] != ":":
-        raise ValueError("not a bucket or queue key of this package")
-    return f"{bucket[:tag + 1]}{'q' if kind == 'b' else 'b'}{bucket[tag + 2:]}"
+
+def sibling_key(key: str, kind: str) -> str:
+    """The key of kind ``kind`` of the limit (name and key value) whose key is ``key``:
+    a bucket's queue (``q``) or turns (``t``), a queue's bucket (``b``)."""
+    split_limit_key(key)  # (raises for any other key)
+    tag = key.find("}") + 1
+    return f"{key[:tag + 1]}{kind}{key[tag + 2:]}"
+
+
+def turns_key(prefix: str, name: str, key: object = None) -> str:
+    """The turns of a fair queue (``room/queues.py``): a hash, key value digest -> last turn."""
+    return _limit_key("t", prefix, name, key)
 
 
 def leases_key(prefix: str, name: str, key: object = None) -> str:
@@ -142,6 +153,11 @@ def room_key(prefix: str, part: str) -> str:
 def task_key(prefix: str, kind: str, task_id: str) -> str:
     """A per-task key (``wait`` note, ``arrived`` marker, ...); the task id is hashed."""
     return f"{{{prefix}}}:{kind}:{key_digest(task_id)}"
+
+
+def live_key(prefix: str) -> str:
+    """The limits' run-time overrides (``live.py``): a hash, limit name -> rate."""
+    return f"{{{prefix}}}:live"
 
 
 def epoch_key(prefix: str) -> str:

@@ -19,6 +19,7 @@ from .keys import (
     leases_key,
     meta_key,
     queue_key,
+    turns_key,
     validate_name,
     waiters_key,
 )
@@ -44,6 +45,10 @@ class Limit:
     burst: int = 1
     key: object = field(default=None, repr=False)  # may be a secret: never shown
     cost: int = 1
+    # Fair share: tasks waiting in line for this limit are served by this
+    # value in turn (room/queues.py).  Not part of the limit's identity: the
+    # bucket, and every decision on it, are the same whatever it is.
+    fair: object = field(default=None, repr=False, compare=False)
 
     #: Admitted under a holder's name, who gives a lease back (see :class:`Concurrency`).
     leased: ClassVar[bool] = False
@@ -54,6 +59,8 @@ class Limit:
         check_cost(self.cost, positive_int("burst", self.burst), self.name)
         if self.key is not None:
             key_digest(self.key)  # a TypeError naming the type, now rather than at the call
+        if self.fair is not None:
+            key_digest(self.fair)
 
     @property
     def interval_us(self) -> int:
@@ -75,6 +82,10 @@ class Limit:
     def queue_in(self, prefix: str) -> bytes:
         """The queue of tasks waiting for this limit (``room/queues.py``)."""
         return _key_bytes(queue_key, prefix, self.name, self.key)
+
+    def turns_in(self, prefix: str) -> bytes:
+        """The turns of its fair queue (``room/queues.py``)."""
+        return _key_bytes(turns_key, prefix, self.name, self.key)
 
     def waiter_keys(self, prefix: str) -> tuple[bytes, ...]:
         """The list of tasks waiting for a seat (a concurrency limit's): none."""

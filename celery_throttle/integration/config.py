@@ -19,7 +19,7 @@ from redis.cluster import RedisCluster
 
 from ..core.connect import check_url, connect
 from ..core.gate import Limit
-from ..core.keys import validate_prefix
+from ..core.keys import key_digest, validate_prefix
 from ..core.rates import parse_rate
 from ..errors import ThrottleConfigError
 from ..values import LONGEST_WAIT, seconds
@@ -69,6 +69,9 @@ SETTINGS: dict[str, tuple[object, str]] = {
     "throttle_priority_ageing": (3600.0, "with the scheduler, seconds of waiting that are worth "
                                  "one priority level: a waiting task moves up one level per "
                                  "step, so urgent work never starves the rest for ever"),
+    "throttle_fair_weights": ({}, "{limit name: {fair key value: weight}}: with the scheduler, "
+                              "a fair limit serves a value weight times as often as a value "
+                              "of weight 1 (the default)"),
     "throttle_dispatch_lead": (0.05, "the waiting room dispatches a task this many seconds before "
                               "its slot, to cover the broker trip (it sleeps the rest)"),
     "throttle_dispatch_timeout": (60.0, "a dispatched task that has not reached a worker after "
@@ -110,6 +113,8 @@ class Config:
     waiting_room: bool
     scheduler: bool
     priority_ageing: float
+    # limit name -> fair key value digest -> weight (values are never kept in clear)
+    fair_weights: Mapping[str, Mapping[str, int]] = field(default_factory=dict, repr=False)
     dispatch_lead: float
     dispatch_timeout: float
     gc_freeze: bool
@@ -257,6 +262,7 @@ def read_config(app: Celery) -> Config:
         priority_ageing=_at_least_one("throttle_priority_ageing",
                                       get("throttle_priority_ageing")),
         high_priority_first=_amqp(conf.broker_url),
+        fair_weights=_fair_weights(get("throttle_fair_weights")),
         dispatch_lead=_seconds("throttle_dispatch_lead", get("throttle_dispatch_lead"),
                               allow_none=False) or 0.0,
         dispatch_timeout=_at_least_one("throttle_dispatch_timeout",
@@ -281,6 +287,29 @@ def _horizon(value: object, waiting_room: bool) -> float:
     if value is None:
         return LONGEST_WAIT if waiting_room else 3600.0
     return _seconds("throttle_horizon", value, allow_none=False) or 0.0
+
+
+def _fair_weights(value: object) -> dict[str, dict[str, int]]:
+    where = "setting throttle_fair_weights"
+    if not isinstance(value, Mapping):
+        raise ThrottleConfigError(f"{where}: expected a dict of limit name to "
+                                  f"{{fair key value: weight}}, got {type(value).__name__}")
+    out: dict[str, dict[str, int]] = {}
+    for name, weights in value.items():
+        if not isinstance(name, str) or not isinstance(weights, Mapping):
+            raise ThrottleConfigError(f"{where}[{name!r}]: expected a limit name and a dict of "
+                                      "fair key value to weight")
+        out[name] = {}
+        for fair, weight in weights.items():
+            if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
+                # (the value itself may be a secret: its weight is named, not it)
+                raise ThrottleConfigError(f"{where}[{name!r}]: weight {weight!r}: expected an "
+                                          "integer >= 1")
+            try:
+                out[name][key_digest(fair)] = weight
+            except TypeError as exc:
+                raise ThrottleConfigError(f"{where}[{name!r}]: {exc}") from None
+    return out
 
 
 def _amqp(broker_url: object) -> bool:

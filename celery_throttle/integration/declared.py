@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from celery import Celery
 
 from ..core.gate import Concurrency, Limit
+from ..core.rates import Rate
 from .config import read_config
 from .throttled import specs_of
 
@@ -25,6 +26,8 @@ class KnownLimit:
     limit: Limit | Concurrency  # with no key value; cost 1 when computed per call
     keyed: bool
     used_by: tuple[str, ...]  # "queue q" or task names
+    # The code's (rate, burst) when ``limit`` shows a rate set at run time.
+    code: tuple[Rate, int] | None = None
 
 
 def known_limits(app: Celery) -> list[KnownLimit]:

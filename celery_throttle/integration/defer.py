@@ -91,6 +91,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     ``estimated``: names of limits whose cost the task may settle.
     """
     request = task.request
+    limits = runtime.live.apply(limits)  # the rates set at run time (core/live.py)
     state = WaitState.from_request(request)
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
     charged = state.charged  # ... from a limit's queue: how (queues.Served.flag)
@@ -382,8 +383,10 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             expires_us=decision.now + to_us(max(to_expiry, 0.0)) if to_expiry is not None
             else 0,
             deadline_us=since + to_us(max_wait) if max_wait is not None else 0,
-            note=wait_note(task, blocking.name, decision, new, parked_until=due),
-            note_ttl_ms=int(decision.retry_after * 1000) + NOTE_AFTER_MS)
+            note=wait_note(task, blocking.name, decision, new, parked_until=due,
+                           line=(blocking.queue_in(config.prefix).decode(), entry)),
+            note_ttl_ms=int(decision.retry_after * 1000) + NOTE_AFTER_MS,
+            weights=config.fair_weights)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _log_outage(runtime, exc, "re-published with a countdown instead of put in line")

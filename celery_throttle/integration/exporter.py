@@ -2,7 +2,8 @@
 
 Imported by the worker only (``throttle_metrics_port``).  Counters are
 ``metrics.py``'s; here: each un-keyed limit's fill, next free slot and
-booked-ahead starts, leases held, and the waiting room's counts, read at
+booked-ahead starts, leases held, the waiting room's counts, and each
+limit's tasks in line with an estimate of when its line drains, read at
 scrape time, so they are the cluster's state, not a process's.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 from celery import Celery
 
-from ..core.gate import Concurrency
+from ..core.gate import Concurrency, Limit
 from .declared import known_limits
 from .runtime import runtime_for
 
@@ -49,8 +50,21 @@ class FillCollector:
         dispatching = GaugeMetricFamily("celery_throttle_dispatching",
                                       "Tasks dispatched and not yet arrived at a worker")
         dispatching.add_metric([], room.dispatching)
+        in_line = GaugeMetricFamily("celery_throttle_in_line",
+                                    "Tasks waiting in line for the limit (every key value)",
+                                    labels=["limit"])
+        drains = GaugeMetricFamily("celery_throttle_drain_seconds",
+                                   "Estimated seconds until the limit's line is empty at its "
+                                   "current rate", labels=["limit"])
+        known_all = known_limits(self.app)
+        rates = runtime.live.apply([k.limit for k in known_all if isinstance(k.limit, Limit)])
+        for line in runtime.room.queues.lines(
+                {lim.name: lim.interval_us for lim in rates}):
+            in_line.add_metric([line.name], line.waiting)
+            if line.drains_in is not None:
+                drains.add_metric([line.name], line.drains_in)
         gate = runtime.gate
-        for known in known_limits(self.app):
+        for known in known_all:
             lim = known.limit
             if known.keyed:
                 continue
@@ -62,7 +76,7 @@ class FillCollector:
             fill.add_metric([lim.name], state.used / lim.burst)
             free.add_metric([lim.name], state.next_free)
             booked.add_metric([lim.name], state.booked_ahead)
-        yield from (fill, free, booked, held, parked, dispatching)
+        yield from (fill, free, booked, held, parked, dispatching, in_line, drains)
 
 
 def serve(app: Celery, port: int, addr: str = "0.0.0.0") -> None:  # scraped from elsewhere

@@ -34,16 +34,20 @@ NOTE_AFTER_MS = 60_000
 
 
 def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitState,
-              parked_until: int = 0) -> str:
+              parked_until: int = 0, line: tuple[str, str] | None = None) -> str:
     """Why and until when the task waits, for ``celery throttle why`` (JSON).
 
     ``parked_until``: when the waiting room dispatches it (server clock, us);
-    0 when it waits as a countdown.
+    0 when it waits as a countdown.  ``line``: the queue and entry it waits
+    in line as (``room/queues.py``), to tell its place.
     """
     due = decision.now + to_us(decision.retry_after)
-    return json.dumps({"task": task.name, "limit": limit, "due": due,
-                       "booked": bool(state.booked), "deferrals": state.deferrals,
-                       "since": state.since, "parked_until": parked_until})
+    note = {"task": task.name, "limit": limit, "due": due, "booked": bool(state.booked),
+            "deferrals": state.deferrals, "since": state.since,
+            "parked_until": parked_until}
+    if line is not None:
+        note.update(queue=line[0], entry=line[1])
+    return json.dumps(note)
 
 
 def write_note(task: Task[Any, Any], runtime: Runtime, note: str, wait: float) -> None:
@@ -67,6 +71,10 @@ def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
     parked = note.get("parked_until") or 0
     note["dispatched_in_s"] = round(from_us(parked - now), 3) if parked else None
     note["waiting_s"] = round(from_us(now - (note["since"] or now)), 3)
+    if note.get("queue") and note.get("entry"):
+        # Its place now (0: next); None once it left the line (dispatched).
+        with contextlib.suppress(redis.RedisError):
+            note["place"] = runtime.gate.client.zrank(note["queue"], note["entry"])
     return dict(note)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from celery import Celery
 
 from ..core.gate import Gate
+from ..core.live import LiveLimits
 from ..core.logs import Every
 from ..room.parking import WaitingRoom
 from .config import Config, read_config
@@ -36,6 +37,7 @@ class Runtime:
     gate: Gate
     room: WaitingRoom
     copies: CopyPointer
+    live: LiveLimits
     pid: int
     outage: Every = field(default_factory=Every)  # reports a store outage once per 30 s
 
@@ -61,7 +63,7 @@ def runtime_for(app: Celery) -> Runtime:
                          WaitingRoom(client, config.prefix, replicas=config.park_replicas),
                          CopyPointer(client, config.prefix, config.visibility_timeout
                                      + config.horizon + 60),
-                         os.getpid())
+                         LiveLimits(client, config.prefix), os.getpid())
             _cache[app] = rt
         return rt
 

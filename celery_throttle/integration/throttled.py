@@ -56,6 +56,7 @@ class Throttle:
     signature: inspect.Signature | None = field(default=None, compare=False, repr=False)
     concurrency: int | None = None
     lease: float = DEFAULT_LEASE
+    fair: str | ArgFn | None = None
 
     @property
     def estimated(self) -> bool:
@@ -66,10 +67,11 @@ class Throttle:
                ) -> list[AnyLimit]:
         """The limits for one call: its rate limit and/or concurrency limit."""
         name = self.name or task_name
-        key = self._key_value(task_name, args, kwargs)
+        key = self._arg_value(task_name, "key", self.key, args, kwargs)
         found: list[AnyLimit] = []
         if self.rate is not None:
-            found.append(self._rate_limit(task_name, name, key, args, kwargs))
+            fair = self._arg_value(task_name, "fair", self.fair, args, kwargs)
+            found.append(self._rate_limit(task_name, name, key, fair, args, kwargs))
         if self.concurrency is not None:
             try:
                 found.append(Concurrency(name, self.concurrency, key, self.lease))
@@ -77,30 +79,32 @@ class Throttle:
                 raise TypeError(f"task {task_name!r}, limit {name!r}: {exc}") from None
         return found
 
-    def _key_value(self, task_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-                   ) -> object:
-        key = None
-        if callable(self.key):
-            key = self.key(*args, **kwargs)
-        elif self.key is not None:
+    def _arg_value(self, task_name: str, what: str, spec: str | ArgFn | None,
+                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+        """The value of ``key`` or ``fair`` for one call: a callable's result, or the
+        argument it names."""
+        value = None
+        if callable(spec):
+            value = spec(*args, **kwargs)
+        elif spec is not None:
             assert self.signature is not None
             try:
                 bound = self.signature.bind_partial(*args, **kwargs)
             except TypeError as exc:
                 raise ValueError(f"task {task_name!r}: cannot bind arguments: {exc}") from exc
-            if self.key not in bound.arguments:
-                raise ValueError(f"task {task_name!r}: key argument {self.key!r} was not passed")
-            key = bound.arguments[self.key]
-        if key is None and self.key is not None:
-            raise ValueError(f"task {task_name!r}: key argument {self.key!r} is None")
-        return key
+            if spec not in bound.arguments:
+                raise ValueError(f"task {task_name!r}: {what} argument {spec!r} was not passed")
+            value = bound.arguments[spec]
+        if value is None and spec is not None:
+            raise ValueError(f"task {task_name!r}: {what} argument {spec!r} is None")
+        return value
 
-    def _rate_limit(self, task_name: str, name: str, key: object, args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> Limit:
+    def _rate_limit(self, task_name: str, name: str, key: object, fair: object,
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Limit:
         assert self.rate is not None
         cost = self.cost(*args, **kwargs) if callable(self.cost) else self.cost
         try:
-            return Limit(name, self.rate, self.burst, key, cost)  # checks the computed cost
+            return Limit(name, self.rate, self.burst, key, cost, fair)  # checks the cost
         except ValueError as exc:
             raise ValueError(f"task {task_name!r}: {exc}") from None
         except TypeError as exc:  # a key value of an unsupported type
@@ -117,6 +121,7 @@ def throttled(
     max_wait: float | None = None,
     concurrency: int | None = None,
     lease: float = DEFAULT_LEASE,
+    fair: str | ArgFn | None = None,
 ) -> Callable[[T], T]:
     """Limit every start of the decorated task, across all workers.
 
@@ -137,6 +142,10 @@ def throttled(
       :func:`celery_throttle.settle` once the true cost is known).
     * ``max_wait``: seconds the task may wait in total before it fails with
       :class:`~celery_throttle.ThrottleTimeout` (overrides ``throttle_max_wait``).
+    * ``fair``: the same forms as ``key``: with ``throttle_scheduler``, the
+      tasks waiting in line for the rate limit are served by this value in
+      turn (a tenant that floods the limit does not make the others wait
+      behind all of its tasks), weighted by ``throttle_fair_weights``.
 
     Raising :class:`~celery_throttle.RateLimited` in the task (a provider's
     429) pauses its limits on every worker and re-schedules it, retries untouched.
@@ -147,7 +156,7 @@ def throttled(
         label, fun, bind = _describe(task)
         try:
             spec = _build_spec(rate, burst, key, name, cost, max_wait, fun, bind,
-                               concurrency, lease)
+                               concurrency, lease, fair)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"@throttled on task {label}: {exc}") from None
         if isinstance(task, Task):
@@ -189,9 +198,12 @@ def _describe(task: object) -> tuple[str, Callable[..., Any] | None, bool]:
 
 def _build_spec(rate: object, burst: object, key: object, name: object, cost: object,
                 max_wait: object, fun: Callable[..., Any] | None, bind: bool,
-                concurrency: object = None, lease: object = DEFAULT_LEASE) -> Throttle:
+                concurrency: object = None, lease: object = DEFAULT_LEASE,
+                fair: object = None) -> Throttle:
     if rate is None and concurrency is None:
         raise ValueError("give a rate, a concurrency, or both")
+    if fair is not None and rate is None:
+        raise ValueError("fair shares a rate: give a rate too")
     parsed = parse_rate(rate) if rate is not None else None
     if concurrency is not None:
         Concurrency("check", concurrency, None, lease)  # type: ignore[arg-type]
@@ -204,23 +216,26 @@ def _build_spec(rate: object, burst: object, key: object, name: object, cost: ob
     if max_wait is not None:
         seconds("max_wait", max_wait)
     signature = None
-    if isinstance(key, str):
-        if fun is None:
-            raise ValueError(f"key {key!r}: the task's function cannot be inspected")
-        signature = inspect.signature(fun)
-        params = list(signature.parameters.values())
-        if bind and params:
-            params = params[1:]
-            signature = signature.replace(parameters=params)
-        if key not in signature.parameters and not any(
-            p.kind is p.VAR_KEYWORD for p in params
-        ):
-            raise ValueError(f"key {key!r} is not an argument of the task "
-                             f"(arguments: {', '.join(signature.parameters) or 'none'})")
-    elif key is not None and not callable(key):
-        raise ValueError(f"invalid key {key!r}: expected an argument name or a callable")
+    for what, spec in (("key", key), ("fair", fair)):
+        if isinstance(spec, str):
+            if fun is None:
+                raise ValueError(f"{what} {spec!r}: the task's function cannot be inspected")
+            if signature is None:
+                signature = inspect.signature(fun)
+                params = list(signature.parameters.values())
+                if bind and params:
+                    signature = signature.replace(parameters=params[1:])
+            params = list(signature.parameters.values())
+            if spec not in signature.parameters and not any(
+                p.kind is p.VAR_KEYWORD for p in params
+            ):
+                raise ValueError(f"{what} {spec!r} is not an argument of the task "
+                                 f"(arguments: {', '.join(signature.parameters) or 'none'})")
+        elif spec is not None and not callable(spec):
+            raise ValueError(f"invalid {what} {spec!r}: expected an argument name or a "
+                             "callable")
     return Throttle(parsed, burst, key, name, cost, max_wait,  # type: ignore[arg-type]
-                    signature, concurrency, lease)  # type: ignore[arg-type]
+                    signature, concurrency, lease, fair)  # type: ignore[arg-type]
 
 
 def _attach(task: Task[Any, Any], spec: Throttle) -> None:

@@ -8,6 +8,11 @@ in ``pyproject.toml``), so it runs with the app and settings of ``-A proj``:
 * ``why TASK_ID [--json]``: the limit a deferred task waits for, its booked
   slot and deferral count (recorded at each deferral, kept until the slot);
 * ``reset NAME [--key K]``: forget a bucket (it is full again);
+* ``set NAME RATE [--burst N]`` / ``unset NAME``: a rate set at run time over
+  the code's, used by every worker and dispatcher within a second, waiting
+  tasks included (``core/live.py``);
+* ``pause NAME [--for S] [--key K]`` / ``resume NAME [--key K]``: admit
+  nothing (the pause a provider's 429 writes), or end a pause now;
 * ``parked [--limit NAME] [-n N]``: the tasks parked in the waiting room
   that are dispatched next;
 * ``purge --yes``: drop every parked task (they never run; the result backend
@@ -31,11 +36,12 @@ from celery import Celery
 from kombu.utils.url import maybe_sanitize_url
 
 from ..core.gate import BucketState, Concurrency, LeaseState, Limit
+from ..core.rates import parse_rate
 from ..integration.config import read_config
 from ..integration.declared import KnownLimit, known_limits
 from ..integration.notes import forget_dropped, read_wait
 from ..integration.runtime import runtime_for
-from ..values import from_us
+from ..values import LONGEST_WAIT, from_us
 
 __all__ = ["throttle"]
 
@@ -94,6 +100,8 @@ def _row(known: KnownLimit, state: BucketState | None, key_given: bool) -> dict[
         "limit": lim.name, "rate": str(lim.rate), "burst": lim.burst,
         "per_key": known.keyed, "used_by": list(known.used_by),
     }
+    if known.code is not None:  # set at run time over the code's
+        row["code_rate"], row["code_burst"] = str(known.code[0]), known.code[1]
     if state is None:
         row["note"] = "per key: name one with --key" if known.keyed and not key_given else ""
         return row
@@ -124,12 +132,27 @@ def _table(rows: list[dict[str, Any]]) -> str:
             waiting = str(r["booked_ahead"])
         else:
             fill, free, waiting = "-", r["note"] or "-", "-"
-        body.append([r["limit"] + (" (per key)" if r["per_key"] else ""), r["rate"],
+        if r.get("in_line"):
+            waiting = (f"{r['in_line']} in line" + (f", drains in ~{_span(r['drains_in_s'])}"
+                                                     if r["drains_in_s"] is not None else "")
+                       + (f" (+{r['booked_ahead']} booked)" if r.get("booked_ahead") else ""))
+        rate = r["rate"] + (f" (set; code {r['code_rate']} burst {r['code_burst']})"
+                            if "code_rate" in r else "")
+        body.append([r["limit"] + (" (per key)" if r["per_key"] else ""), rate,
                      str(r["burst"]), fill, free, waiting, ", ".join(r["used_by"])])
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
              for line in [head, *body]]
     return "\n".join(lines)
+
+
+def _span(seconds: float) -> str:
+    """A duration as 2h47m, 3m05s or 12.5s."""
+    if seconds >= 3600:
+        return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+    if seconds >= 60:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{seconds:.1f}s"
 
 
 class _Commands(click.Group):
@@ -164,8 +187,14 @@ def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key:
     app = _app(ctx)
     value = _key_value(key, int_key)
     gate = runtime_for(app).gate
+    live = runtime_for(app).live.read()
     rows = []
     for known in _select(app, names):
+        if isinstance(known.limit, Limit) and known.limit.name in live:
+            rate, burst = live[known.limit.name]
+            known = dataclasses.replace(known, limit=dataclasses.replace(
+                known.limit, rate=rate, burst=burst, cost=min(known.limit.cost, burst)),
+                code=(known.limit.rate, known.limit.burst))
         if known.keyed and value is None:
             rows.append((_lease_row if isinstance(known.limit, Concurrency) else _row)(
                 known, None, False))
@@ -178,17 +207,25 @@ def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key:
         if known.keyed:
             lim = Limit(lim.name, lim.rate, lim.burst, value, lim.cost)
         rows.append(_row(known, gate.inspect(lim), value is not None))
+    intervals = {r["limit"]: parse_rate(r["rate"]).interval_us for r in rows if "rate" in r}
+    lines = {line.name: line for line in runtime_for(app).room.queues.lines(intervals)}
+    for r in rows:
+        line = lines.get(r["limit"])
+        if line is not None and "rate" in r:
+            r.update(in_line=line.waiting, drains_in_s=line.drains_in,
+                     top_keys=[{"key_digest": d, "waiting": n} for d, n in line.top])
     room = runtime_for(app).room.state()
+    in_line = runtime_for(app).room.queues.waiting()
     if as_json:
         click.echo(json.dumps({"limits": rows, "waiting_room": dataclasses.asdict(room),
-                               "at": time.time()}, indent=2))
+                               "in_line": in_line, "at": time.time()}, indent=2))
         return
     click.echo(_table(rows))
-    if room.parked or room.dispatching or runtime_for(app).config.waiting_room:
+    if room.parked or room.dispatching or in_line or runtime_for(app).config.waiting_room:
         nxt = (f"; next dispatch in {room.next_dispatch:.3f}s"
                if room.next_dispatch is not None else "")
-        click.echo(f"waiting room: {room.parked} parked, {room.dispatching} dispatched and on "
-                   f"their way{nxt}")
+        click.echo(f"waiting room: {room.parked} parked, {in_line} in line, "
+                   f"{room.dispatching} dispatched and on their way{nxt}")
 
 
 @throttle.command()
@@ -213,11 +250,18 @@ def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
         at = dt.datetime.fromtimestamp(from_us(wait["parked_until"]), dt.timezone.utc)
         stamp = at.isoformat(sep=" ", timespec="milliseconds").removesuffix("+00:00")
         parked = f" is parked until {stamp} UTC (dispatched in {wait['dispatched_in_s']:.3f}s) and"
+    if wait.get("entry"):
+        place = wait.get("place")
+        parked = (f" is number {place + 1} in line" if place is not None else
+                  " left its line (dispatched)") + " and"
+        when = f"estimated {when}" if due >= 0 else when
     click.echo(f"task {task_id} ({wait['task']}){parked} waits for limit {wait['limit']!r}: "
                f"next start {when}; deferral {wait['deferrals']}, waiting "
                f"{wait['waiting_s']:.1f}s so far"
-               + ("; slot booked" if wait["booked"] else "; no slot booked (a concurrency "
-                  "slot is awaited, the wait is beyond the horizon, or the store was down)"))
+               + ("; slot booked" if wait["booked"] else
+                  "; no slot booked (its turn comes when the limit admits it)" if wait.get("entry")
+                  else "; no slot booked (a concurrency slot is awaited, the wait is beyond the "
+                  "horizon, or the store was down)"))
 
 
 @throttle.command()
@@ -288,10 +332,103 @@ def purge(ctx: click.Context, yes: bool) -> None:
     runtime = runtime_for(app)
     if not yes:
         state = runtime.room.state()
-        click.echo(f"would drop {state.parked + state.dispatching} parked task(s); "
+        waiting = state.parked + state.dispatching + runtime.room.queues.waiting()
+        click.echo(f"would drop {waiting} waiting task(s); "
                    "add --yes to drop them (they will never run)")
         ctx.exit(2)
     dropped = runtime.room.purge()
     revoked = forget_dropped(app, runtime, dropped, "purged from the waiting room")
-    click.echo(f"dropped {len(dropped)} parked task(s)"
+    click.echo(f"dropped {len(dropped)} waiting task(s)"
                + (f"; {revoked} marked REVOKED in the result backend" if revoked else ""))
+
+
+@throttle.command(name="set")
+@click.argument("name")
+@click.argument("rate")
+@click.option("--burst", type=int, default=None, help="the burst (default: the code's)")
+@click.pass_context
+def set_(ctx: click.Context, name: str, rate: str, burst: int | None) -> None:
+    """Set limit NAME to RATE (e.g. 20/s) everywhere within a second, over the code's.
+
+    Every worker's next decision and every dispatcher use it, for the tasks
+    already waiting too, until ``unset``; it names the limit, so it applies
+    to every key value of a per-key limit.
+    """
+    app = _app(ctx)
+    limit = _rate_limit(app, name)
+    try:
+        parsed = parse_rate(rate)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="RATE") from None
+    burst = limit.burst if burst is None else burst
+    if burst < 1:
+        raise click.BadParameter(f"{burst}: expected at least 1", param_hint="--burst")
+    runtime_for(app).live.set(name, parsed, burst)
+    runtime_for(app).room.queues.look_now(name)  # its waiting tasks: at the new rate, now
+    click.echo(f"limit {name!r}: {parsed} burst {burst} (set; the code says {limit.rate} "
+               f"burst {limit.burst}); every worker uses it within a second")
+
+
+@throttle.command()
+@click.argument("name")
+@click.pass_context
+def unset(ctx: click.Context, name: str) -> None:
+    """Back to the code's rate for limit NAME (undo ``set``)."""
+    app = _app(ctx)
+    limit = _rate_limit(app, name)
+    had = runtime_for(app).live.unset(name)
+    runtime_for(app).room.queues.look_now(name)
+    click.echo(f"limit {name!r}: {limit.rate} burst {limit.burst} (the code's)"
+               + ("" if had else "; it had no rate set"))
+
+
+@throttle.command()
+@click.argument("name")
+@click.option("--for", "seconds", type=float, default=None,
+              help="seconds (default: until resume, at most 7 days)")
+@click.option("--key", help="a string key value of a per-key limit")
+@click.option("--int-key", help="an integer key value of a per-key limit")
+@click.pass_context
+def pause(ctx: click.Context, name: str, seconds: float | None, key: str | None,
+          int_key: str | None) -> None:
+    """Admit nothing in limit NAME (the pause a provider's 429 writes) until ``resume``."""
+    if seconds is not None and not 0 < seconds <= LONGEST_WAIT:
+        raise click.BadParameter(f"{seconds}: expected seconds from 0 to {LONGEST_WAIT:g}",
+                                 param_hint="--for")
+    app = _app(ctx)
+    limits = _limits_of(app, name, _key_value(key, int_key))
+    lasts = runtime_for(app).gate.pause(limits, LONGEST_WAIT if seconds is None else seconds)
+    click.echo(f"limit {name!r}: paused for {lasts:.0f}s"
+               + (" (until resume)" if seconds is None else ""))
+
+
+@throttle.command()
+@click.argument("name")
+@click.option("--key", help="a string key value of a per-key limit")
+@click.option("--int-key", help="an integer key value of a per-key limit")
+@click.pass_context
+def resume(ctx: click.Context, name: str, key: str | None, int_key: str | None) -> None:
+    """End a pause of limit NAME now (set by ``pause`` or by a provider's 429)."""
+    app = _app(ctx)
+    ended = runtime_for(app).gate.resume(_limits_of(app, name, _key_value(key, int_key)))
+    runtime_for(app).room.queues.look_now(name)  # its line was due when the pause would end
+    click.echo(f"limit {name!r}: " + ("resumed" if ended else "was not paused"))
+
+
+def _rate_limit(app: Celery, name: str) -> Limit:
+    """The rate limit NAME the app declares (the code's values)."""
+    for known in _select(app, (name,)):
+        if isinstance(known.limit, Limit):
+            return known.limit
+    raise click.BadParameter(f"limit {name!r} has no rate (a concurrency limit)",
+                             param_hint="NAME")
+
+
+def _limits_of(app: Celery, name: str, value: object) -> list[Limit | Concurrency]:
+    """The buckets of NAME (its rate and/or concurrency limit), for key ``value``."""
+    found = []
+    for known in _select(app, (name,)):
+        if known.keyed and value is None:
+            raise click.UsageError(f"limit {name!r} is per key: give --key or --int-key")
+        found.append(dataclasses.replace(known.limit, key=value if known.keyed else None))
+    return found

@@ -18,13 +18,20 @@ limit at once, and a limit's new rate applies to the tasks already waiting.
 * A task with several limits waits in the queue of the one that blocks it;
   when another blocks it at its turn, it moves to that one's queue, keeping
   its place.
+* Fair share: a limit whose tasks carry a fair key value (``@throttled(...,
+  fair=...)``) orders its queue by turns instead (``lua/turns.lua``): the
+  values are served in turn, each as often as its weight says, whatever
+  their numbers of waiting tasks.
 
 Keys: each limit's queue (``keys.queue_key``: entry -> place), the
 ``entries`` hash (entry -> its task id, deadlines and limits, JSON), the
 ``ready`` index (queue -> when its limit admits a start: the dispatcher
 looks only at the due ones, so its work grows with the limits that have
 waiting tasks, not with the tasks) and the ``specs`` hash (limit name ->
-its interval and burst as the latest code declares them).  Messages, the
+its interval and burst as the code of the worker started last declares
+them).  A waiting task is charged at its limits' rates as they are when
+its turn comes: an override set at run time (``core/live.py``), else the
+declared rate, else the one it was enqueued with.  Messages, the
 claimed set, the trip and the wake list are the waiting room's
 (``parking.py``): a task dispatched from a queue arrives as a parked one does.
 """
@@ -32,19 +39,27 @@ claimed set, the trip and the wake list are the waiting room's
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
 from redis.cluster import RedisCluster
 
-from ..core.keys import epoch_key, queue_of_bucket, room_key, task_key
+from ..core.keys import (
+    epoch_key,
+    key_digest,
+    live_key,
+    room_key,
+    sibling_key,
+    split_limit_key,
+    task_key,
+)
 from ..core.limits import Limit
-from ..core.scripts import BUCKET, joined, source
+from ..core.scripts import BUCKET, joined
 from ..values import from_us
 
-__all__ = ["Queues", "Served", "entry_json"]
+__all__ = ["Line", "Queues", "Served", "Weights", "entry_json", "fair_of"]
 
 #: The most queues looked at per round, and the waiting tasks read per queue.
 LOOK_QUEUES, LOOK_HEADS = 64, 8
@@ -65,14 +80,49 @@ class Served:
     message: bytes
 
 
-def entry_json(task_id: str, limits: Sequence[Limit], prefix: str, *, expires_us: int = 0,
-               deadline_us: int = 0) -> str:
-    """What the dispatch needs of a waiting task: its id, its expiry and ``max_wait``
-    deadlines (server clock, us; 0: none) and each limit's bucket, name, rate and cost."""
-    return json.dumps({"t": task_id, "e": expires_us, "w": deadline_us,
-                       "l": [[lim.key_in(prefix).decode(), lim.name, lim.rate.interval_us,
-                              lim.burst, lim.cost] for lim in limits]},
-                      separators=(",", ":"))
+@dataclass(frozen=True, slots=True)
+class Line:
+    """The tasks waiting in line for one limit: every key value of a per-key limit together.
+
+    ``top``: the key values with the most tasks waiting, as (key digest, tasks);
+    a shared limit's one line is "-" (key values themselves are never stored).
+    ``drains_in``: seconds until the line is empty at ``interval_us`` per task,
+    for the longest line of a key value (key values are served side by side);
+    an estimate: costs above one unit and other limits of the tasks lengthen it.
+    """
+
+    name: str
+    waiting: int
+    top: tuple[tuple[str, int], ...]
+    drains_in: float | None
+
+
+#: Fair-share weights: limit name -> fair key value digest -> weight (default 1).
+Weights = Mapping[str, Mapping[str, int]]
+
+
+def fair_of(limit: Limit, weights: Weights) -> tuple[str, float]:
+    """A limit's fair key value digest ("" for none) and the turn one task of it takes
+    (its cost / its value's weight)."""
+    if limit.fair is None:
+        return "", 0.0
+    digest = key_digest(limit.fair)
+    return digest, limit.cost / weights.get(limit.name, {}).get(digest, 1)
+
+
+def entry_json(task_id: str, limits: Sequence[Limit], prefix: str, *, place_us: int = 0,
+               expires_us: int = 0, deadline_us: int = 0, weights: Weights | None = None
+               ) -> str:
+    """What the dispatch needs of a waiting task: its id, its place, its expiry and
+    ``max_wait`` deadlines (server clock, us; 0: none) and each limit's bucket, name, rate,
+    cost and fair key value (digest and turn)."""
+    rows = []
+    for lim in limits:
+        fair, units = fair_of(lim, weights or {})
+        rows.append([lim.key_in(prefix).decode(), lim.name, lim.rate.interval_us, lim.burst,
+                     lim.cost, fair, units])
+    return json.dumps({"t": task_id, "p": place_us, "e": expires_us, "w": deadline_us,
+                       "l": rows}, separators=(",", ":"))
 
 
 class Queues:
@@ -85,28 +135,31 @@ class Queues:
         self.ready, self.specs = room_key(prefix, "ready"), room_key(prefix, "specs")
         self.claimed, self.wake = room_key(prefix, "claimed"), room_key(prefix, "wake")
         self.trip, self.epoch = room_key(prefix, "trip"), epoch_key(prefix)
-        self._enqueue = client.register_script(source(__package__, "enqueue.lua"))
-        self._serve = client.register_script(joined(BUCKET, (__package__, "serve.lua")))
+        self.live = live_key(prefix)
+        turns = (__package__, "turns.lua")
+        self._enqueue = client.register_script(joined(turns, (__package__, "enqueue.lua")))
+        self._serve = client.register_script(joined(BUCKET, turns, (__package__, "serve.lua")))
 
     def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[Limit],
                 blocking: Limit, place_us: int, due_us: int = 0, expires_us: int = 0,
-                deadline_us: int = 0, note: str = "", note_ttl_ms: int = 60_000) -> int:
-        """Put the task in line for ``blocking`` (one of its ``limits``) at ``place_us``.
+                deadline_us: int = 0, note: str = "", note_ttl_ms: int = 60_000,
+                weights: Weights | None = None) -> int:
+        """Put the task in line for ``blocking`` (one of its ``limits``) at ``place_us``,
+        or, when ``blocking`` has a fair key value, at its value's next turn.
 
         ``due_us``: when ``blocking`` admits a start (server clock; 0: now).
         Returns the server's time (us), or 0 when ``entry`` waits already
         (nothing written: the broker delivered its message again).
         """
-        specs: list[str] = []
-        for lim in limits:
-            specs += [lim.name, f"{lim.rate.interval_us} {lim.burst}"]
         keys: list[str | bytes] = [
             self.messages, self.entries, blocking.queue_in(self.prefix), self.ready, self.wake,
-            task_key(self.prefix, "wait", task_id), self.specs]
-        args: list[str | bytes | int] = [entry, message, place_us,
-                entry_json(task_id, limits, self.prefix, expires_us=expires_us,
-                           deadline_us=deadline_us),
-                due_us, note, note_ttl_ms, *specs]
+            task_key(self.prefix, "wait", task_id), blocking.turns_in(self.prefix)]
+        fair, units = fair_of(blocking, weights or {})
+        args: list[str | bytes | int | float] = [
+            entry, message, place_us,
+            entry_json(task_id, limits, self.prefix, place_us=place_us, expires_us=expires_us,
+                       deadline_us=deadline_us, weights=weights),
+            due_us, note, note_ttl_ms, fair, repr(units)]
         return int(self._enqueue(keys=keys, args=args))
 
     def declare(self, limits: Sequence[Limit]) -> None:
@@ -145,18 +198,58 @@ class Queues:
                     uncharged.append(entry)
                 for lim in _limits_of(task):
                     others[lim] = None
-        own = [queue_of_bucket(q) for q in queues]
+        own = [sibling_key(q, "b") for q in queues]
         for bucket in own:
             others.pop(bucket, None)
-        pairs = [k for b in [*own, *others] for k in (b, queue_of_bucket(b))]
+        triples = [k for b in [*own, *others]
+                   for k in (b, sibling_key(b, "q"), sibling_key(b, "t"))]
         reply = self._serve(
             keys=[self.messages, self.entries, self.ready, self.claimed, self.epoch, self.trip,
-                  self.wake, self.specs, *pairs],
+                  self.wake, self.specs, self.live, *triples],
             args=["serve", batch, timeout_us, " ".join(uncharged), len(own)])
         wait, epoch, items = int(reply[0]), int(reply[1]), reply[2:]
         served = [Served(_text(items[k]), _text(items[k + 1]), epoch, _text(items[k + 2]),
                          int(items[k + 3]), items[k + 4]) for k in range(0, len(items), 5)]
         return (None if wait < 0 else from_us(wait)), served
+
+    def lines(self, intervals: Mapping[str, int], *, most: int = 10_000,
+              top: int = 5) -> list[Line]:
+        """The lines of every limit with waiting tasks (of the first ``most`` queues in the
+        ready index), busiest first; ``intervals``: limit name -> interval (us) now."""
+        queues = [_text(q) for q in cast(list[bytes], self.client.zrange(self.ready, 0,
+                                                                          most - 1))]
+        pipe = self.client.pipeline(transaction=False)
+        for q in queues:
+            pipe.zcard(q)
+        counts = [int(c) for c in pipe.execute()] if queues else []
+        by_name: dict[str, list[tuple[str, int]]] = {}
+        for q, count in zip(queues, counts, strict=True):
+            try:
+                _, digest, name = split_limit_key(q)
+            except ValueError:
+                continue
+            if count:
+                by_name.setdefault(name, []).append((digest, count))
+        out = []
+        for name, found in by_name.items():
+            found.sort(key=lambda item: -item[1])
+            interval = intervals.get(name)
+            out.append(Line(name, sum(c for _, c in found), tuple(found[:top]),
+                            from_us(found[0][1] * interval) if interval else None))
+        return sorted(out, key=lambda line: -line.waiting)
+
+    def look_now(self, name: str) -> int:
+        """Look at every queue of limit ``name`` now, not when its old rate or pause said
+        (``throttle set`` or ``resume``); returns how many queues it has."""
+        queues = [q for q in cast(list[bytes], self.client.zrange(self.ready, 0, -1))
+                  if _name_of(_text(q)) == name]
+        if queues:
+            self.client.zadd(self.ready, dict.fromkeys(queues, 0))
+            # A dispatcher asleep until the old time wakes (one token, as park.lua).
+            self.client.lpush(self.wake, "1")
+            self.client.ltrim(self.wake, 0, 0)
+            self.client.pexpire(self.wake, 60_000)
+        return len(queues)
 
     def waiting(self) -> int:
         """How many tasks wait in the limits' queues."""
@@ -167,7 +260,7 @@ class Queues:
         queues = [_text(q) for q in cast(list[bytes], self.client.zrange(self.ready, 0, -1))]
         # One DEL per key: on a Cluster they share a slot, but redis-py's
         # cluster client splits a multi-key DEL anyway.
-        for key in [*queues, self.ready, self.entries]:
+        for key in [*queues, *(sibling_key(q, "t") for q in queues), self.ready, self.entries]:
             self.client.delete(key)
 
 
@@ -181,6 +274,13 @@ def _task(raw: bytes | str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return task if isinstance(task, dict) else None
+
+
+def _name_of(queue: str) -> str | None:
+    try:
+        return split_limit_key(queue)[2]
+    except ValueError:
+        return None
 
 
 def _limits_of(task: dict[str, Any]) -> list[str]:

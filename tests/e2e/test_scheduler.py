@@ -9,6 +9,7 @@ start records and the result backend, as in test_waiting_room.py.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections import Counter
@@ -37,15 +38,19 @@ def _in_line(redis_base: str, count: int, timeout: float) -> None:
     """Wait until ``count`` tasks wait in the limits' queues or the waiting room (bounded)."""
     store = redis.Redis.from_url(f"{redis_base}/11")  # the test app's store
     deadline = time.monotonic() + timeout
+    most = 0
     try:
         while time.monotonic() < deadline:
-            if (int(store.hlen("{throttle}:room:entries"))
-                    + int(store.zcard("{throttle}:room:parked"))) >= count:
+            waiting = (int(store.hlen("{throttle}:room:entries"))
+                       + int(store.zcard("{throttle}:room:parked")))
+            if waiting >= count:
                 return
+            most = max(most, waiting)
             time.sleep(0.05)
     finally:
         store.close()
-    raise AssertionError(f"fewer than {count} tasks got in line within {timeout}s")
+    raise AssertionError(f"fewer than {count} tasks got in line within {timeout}s "
+                         f"(at most {most})")
 
 
 def test_urgent_task_starts_ahead_of_a_waiting_batch(
@@ -58,6 +63,8 @@ def test_urgent_task_starts_ahead_of_a_waiting_batch(
         _in_line(redis_base, 30, timeout=20)
         sent = time.time()
         urgent = capp.in_line.apply_async((1000,), priority=URGENT)
+        why = throttle_cli(["why", batch[-1].id], redis_base)
+        shown = throttle_cli(["status", "line"], redis_base)
         states = wait_results([*batch, urgent], timeout=40)
         rows = read_records(records, expect=41, timeout=5)
         text = logs(nodes)
@@ -72,6 +79,8 @@ def test_urgent_task_starts_ahead_of_a_waiting_batch(
     check_window_bound([r["t"] for r in rows], rate=5, burst=1, period=1.0)
     assert "waits in line" in text
     assert " ERROR" not in text
+    assert re.search(r"is number \d+ in line and waits for limit 'line'", why.stdout), why.stdout
+    assert re.search(r"\d+ in line, drains in ~[\d.]+s", shown.stdout), shown.stdout
 
 
 def test_purge_frees_the_limit_at_once(
@@ -141,4 +150,93 @@ def test_waiting_tasks_follow_a_new_rate_in_the_code(
     assert len(later) >= 45
     assert span <= (len(later) - 1) / 20 / 0.8 + 1.0  # the new pace, not the old 2/s
     check_window_bound(later, rate=20, burst=1, period=1.0)
+    assert " ERROR" not in text
+
+
+def test_throttle_set_drains_the_waiting_tasks_at_the_new_rate(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """60 tasks in line at 2/s; `throttle set line 20/s` drains the rest at 20/s from the
+    next second, and `throttle status` shows both rates."""
+    with worker_nodes(redis_base, ("w1",), conf=LINE, env={"CT_LINE_RATE": "2/s"}) as nodes:
+        results = [capp.in_line.delay(i) for i in range(60)]
+        _in_line(redis_base, 50, timeout=20)
+        done = throttle_cli(["set", "line", "20/s"], redis_base)
+        changed = time.time()
+        assert done.returncode == 0, done.stderr
+        shown = throttle_cli(["status", "line"], redis_base)
+        states = wait_results(results, timeout=30)
+        rows = read_records(records, expect=60, timeout=2)
+        assert throttle_cli(["unset", "line"], redis_base).returncode == 0
+        text = logs(nodes)
+    assert states == ["SUCCESS"] * 60
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)
+    assert "20/s (set; code " in shown.stdout  # (the code as the command's app declares it)
+    later = sorted(r["t"] for r in rows if r["t"] > changed + 1.0)  # from the next second
+    span = later[-1] - later[0]
+    print(f"\nafter throttle set 20/s: {len(later)} in {span:.2f}s "
+          f"(at 2/s: {(len(later) - 1) / 2:.1f}s)")
+    assert len(later) >= 40
+    assert span <= (len(later) - 1) / 20 / 0.8 + 0.5
+    check_window_bound(later, rate=20, burst=1, period=1.0)
+    assert " ERROR" not in text
+
+
+def test_throttle_pause_holds_the_waiting_tasks_until_resume(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """`throttle pause line`: nothing starts while paused; `throttle resume line`: the
+    waiting tasks start again within a second."""
+    # (At 10/s the node's 4 processes would each sleep out a booked wait of
+    # 0.4 s, under throttle_max_sleep: nothing would wait in line.)
+    with worker_nodes(redis_base, ("w1",), conf=LINE, env={"CT_LINE_RATE": "5/s"}):
+        results = [capp.in_line.delay(i) for i in range(30)]
+        _in_line(redis_base, 20, timeout=20)
+        paused = throttle_cli(["pause", "line"], redis_base)
+        assert paused.returncode == 0, paused.stderr
+        held_from = time.time() + 0.6  # a task dispatched just before may still start
+        time.sleep(2.5)
+        resume_called = time.time()  # (the command takes a second to start)
+        resumed = throttle_cli(["resume", "line"], redis_base)
+        resumed_at = time.time()
+        assert resumed.returncode == 0, resumed.stderr
+        states = wait_results(results, timeout=30)
+        rows = read_records(records, expect=30, timeout=2)
+    assert "resumed" in resumed.stdout
+    assert states == ["SUCCESS"] * 30
+    during = [r for r in rows if held_from < r["t"] < resume_called]
+    after = sorted(r["t"] for r in rows if r["t"] >= resume_called)
+    print(f"\npaused: {len(during)} starts in the {resume_called - held_from:.1f}s paused; "
+          f"the first after resume {after[0] - resumed_at:+.3f}s from the command's end")
+    assert during == []
+    assert after
+    assert after[0] - resumed_at <= 1.0
+
+
+def test_a_fair_limit_serves_a_later_tenant_in_turn(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """Behind tenant a's 60 waiting tasks at 10/s, tenant b's 10 (sent later) all start
+    within about 20 intervals, alternating with a's, and the limit stays fully used."""
+    with worker_nodes(redis_base, ("w1", "w2"), conf=LINE) as nodes:
+        flood = [capp.fair_line.delay("a", i) for i in range(60)]
+        _in_line(redis_base, 50, timeout=20)
+        sent = time.time()
+        later = [capp.fair_line.delay("b", 100 + i) for i in range(10)]
+        states = wait_results([*flood, *later], timeout=40)
+        rows = read_records(records, expect=70, timeout=2)
+        text = logs(nodes)
+    assert states == ["SUCCESS"] * 70
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in [*flood, *later])
+    b_starts = [r["t"] for r in rows if r["tenant"] == "b"]
+    a_during = sum(1 for r in rows if r["tenant"] == "a" and sent <= r["t"] <= max(b_starts))
+    times = [r["t"] for r in rows]
+    used = (len(times) - 1) / (times[-1] - times[0]) / 10
+    print(f"\nfair: tenant b's 10 done {max(b_starts) - sent:.2f}s after they were sent "
+          f"(a's 60: {60 / 10:.0f}s of the limit), {a_during} of a's meanwhile; "
+          f"limit used {used:.2f}")
+    assert max(b_starts) - sent <= 20 * 0.1 + 1.0  # 20 intervals and the trips
+    assert a_during >= 5  # alternating, not b first and a stopped
+    assert used >= 0.85
+    check_window_bound(times, rate=10, burst=1, period=1.0)
     assert " ERROR" not in text

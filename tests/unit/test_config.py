@@ -35,6 +35,13 @@ from celery_throttle.testing import free_port
         ("throttle_park_replicas", -1, "throttle_park_replicas=-1"),
         ("throttle_sentinel_kwargs", "x", "expected a dict"),
         ("throttle_queus", {}, "unknown setting 'throttle_queus'; did you mean 'throttle_queues'"),
+        ("throttle_scheduler", "yes", "throttle_scheduler='yes'"),
+        ("throttle_priority_ageing", 0.5, "throttle_priority_ageing=0.5"),
+        ("throttle_fair_weights", ["a"], "throttle_fair_weights: expected a dict"),
+        ("throttle_fair_weights", {"openai": {"acme": 0}},
+         r"throttle_fair_weights\['openai'\]: weight 0: expected an integer >= 1"),
+        ("throttle_fair_weights", {"openai": {1.5: 2}},
+         r"throttle_fair_weights\['openai'\]: invalid key value of type float"),
     ],
 )
 def test_bad_settings_fail_at_install(

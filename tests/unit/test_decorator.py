@@ -40,6 +40,7 @@ def test_key_must_be_an_argument(app: Celery) -> None:
         ({"cost": 0}, "invalid cost 0"),
         ({"cost": 5, "burst": 2}, "cost 5 exceeds burst 2"),
         ({"key": 3}, "invalid key 3"),
+        ({"fair": 3}, "invalid fair 3"),
         ({"name": ""}, "invalid limit name ''"),
         ({"max_wait": -1}, "invalid max_wait -1"),
         ({"concurrency": 0}, "invalid concurrency 0"),
@@ -143,6 +144,37 @@ def test_store_down_policies(app: Celery, caplog: pytest.LogCaptureFixture) -> N
     assert 0.5 <= published[0]["countdown"] <= 1.0
     assert "store unavailable" in caplog.text
     assert "s3cret" not in caplog.text
+
+
+def test_fair_value_from_an_argument_or_a_callable(app: Celery) -> None:
+    """``fair`` names an argument (checked at import) or takes a callable; the value rides
+    on the rate limit without changing its identity (bucket and decisions)."""
+    with pytest.raises(ValueError, match=r"fair 'org' is not an argument"):
+        @throttled("5/s", fair="org")
+        @app.task(shared=False)
+        def bad(tenant: str) -> None: ...
+    with pytest.raises(ValueError, match="fair shares a rate"):
+        @throttled(concurrency=2, fair="tenant")
+        @app.task(shared=False)
+        def seats(tenant: str) -> None: ...
+
+    @throttled("5/s", name="shared", fair="tenant")
+    @app.task(bind=True, shared=False)
+    def job(self: Task[Any, Any], tenant: str, doc: str) -> None: ...
+
+    @throttled("5/s", name="shared", fair=lambda tenant, doc: tenant.upper())
+    @app.task(shared=False)
+    def other(tenant: str, doc: str) -> None: ...
+
+    (limit,) = specs_of(app.tasks[job.name])[0].limits(job.name, ("acme", "x"), {})
+    (upper,) = specs_of(app.tasks[other.name])[0].limits(other.name, (), {"tenant": "acme",
+                                                                          "doc": "x"})
+    assert isinstance(limit, Limit)
+    assert isinstance(upper, Limit)
+    assert (limit.fair, upper.fair) == ("acme", "ACME")
+    assert limit == upper  # one bucket
+    with pytest.raises(ValueError, match="fair argument 'tenant' was not passed"):
+        specs_of(app.tasks[job.name])[0].limits(job.name, (), {"doc": "x"})
 
 
 def test_key_and_cost_from_positional_or_keyword_arguments(app: Celery) -> None:

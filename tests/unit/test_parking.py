@@ -242,3 +242,31 @@ def test_dispatches_run_ahead_by_the_measured_trip(client: redis.Redis, prefix: 
     assert [p.entry for p in dispatched] == ["in-2s"]  # 2 s ahead, within the 3 s trip
     assert wait is not None
     assert 5.9 < wait <= 6.0  # the next goes out 3 s before its time too
+
+
+def test_prometheus_collector_reports_each_limits_line(redis_url: str, prefix: str) -> None:
+    """The scrape-time collector reads each limit's tasks in line and their drain estimate,
+    at the rate in force (a live override included)."""
+    from celery import Celery
+
+    from celery_throttle import Limit, parse_rate
+    from celery_throttle.integration.exporter import FillCollector
+    from celery_throttle.integration.runtime import runtime_for
+
+    app = Celery("line-metrics", set_as_current=False)
+    app.conf.update(throttle_redis_url=redis_url, throttle_prefix=prefix,
+                    throttle_queues={"slow": "1/s"})
+    runtime = runtime_for(app)
+    limit = Limit("queue:slow", parse_rate("1/s"))
+    now = _now_us(runtime.room.client)
+    for i in range(4):
+        runtime.room.queues.enqueue(f"e{i}", b"m", f"t{i}", limits=[limit], blocking=limit,
+                                    place_us=now + i)
+    runtime.live.set("queue:slow", "2/s")
+    runtime.live.refresh = 0.0
+    values = {(m.name, s.labels.get("limit")): s.value for m in FillCollector(app).collect()
+              for s in m.samples if m.name.startswith(("celery_throttle_in_line",
+                                                       "celery_throttle_drain"))}
+    app.close()
+    assert values == {("celery_throttle_in_line", "queue:slow"): 4,
+                      ("celery_throttle_drain_seconds", "queue:slow"): 2.0}

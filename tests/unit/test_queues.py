@@ -8,6 +8,7 @@ import time
 import redis
 
 from celery_throttle import Gate, Limit, parse_rate
+from celery_throttle.core.keys import key_digest
 from celery_throttle.room.parking import WaitingRoom
 from celery_throttle.room.queues import Queues
 
@@ -149,3 +150,76 @@ def test_an_entry_waits_once_whatever_the_broker_delivers_again(client: redis.Re
     assert room.park("e", b"again", "t", delay_us=1) == 0
     assert client.hget(room.messages, "e") == b"first"
     assert client.zrange(limit.queue_in(prefix), 0, -1, withscores=True) == [(b"e", now)]
+
+
+def test_lines_count_every_key_value_and_estimate_the_drain(client: redis.Redis,
+                                                           prefix: str) -> None:
+    """A per-key limit's lines add up under its name, busiest key first (hashed), and
+    drain as fast as the longest one at the given interval."""
+    queues = Queues(client, prefix)
+    now = _now_us(client)
+    for key, count in (("acme", 6), ("initech", 2)):
+        limit = Limit("tenant", parse_rate("2/s"), key=key)
+        for i in range(count):
+            queues.enqueue(f"{key}{i}", b"m", f"{key}-t{i}", limits=[limit], blocking=limit,
+                           place_us=now + i)
+    shared = Limit("shared", parse_rate("10/s"))
+    queues.enqueue("s0", b"m", "s-t0", limits=[shared], blocking=shared, place_us=now)
+    lines = queues.lines({"tenant": 500_000})
+    assert [(line.name, line.waiting) for line in lines] == [("tenant", 8), ("shared", 1)]
+    assert lines[0].top == ((key_digest("acme"), 6), (key_digest("initech"), 2))
+    assert lines[0].drains_in == 3.0  # six at 2/s
+    assert lines[1].top == (("-", 1),)
+    assert lines[1].drains_in is None  # its rate was not given
+
+
+def _fair_order(client: redis.Redis, queues: Queues, batches: list[tuple[str, int]],
+                weights: dict[str, dict[str, int]] | None = None) -> list[str]:
+    """Enqueue each (tenant, count) batch in order on one fair 100/s limit; serve them all."""
+    now = _now_us(client)
+    total = 0
+    for tenant, count in batches:
+        limit = Limit("shared", parse_rate("100/s"), fair=tenant)
+        for i in range(count):
+            queues.enqueue(f"{tenant}{i:03d}", b"m", f"{tenant}-{i}", limits=[limit],
+                           blocking=limit, place_us=now + total, weights=weights)
+            total += 1
+    return [e for e, _, _ in _serve_all(queues, within=5.0, want=total)]
+
+
+def test_a_fair_limit_serves_its_values_in_turn(client: redis.Redis, prefix: str) -> None:
+    """Behind 30 waiting tasks of tenant a, tenant b's 5 (enqueued later) alternate with
+    a's from the front: all 5 within the first 10 dispatches."""
+    order = _fair_order(client, Queues(client, prefix), [("a", 30), ("b", 5)])
+    assert len(order) == 35
+    assert [e for e in order if e.startswith("b")] == [f"b{i:03d}" for i in range(5)]
+    assert max(order.index(f"b{i:03d}") for i in range(5)) < 10
+    assert [e for e in order if e.startswith("a")] == [f"a{i:03d}" for i in range(30)]
+
+
+def test_a_fair_value_weighted_two_is_served_twice_as_often(client: redis.Redis,
+                                                           prefix: str) -> None:
+    """Weight 2 for tenant a: of the first 15 dispatches, 10 are a's and 5 are b's."""
+    weights = {"shared": {key_digest("a"): 2}}  # (as the setting stores them: digests)
+    order = _fair_order(client, Queues(client, prefix), [("a", 20), ("b", 20)], weights)
+    first = order[:15]
+    assert sum(e.startswith("a") for e in first) == 10
+
+
+def test_a_task_moving_to_a_fair_queue_takes_its_values_turn(client: redis.Redis,
+                                                            prefix: str) -> None:
+    """A task blocked by its fair limit moves into that queue at its value's next turn."""
+    gate = Gate(client, prefix=prefix)
+    queues = Queues(client, prefix)
+    own = Limit("own", parse_rate("100/s"))
+    shared = Limit("shared2", parse_rate("2/s"), fair="b")
+    assert gate.acquire_many([shared]).allowed  # busy for 0.5 s
+    now = _now_us(client)
+    for i in range(3):
+        a = Limit("shared2", parse_rate("2/s"), fair="a")
+        queues.enqueue(f"a{i}", b"m", f"a-{i}", limits=[a], blocking=a, place_us=now + i)
+    queues.enqueue("b0", b"m", "b-0", limits=[own, shared], blocking=own, place_us=now + 9)
+    queues.serve_due(50, TIMEOUT_US)  # b0 moves: shared blocks it
+    # b's first turn comes right after a's first:
+    assert client.zrange(shared.queue_in(prefix), 0, -1) == [b"a0", b"b0", b"a1", b"a2"]
+    gate.close()

@@ -138,8 +138,9 @@ def test_no_key_scans_and_no_user_input_as_code() -> None:
                 r"(?<!def )(?:register_script|eval|evalsha|script_load)\(([^)]*)\)", text):
             # The gate's SCRIPT, or package files through the one loader (joined:
             # the rate bucket's functions in front of a script of the package).
-            assert call.strip().split(",")[0].strip() in {
-                "SCRIPT", "source(__package__", "joined(BUCKET"}, (path, call)
+            first = call.strip().split(",")[0].strip()
+            assert first in {"SCRIPT", "source(__package__"} or first.startswith("joined("), (
+                path, call)
     for path in lua:
         body = re.sub(r"--[^\n]*", "", path.read_text())  # comments may name KEYS
         assert not re.search(r"redis\.call\(\s*'(KEYS|SCAN)'", body, re.I), path

@@ -81,12 +81,14 @@ ARGV[8]   op: "a" decide (the reply below); "q" decide in line: while a
           limit has tasks in its queue, a fresh start (no claim) is not
           admitted ahead of them but told to join the queue (status 4);
           "release", "extend", "pause",
-          "settle", "cancel" (a booking given back: the claim fields name
-          it), "inspect" (one function each, near the end of the script)
+          "resume" (a pause ends now), "settle", "cancel" (a booking given
+          back: the claim fields name it), "inspect" (one function each, near
+          the end of the script)
 ARGV[9]   op argument (microseconds): release: how long the holder ran;
-          pause: for how long; otherwise 0.  release, extend, pause and
-          settle reply with a count: leases released, leases lost (extend),
-          limits settled, or for pause the longest pause now in force (us);
+          pause: for how long; otherwise 0.  release, extend, pause, resume
+          and settle reply with a count: leases released, leases lost
+          (extend), limits that were paused (resume), limits settled, or for
+          pause the longest pause now in force (us);
           cancel: the limits whose booking was given back.
           inspect reads its one limit without writing anything and replies
             a rate limit:  { exists, tat_ahead_us, next_free_us, pttl_ms, now, paused_us }
@@ -357,6 +359,28 @@ local function pause()
     longest = math.max(longest, till - now)
   end
   return longest
+end
+
+-- End a pause now (an operator's `celery throttle resume`); returns the
+-- limits that were paused.
+local function resume()
+  local count = 0
+  for i = 1, n do
+    local lim = L[i]
+    if lim.concurrent then
+      if meta_num(lim, 'pause') > now then
+        count = count + 1
+      end
+      redis.call('HDEL', lim.meta, 'pause')
+    else
+      local tat, paused, shift = read_rate(lim.key)
+      if paused > now then
+        count = count + 1
+        write_rate(lim.key, math.max(tat, now), 0, shift)
+      end
+    end
+  end
+  return count
 end
 
 -- The charge was an estimate: move the TAT by the difference (the cost
@@ -642,7 +666,7 @@ end
 -- ---------------------------------------------------------------------------
 -- Dispatch: once, here.
 local OPS = { a = decide, q = decide, release = release, extend = extend, pause = pause,
-              settle = settle, cancel = cancel, inspect = inspect }
+              resume = resume, settle = settle, cancel = cancel, inspect = inspect }
 local run = OPS[op]
 if not run then
   return redis.error_reply('celery_throttle gate.lua: unknown op ' .. tostring(op))

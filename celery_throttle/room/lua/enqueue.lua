@@ -1,6 +1,6 @@
 --[[
 Put a waiting task in line: the queue of the rate limit that blocks it
-(see room/queues.py).  Nothing is booked: the dispatch (serve.lua) charges
+(see room/queues.py).  turns.lua comes first (the loader joins them).  Nothing is booked: the dispatch (serve.lua) charges
 its limits when its turn comes.
 
 KEYS[1]  the messages hash: entry id -> the serialized message (parking.py's)
@@ -12,8 +12,7 @@ KEYS[4]  the ready index: a sorted set, queue key -> when its limit admits its
 KEYS[5]  the wake list (one token: a dispatcher sleeping past the new earliest
          queue wakes)
 KEYS[6]  the task's wait note (for `celery throttle why`)
-KEYS[7]  the specs hash: limit name -> "interval burst" as the latest code
-         declares them (the dispatch charges at the limit as it is now)
+KEYS[7]  the queue's turns (turns.lua), used when ARGV[8] is not ""
 ARGV[1]  entry id
 ARGV[2]  the message (envelope JSON)
 ARGV[3]  place in line: its first wait (us, server clock) + its priority's
@@ -22,7 +21,9 @@ ARGV[4]  the entry's JSON
 ARGV[5]  when the blocking limit admits a start (us, server clock), 0 = now
 ARGV[6]  the wait note (JSON), "" for none
 ARGV[7]  the note's TTL, milliseconds
-ARGV[8], ARGV[9], ...  limit name, "interval burst": pairs for the specs hash
+ARGV[8]  its fair key value's digest for a fair queue (ordered by turn, not
+         by place), or ""
+ARGV[9]  its cost / its value's weight: how far its turn moves the value on
 
 Reply: now (us); 0 when the entry waits already (nothing written): the
 broker delivered the same message again
@@ -34,7 +35,11 @@ if redis.call('HSETNX', KEYS[1], entry, ARGV[2]) == 0 then
   return 0
 end
 redis.call('HSET', KEYS[2], entry, ARGV[4])
-redis.call('ZADD', KEYS[3], ARGV[3], entry)
+local score = ARGV[3]
+if ARGV[8] ~= '' then
+  score = fair_tag(KEYS[7], ARGV[8], tonumber(ARGV[9]))
+end
+redis.call('ZADD', KEYS[3], score, entry)
 local due = tonumber(ARGV[5])
 if due <= 0 then
   due = now
@@ -53,8 +58,5 @@ if not current or due < current then
 end
 if ARGV[6] ~= '' then
   redis.call('SET', KEYS[6], ARGV[6], 'PX', math.max(1, tonumber(ARGV[7])))
-end
-for i = 8, #ARGV - 1, 2 do
-  redis.call('HSET', KEYS[7], ARGV[i], ARGV[i + 1])
 end
 return now

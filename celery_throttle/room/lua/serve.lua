@@ -1,7 +1,7 @@
 --[[
 Serve the limits' queues: dispatch each queue's best waiting task when its
-limits admit it (see room/queues.py).  bucket.lua comes first (the loader
-joins them): the charge here is the gate's own.
+limits admit it (see room/queues.py).  bucket.lua and turns.lua come first
+(the loader joins them): the charge here is the gate's own.
 
 Three operations, ARGV[1]:
 
@@ -21,15 +21,17 @@ Three operations, ARGV[1]:
   KEYS[1] messages hash   KEYS[2] entries hash   KEYS[3] ready index
   KEYS[4] claimed set     KEYS[5] epoch          KEYS[6] trip estimate
   KEYS[7] wake list       KEYS[8] specs hash (limit name -> "interval burst")
-  KEYS[7+2j], KEYS[8+2j]  a bucket and its queue, j = 1..; the first ARGV[5]
-          pairs are the queues to serve, the rest are other limits of their
-          tasks (every limit a served task has must be among the pairs)
+  KEYS[9] live overrides (limit name -> "interval burst rate", core/live.py)
+  KEYS[7+3j], KEYS[8+3j], KEYS[9+3j]  a bucket, its queue and the queue's
+          turns (turns.lua), j = 1..; the first ARGV[5] are the queues to
+          serve, the rest are other limits of their tasks (every limit a
+          served task has must be among them)
   ARGV[2] the most tasks dispatched
   ARGV[3] claim timeout, us (as dispatch.lua: not arrived by then, due again)
   ARGV[4] entries to dispatch without a charge (revoked: the worker drops them)
   ARGV[5] the number of queues to serve
-  A task's turn: its limits (at their rate in the specs hash, else as it was
-  enqueued) admit it within `ahead`: every one is charged for that moment
+  A task's turn: its limits (at their live rate, else the declared one, else
+  the one it was enqueued with) admit it within `ahead`: every one is charged for that moment
   and the task is dispatched.  The limit that blocks it is another one: it
   moves to that limit's queue with its place in line.  Its expiry or its
   max_wait passed: dispatched without a charge (flag "x" or "t"), so the
@@ -93,7 +95,7 @@ if op ~= 'serve' then
 end
 
 local messages, entries, ready, claimed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local specs = KEYS[8]
+local specs, live = KEYS[8], KEYS[9]
 local batch = tonumber(ARGV[2])
 local deadline = now + tonumber(ARGV[3])
 local uncharged = {}
@@ -101,10 +103,10 @@ for e in string.gmatch(ARGV[4], '%S+') do
   uncharged[e] = true
 end
 local nq = tonumber(ARGV[5])
-local queue_of, buckets = {}, {}
-for j = 1, (#KEYS - 8) / 2 do
-  queue_of[KEYS[7 + 2 * j]] = KEYS[8 + 2 * j]
-  buckets[j] = KEYS[7 + 2 * j]
+local queue_of, turns_of, buckets = {}, {}, {}
+for j = 1, (#KEYS - 9) / 3 do
+  local b, q = KEYS[7 + 3 * j], KEYS[8 + 3 * j]
+  queue_of[b], turns_of[q], buckets[j] = q, KEYS[9 + 3 * j], b
 end
 local ahead = ahead_of(KEYS[6])
 local epoch = redis.call('GET', KEYS[5])
@@ -126,7 +128,11 @@ local function due_at(q, at, exact)
   end
 end
 
-local function dispatch(q, entry, flag, at)
+local function dispatch(q, entry, flag, at, place, fair)
+  if fair then
+    -- The fair queue's time moves to this task's turn.
+    redis.call('HSET', turns_of[q], '~', place)
+  end
   redis.call('ZREM', q, entry)
   redis.call('HDEL', entries, entry)
   local message = redis.call('HGET', messages, entry)
@@ -150,13 +156,14 @@ local function limits_of(task)
       return nil
     end
     local interval, burst = l[3], l[4]
-    local spec = redis.call('HGET', specs, l[2])
+    local spec = redis.call('HGET', live, l[2]) or redis.call('HGET', specs, l[2])
     if spec then
-      local ti, bu = string.match(spec, '^(%d+) (%d+)$')
+      local ti, bu = string.match(spec, '^(%d+) (%d+)')
       interval, burst = tonumber(ti) or interval, tonumber(bu) or burst
     end
     -- A burst lowered below the cost could never admit it: the cost is capped.
-    lims[i] = { key = l[1], interval = interval, burst = burst, cost = math.min(l[5], burst) }
+    lims[i] = { key = l[1], interval = interval, burst = burst, cost = math.min(l[5], burst),
+                fair = l[6] or '', units = l[7] or 1 }
   end
   return lims
 end
@@ -168,6 +175,7 @@ local function serve(q)
     local head = redis.call('ZRANGE', q, 0, 0, 'WITHSCORES')
     if not head[1] then
       redis.call('ZREM', ready, q)
+      redis.call('DEL', turns_of[q]) -- a fair queue's turns start again
       return
     end
     local entry, place = head[1], head[2]
@@ -177,17 +185,20 @@ local function serve(q)
       redis.call('ZREM', q, entry) -- its message is gone (purged): nothing to dispatch
       redis.call('HDEL', entries, entry)
     elseif uncharged[entry] or (task.e > 0 and now >= task.e) then
-      dispatch(q, entry, 'x', 0)
+      dispatch(q, entry, 'x', 0, place, false)
     elseif task.w > 0 and now >= task.w then
-      dispatch(q, entry, 't', 0)
+      dispatch(q, entry, 't', 0, place, false)
     else
       local lims = limits_of(task)
       if not lims then
         due_at(q, now, true)
         return
       end
-      local wait, blocking, state = 0, 1, {}
+      local wait, blocking, state, own = 0, 1, {}, nil
       for i, lim in ipairs(lims) do
+        if queue_of[lim.key] == q then
+          own = lim
+        end
         local tat, paused, shift = read_rate(lim.key)
         state[i] = { math.max(tat, now), paused, shift }
         local w = rate_wait(lim, state[i][1], paused)
@@ -200,7 +211,7 @@ local function serve(q)
         for i, lim in ipairs(lims) do
           write_rate(lim.key, charged(lim, state[i][1], at), state[i][2], state[i][3])
         end
-        dispatch(q, entry, 'c', at)
+        dispatch(q, entry, 'c', at, place, own ~= nil and own.fair ~= '')
       else
         local other = queue_of[lims[blocking].key]
         if other == q then
@@ -208,9 +219,14 @@ local function serve(q)
           return
         end
         -- Another of its limits blocks it: it waits in that one's line,
-        -- keeping its place.
+        -- keeping its place (a fair line gives it its value's next turn).
+        local to = lims[blocking]
+        local score = task.p
+        if to.fair ~= '' then
+          score = fair_tag(turns_of[other], to.fair, to.units)
+        end
         redis.call('ZREM', q, entry)
-        redis.call('ZADD', other, place, entry)
+        redis.call('ZADD', other, string.format('%.17g', score), entry)
         due_at(other, now + wait, false)
       end
     end

@@ -1,0 +1,105 @@
+"""Live limits: a rate and burst set at run time over the code's (``celery throttle set``).
+
+One hash per prefix, ``{<prefix>}:live``: limit name -> ``"<interval us> <burst>
+<rate>"`` (the interval for the dispatch's Lua, ``room/lua/serve.lua``; the rate
+as written, parsed here exactly).  An override names a limit, so it applies
+to every key value of a per-key limit.
+
+Celery's workers read it at most once per :data:`REFRESH` seconds per process
+and decide with the overridden limits (:meth:`LiveLimits.apply`); the
+dispatchers read it in the same script call that charges a waiting task.  So
+a change reaches every decision within a second, waiting tasks included,
+without a round trip on the hot path.  Web code on a :class:`Gate` may apply
+it the same way: ``gate.acquire_many(live.apply(limits))``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+
+import redis
+from redis.cluster import RedisCluster
+
+from ..values import positive_int
+from .keys import live_key, validate_name
+from .limits import AnyLimit, Limit
+from .rates import Rate, parse_rate
+
+__all__ = ["REFRESH", "LiveLimits"]
+
+#: How old (seconds) a process's copy of the overrides may be.
+REFRESH = 1.0
+
+
+class LiveLimits:
+    """The overrides of one key prefix, on one Redis client, with a cached copy."""
+
+    def __init__(self, client: redis.Redis | RedisCluster, prefix: str, *,
+                 refresh: float = REFRESH) -> None:
+        self.client = client
+        self.key = live_key(prefix)
+        self.refresh = refresh
+        self._copy: dict[str, tuple[Rate, int]] = {}
+        self._read_at = float("-inf")  # monotonic
+        self._lock = threading.Lock()  # threads pools share the copy
+
+    def set(self, name: str, rate: str | Rate, burst: int = 1) -> Rate:
+        """Override limit ``name``: ``rate`` with ``burst`` everywhere, until :meth:`unset`."""
+        validate_name(name)
+        parsed = parse_rate(rate)
+        positive_int("burst", burst)
+        self.client.hset(self.key, name, f"{parsed.interval_us} {burst} {parsed}")
+        return parsed
+
+    def unset(self, name: str) -> bool:
+        """Back to the code's rate for ``name``; False if it had no override."""
+        return bool(self.client.hdel(self.key, name))
+
+    def read(self) -> dict[str, tuple[Rate, int]]:
+        """Every override now: name -> (rate, burst); one unreadable is left out."""
+        found: dict[str, tuple[Rate, int]] = {}
+        raw = self.client.hgetall(self.key)
+        for name, value in raw.items():
+            parts = (value.decode() if isinstance(value, bytes) else str(value)).split(" ", 2)
+            try:
+                found[name.decode() if isinstance(name, bytes) else str(name)] = (
+                    parse_rate(parts[2]), positive_int("burst", int(parts[1])))
+            except (IndexError, ValueError):
+                continue
+        return found
+
+    def apply(self, limits: Sequence[AnyLimit]) -> list[AnyLimit]:
+        """``limits`` with the overrides in force (a copy at most :attr:`refresh` s old).
+
+        A cost above an overridden burst could never pass: it is capped at the
+        burst.  With the store down the last copy read is used.
+        """
+        overrides = self._current()
+        if not overrides:
+            return list(limits)
+        out: list[AnyLimit] = []
+        for lim in limits:
+            found = overrides.get(lim.name) if isinstance(lim, Limit) else None
+            if found is None or not isinstance(lim, Limit):
+                out.append(lim)
+                continue
+            rate, burst = found
+            out.append(dataclasses.replace(lim, rate=rate, burst=burst,
+                                           cost=min(lim.cost, burst)))
+        return out
+
+    def _current(self) -> dict[str, tuple[Rate, int]]:
+        now = time.monotonic()
+        if now - self._read_at < self.refresh:
+            return self._copy
+        with self._lock:
+            if now - self._read_at >= self.refresh:
+                # Store down: the decision itself reports it; the last copy stays.
+                with contextlib.suppress(redis.RedisError):
+                    self._copy = self.read()
+                self._read_at = now
+        return self._copy

@@ -570,9 +570,9 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     # "defer": never run unthrottled, never lost; back off 1, 2, 4 ... 30 s
     # with jitter so that a fleet of waiting tasks does not return in step.
     backoff = min(30.0, 2.0 ** min(state.deferrals, 5)) * random.uniform(0.5, 1.0)
-    new = replace(state, deferrals=state.deferrals + 1, copy=new_copy(), prev=state.copy_id)
+    new = state.unmoved_successor(new_copy())
     # The copy pointer is not moved (the store is down): the new copy names
-    # this one as its predecessor, which the pointer accepts.
+    # the last copy the pointer knows as its predecessor, which it accepts.
     # (No THROTTLED state here: a result backend on the store's server is down
     # too, and Celery's Redis backend retries a write for about 20 s.)
     _republish(task, new, backoff)

@@ -8,7 +8,7 @@ booked slot, its deferral count, which copy it is) travels in the header
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core.gate import AnyLimit, Reservation
@@ -38,6 +38,9 @@ class WaitState:
     # Dispatched from a limit's queue (queues.py): "c" its limits were charged
     # for it, "t" its max_wait passed, "x" uncharged (revoked or expired).
     charged: str = ""
+    # Re-published while the store was down: the copy pointer (copies.py) was
+    # not moved to this copy, and ``prev`` names the last copy it knows.
+    unmoved: bool = False
 
     @classmethod
     def from_request(cls, request: Any) -> WaitState:
@@ -63,7 +66,19 @@ class WaitState:
                    shift=num("shift"), deferrals=num("deferrals"),
                    since=num("since") or None, copy=text("copy"),
                    prev=text("prev"), spacing=tuple(spacing), entry=text("entry", 64),
-                   token=text("token", 40), room=num("room"), charged=text("charged", 1))
+                   token=text("token", 40), room=num("room"), charged=text("charged", 1),
+                   unmoved=num("unmoved") == 1)
+
+    def unmoved_successor(self, copy: str) -> WaitState:
+        """The copy ``copy`` that re-publishes this one while the store is down.
+
+        The pointer cannot be moved to it, so it names as predecessor the last
+        copy the pointer knows, however many such hops came before: a second
+        hop naming the first (which the pointer never knew) would be refused
+        once the store is back, and the task lost.
+        """
+        return replace(self, deferrals=self.deferrals + 1, copy=copy,
+                       prev=self.prev if self.unmoved else self.copy_id, unmoved=True)
 
     @property
     def copy_id(self) -> str:
@@ -102,6 +117,8 @@ class WaitState:
             "shift": self.shift, "deferrals": self.deferrals, "since": self.since,
             "copy": self.copy,
             "prev": self.prev, "spacing": list(self.spacing)}
+        if self.unmoved:
+            header.update(unmoved=1)
         if self.entry:
             header.update(entry=self.entry, token=self.token, room=self.room)
             if self.charged:

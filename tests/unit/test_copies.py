@@ -63,3 +63,24 @@ def test_stale_lineage_is_refused(go) -> None:  # type: ignore[no-untyped-def]
     assert not go("W", "-", "ran:W")  # another successor of the original
     assert not go("Y", "-", "ran:Y")  # Y again, after it handed over
     assert go("Z", "Y", "ran:Z")
+
+
+@pytest.mark.parametrize("first", ["-", "c1"])
+def test_hops_while_the_store_is_down_keep_the_pointers_copy(
+        client: redis.Redis, prefix: str, first: str) -> None:
+    """Three store-down re-publishes in a row (the pointer never moved): the last copy
+    still goes on once the store is back, and the older ones are refused after it."""
+    from celery_throttle.integration.copies import CopyPointer
+    from celery_throttle.room.header import WaitState
+
+    pointer = CopyPointer(client, prefix, 60)
+    known = WaitState() if first == "-" else WaitState(copy="c1", prev="-")
+    if first != "-":
+        assert pointer.move("t", 0, WaitState(), "c1")  # the user's message handed over
+    hops = [known]
+    for copy in ("h1", "h2", "h3"):
+        hops.append(hops[-1].unmoved_successor(copy))
+    assert [h.prev for h in hops[1:]] == [known.copy_id] * 3
+    assert pointer.move("t", 0, hops[-1], "ran:")
+    assert not pointer.move("t", 0, hops[1], "ran:")  # an older hop, redelivered
+    assert hops[-1].to_header()["unmoved"] == 1

@@ -18,7 +18,7 @@ task at the same limit, RATE per second, burst 1:
 
 Configured from the environment: BENCH_REDIS (server URL; broker db 5,
 store db 6, results db 7, records db 8), BENCH_RATE, BENCH_MAX_SLEEP,
-BENCH_WAITING_ROOM and BENCH_GC_FREEZE ("0" or "1");
+BENCH_WAITING_ROOM, BENCH_SCHEDULER and BENCH_GC_FREEZE ("0" or "1");
 section 4 (calls in flight): BENCH_PROVIDER, BENCH_CALL_SECONDS, BENCH_LEASE.
 """
 
@@ -51,18 +51,20 @@ if os.environ.get("BENCH_GC_FREEZE"):  # "0": off (benchmarks/pool_memory.py's c
     app.conf.throttle_gc_freeze = os.environ["BENCH_GC_FREEZE"] == "1"
 if os.environ.get("BENCH_WAITING_ROOM"):  # "0": the countdown path; default: the room
     app.conf.throttle_waiting_room = os.environ["BENCH_WAITING_ROOM"] == "1"
+if os.environ.get("BENCH_SCHEDULER"):  # "1": waiting tasks wait in line (the scheduler)
+    app.conf.throttle_scheduler = os.environ["BENCH_SCHEDULER"] == "1"
 celery_throttle.install(app)
 
 _store = redis.Redis.from_url(f"{REDIS}/6")
 _records = redis.Redis.from_url(f"{REDIS}/8")
 
 
-def record(task: Task[Any, Any], contender: str) -> None:
+def record(task: Task[Any, Any], contender: str, **extra: Any) -> None:
     """Append this start (the provider call) to the contender's list."""
     header = (task.request.headers or {}).get(celery_throttle.HEADER) or {}
     _records.rpush(f"starts:{contender}", json.dumps({
         "t": time.time(), "id": task.request.id,
-        "retries": task.request.retries, "deferrals": header.get("deferrals", 0)}))
+        "retries": task.request.retries, "deferrals": header.get("deferrals", 0), **extra}))
 
 
 def _retry(task: Task[Any, Any], countdown: float) -> None:
@@ -75,7 +77,7 @@ def _retry(task: Task[Any, Any], countdown: float) -> None:
 @app.task(bind=True)
 def ours(self: Task[Any, Any], i: int) -> int:
     """@throttled: the over-limit task waits for its booked slot."""
-    record(self, "ours")
+    record(self, "ours", i=i)
     return i
 
 

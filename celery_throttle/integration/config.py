@@ -17,7 +17,7 @@ import redis
 from celery import Celery
 from redis.cluster import RedisCluster
 
-from ..core.connect import check_url, connect
+from ..core.connect import check_url, connect, kind_of
 from ..core.gate import Limit
 from ..core.keys import key_digest, validate_prefix
 from ..core.rates import parse_rate
@@ -61,7 +61,10 @@ SETTINGS: dict[str, tuple[object, str]] = {
                              "between 0.02 and 0.25"),
     "throttle_waiting_room": (True, "park tasks that wait longer than throttle_max_sleep in "
                               "Redis (dispatched to their queue just before their slot) "
-                              "instead of re-publishing them with a countdown"),
+                              "instead of re-publishing them with a countdown, where they are "
+                              "kept as well as in the broker (the store is the broker's "
+                              "server, appends to disk, or parks wait for replicas); "
+                              "\"always\": on any store; False: never"),
     "throttle_scheduler": (False, "tasks that must wait longer than throttle_max_sleep wait in "
                            "line, in the queue of the limit that blocks them, and are "
                            "dispatched when it admits them, best priority first (see the "
@@ -111,6 +114,8 @@ class Config:
     claim_grace: float | None
     metrics_port: int | None
     waiting_room: bool
+    # throttle_waiting_room = "always": park whatever the store keeps (room/durability.py)
+    park_anywhere: bool
     scheduler: bool
     priority_ageing: float
     # limit name -> fair key value digest -> weight (values are never kept in clear)
@@ -121,7 +126,11 @@ class Config:
     # Not a throttle_* setting: the broker's, read for max_countdown and for
     # how long a duplicate copy of an acks_late message can still turn up.
     visibility_timeout: float
-    # Not a setting either: how the broker orders priorities (AMQP brokers
+    # Not settings either: is the store the broker (its URL), and the broker's URL when
+    # it is a Redis server (compared by server id, room/durability.py).
+    store_is_broker: bool = False
+    broker_redis_url: str | None = field(default=None, repr=False)  # may carry a password
+    # How the broker orders priorities (AMQP brokers
     # deliver a higher number first, kombu's Redis and others a lower one).
     high_priority_first: bool = False
 
@@ -239,7 +248,9 @@ def read_config(app: Celery) -> Config:
     max_countdown = _seconds("throttle_max_countdown", get("throttle_max_countdown"),
                              allow_none=True)
     visibility = _visibility_timeout(app)
-    waiting_room = _flag("throttle_waiting_room", get("throttle_waiting_room"))
+    room = get("throttle_waiting_room")
+    waiting_room = room == "always" or _flag("throttle_waiting_room", room, "or \"always\"")
+    broker = conf.broker_url if isinstance(conf.broker_url, str) else None
     return Config(
         redis_url=url,
         sentinel_master=master,
@@ -258,6 +269,9 @@ def read_config(app: Celery) -> Config:
         visibility_timeout=visibility,
         metrics_port=_port(get("throttle_metrics_port")),
         waiting_room=waiting_room,
+        park_anywhere=room == "always",
+        store_is_broker=url == broker,
+        broker_redis_url=broker if _is_server(broker) else None,
         scheduler=_flag("throttle_scheduler", get("throttle_scheduler")),
         priority_ageing=_at_least_one("throttle_priority_ageing",
                                       get("throttle_priority_ageing")),
@@ -318,10 +332,19 @@ def _amqp(broker_url: object) -> bool:
     return first.split("://")[0].lower() in ("amqp", "amqps", "pyamqp", "librabbitmq")
 
 
-def _flag(name: str, value: object) -> bool:
+def _flag(name: str, value: object, other: str = "") -> bool:
     if not isinstance(value, bool):
-        raise ThrottleConfigError(f"setting {name}={value!r}: expected True or False")
+        raise ThrottleConfigError(f"setting {name}={value!r}: expected True or False"
+                                  + (f" {other}" if other else ""))
     return value
+
+
+def _is_server(url: str | None) -> bool:
+    """Is ``url`` one Redis server's (a broker the store may share a server with)?"""
+    try:
+        return url is not None and kind_of(url) == "server"
+    except ValueError:
+        return False
 
 
 def _port(value: object) -> int | None:

@@ -333,8 +333,10 @@ def _booked_in_all(limits: list[AnyLimit], booked: int) -> bool:
 
 
 def _room_open(task: Task[Any, Any], runtime: Runtime) -> bool:
-    """The waiting room is on, and this app's workers run dispatchers (it was installed)."""
-    return runtime.config.waiting_room and getattr(task.app, INSTALLED, False)
+    """The waiting room is on, this app's workers run dispatchers (it was installed), and
+    the store keeps a waiting task as well as the broker would (``room/durability.py``)."""
+    return (runtime.config.waiting_room and getattr(task.app, INSTALLED, False)
+            and runtime.durability.safe())
 
 
 def _in_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit]) -> bool:
@@ -583,6 +585,8 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
 
 def _log_outage(runtime: Runtime, exc: redis.RedisError, what: str) -> None:
     """Report the store being down once per 30 s per process and app, not per task."""
+    # It may come back with another configuration: ask again before parking there.
+    runtime.durability.invalidate()
     if runtime.outage.due():
         # The exception's text names host and port, never the password.
         logger.warning("throttle: store unavailable (%s: %s); %s", type(exc).__name__, exc,

@@ -12,8 +12,9 @@ Receivers (all idempotent, all for this app only):
   (``throttle_gc_freeze``, ``memory.py``) and load the script in
   the child.
 * ``worker_ready``: load the script, log one line listing the limits in force,
-  warn if the store may evict bucket keys or, with the waiting room, keeps
-  no copy on disk (:func:`store_warnings`), and start the node's dispatcher
+  warn if the store may evict bucket keys (:func:`store_warnings`), say
+  whether waiting tasks may wait in the store (``room/durability.py``:
+  a warning naming the reason when they may not), and start the node's dispatcher
   (``throttle_waiting_room``: one per node, in its main process).
 * ``worker_process_shutdown`` / ``worker_shutdown``: close the connection
   (and stop the dispatcher).
@@ -32,6 +33,7 @@ from .. import metrics
 from ..core.gate import Limit
 from ..core.logs import logger
 from ..room.dispatcher import Dispatcher, add_lanes
+from ..room.durability import Verdict
 from .config import read_config
 from .declared import known_limits, limits_in_force
 from .defer import run_ended
@@ -97,12 +99,13 @@ def install(app: Celery) -> Celery:
                 logger.info("celery_throttle: metrics on port %d", port)
             config = runtime_for(app).config
             try:
-                for warning in store_warnings(runtime_for(app).gate.client,
-                                              waiting_room=config.waiting_room):
+                for warning in store_warnings(runtime_for(app).gate.client):
                     logger.warning("celery_throttle: %s", warning)
             except redis.RedisError as exc:
                 logger.warning("celery_throttle: store not reachable at start: %s",
                                type(exc).__name__)
+            if config.waiting_room:
+                _report_durability(runtime_for(app).durability.verdict())
             if config.scheduler:
                 try:
                     # The tasks already waiting in line follow the rates of this code.
@@ -160,22 +163,18 @@ def install(app: Celery) -> Celery:
     return app
 
 
-def store_warnings(client: redis.Redis | RedisCluster, *,
-                   waiting_room: bool = False) -> list[str]:
+def store_warnings(client: redis.Redis | RedisCluster) -> list[str]:
     """What about the store's configuration could break the limits (empty if nothing).
 
     An evicted bucket forgets its recent starts and lets one extra burst
     through; every bucket key has a TTL, so ``volatile-*`` policies evict
-    them as readily as ``allkeys-*``.  With the waiting room, waiting tasks
-    live in the store: one that keeps nothing on disk (no AOF, no RDB
-    snapshots) loses them in a restart.  Managed Redis services often
-    refuse CONFIG GET: then nothing can be said, and nothing is.
+    them as readily as ``allkeys-*``.  Managed Redis services often refuse
+    CONFIG GET: then nothing can be said, and nothing is.  (Whether waiting
+    tasks may live in the store is the waiting room's own check,
+    ``room/durability.py``.)
     """
     try:
         config = client.config_get("maxmemory*")
-        persistence = client.config_get("appendonly") if waiting_room else {}
-        if waiting_room:
-            persistence.update(client.config_get("save"))
     except redis.ResponseError:
         return []
     found = []
@@ -183,11 +182,19 @@ def store_warnings(client: redis.Redis | RedisCluster, *,
     if int(config.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
         found.append(f"the store may evict bucket keys (maxmemory-policy {policy}): an evicted "
                      "bucket lets one extra burst through; use noeviction or a Redis of its own")
-    if waiting_room and persistence.get("appendonly") != "yes" and not persistence.get("save"):
-        found.append("the store keeps no copy on disk (appendonly no, no save points): tasks "
-                     "parked in the waiting room are lost if it restarts; turn on "
-                     "appendonly yes")
     return found
+
+
+def _report_durability(verdict: Verdict) -> None:
+    """Say once, at the node's start, whether waiting tasks wait in the store, and why."""
+    if verdict.safe:
+        logger.info("celery_throttle: waiting tasks wait in the store: %s", verdict.reason)
+    else:
+        logger.warning("celery_throttle: waiting tasks do not wait in the store: %s; tasks "
+                       "that wait longer than throttle_max_sleep are re-published with a "
+                       "countdown (they stay in the broker).  Turn on appendonly yes there, "
+                       "or set throttle_waiting_room = \"always\" to park anyway",
+                       verdict.reason)
 
 
 def _revoked(task_id: str) -> bool:

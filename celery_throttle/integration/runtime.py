@@ -12,17 +12,21 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
+import redis
 from celery import Celery
 
+from ..core.connect import connect
 from ..core.gate import Gate
 from ..core.live import LiveLimits
 from ..core.logs import Every
+from ..room.durability import Durability, server_ids
 from ..room.parking import WaitingRoom
 from .config import Config, read_config
 from .copies import CopyPointer
 
-__all__ = ["INSTALLED", "Runtime", "forget", "runtime_for"]
+__all__ = ["INSTALLED", "Runtime", "durability_of", "forget", "runtime_for"]
 
 #: Set on an app by ``install(app)``: its workers run a dispatcher, so the
 #: waiting room may be used (without one, parked tasks would never leave it).
@@ -38,6 +42,7 @@ class Runtime:
     room: WaitingRoom
     copies: CopyPointer
     live: LiveLimits
+    durability: Durability  # may tasks wait in the store?
     pid: int
     outage: Every = field(default_factory=Every)  # reports a store outage once per 30 s
 
@@ -63,9 +68,32 @@ def runtime_for(app: Celery) -> Runtime:
                          WaitingRoom(client, config.prefix, replicas=config.park_replicas),
                          CopyPointer(client, config.prefix, config.visibility_timeout
                                      + config.horizon + 60),
-                         LiveLimits(client, config.prefix), os.getpid())
+                         LiveLimits(client, config.prefix), durability_of(config, client),
+                         os.getpid())
             _cache[app] = rt
         return rt
+
+
+def durability_of(config: Config, client: Any) -> Durability:
+    """Whether tasks may wait in ``client``'s store (``room/durability.py``), for ``config``."""
+    return Durability(client, anywhere=config.park_anywhere, replicas=config.park_replicas,
+                      same_url=config.store_is_broker,
+                      broker_id=lambda: _broker_id(config.broker_redis_url))
+
+
+def _broker_id(url: str | None) -> str | None:
+    """The broker's Redis server id (``run_id``); None if it is not one or cannot be read."""
+    if url is None:
+        return None
+    try:
+        client = connect(url, socket_timeout=2, socket_connect_timeout=2)
+        try:
+            ids = server_ids(client)
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError):
+        return None  # not provably the same server: judged on the store's own persistence
+    return ids.pop() if len(ids) == 1 else None
 
 
 def forget(app: Celery) -> None:

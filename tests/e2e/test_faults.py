@@ -64,6 +64,33 @@ def test_store_killed_mid_run_defers_then_completes_exactly_once(
     check_window_bound(after, rate=20, burst=2, period=1.0)
 
 
+def test_store_without_persistence_killed_with_long_waits_loses_none(
+    capp: ModuleType, records: redis.Redis, redis_base: str, store: RedisServer
+) -> None:
+    """A cache-like store (no AOF) beside the broker, killed for 4 s with 10 s of waits: by
+    default the waits stayed in the broker (countdowns), so all 100 run once; the reason is
+    logged at the start."""
+    with worker_nodes(redis_base, ("w1", "w2"),
+                      conf={"throttle_redis_url": f"{store.url}/0"}) as nodes:
+        results = [capp.sibling.delay(i) for i in range(100)]  # 10 s of work at 10/s
+        time.sleep(2.5)
+        parked = redis.Redis.from_url(f"{store.url}/0").exists("{throttle}:room:parked")
+        store.kill()
+        time.sleep(4.0)
+        restarted = time.time()
+        store.start()
+        states = wait_results(results, timeout=90)
+        rows = read_records(records, expect=100, timeout=10)
+        text = logs(nodes)
+    assert parked == 0
+    assert states == ["SUCCESS"] * 100
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
+    assert "waiting tasks do not wait in the store: the store keeps waiting tasks in memory " \
+           "only (appendonly no)" in text
+    check_window_bound([r["t"] for r in rows if r["t"] >= restarted], rate=10, burst=2,
+                       period=1.0)
+
+
 def test_script_flush_mid_run_fails_nothing(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:

@@ -14,9 +14,29 @@ import redis
 from celery_throttle import AsyncGate, Concurrency, Gate, Limit, parse_rate
 from celery_throttle.core.connect import connect
 from celery_throttle.core.keys import bucket_key
+from celery_throttle.room.durability import judge
 from celery_throttle.room.parking import WaitingRoom
 
 from ..servers import MASTER, Cluster, SentinelGroup, key_slot
+
+
+def test_a_cluster_store_persists_only_if_every_primary_does(redis_cluster: Cluster) -> None:
+    """Waiting tasks may wait in a cluster only if each primary appends to disk (a slot,
+    and the room with it, can move to any of them)."""
+    client = connect(redis_cluster.url)
+    nodes = [redis_cluster.client(i) for i in range(3)]
+    try:
+        verdicts = []
+        for node in nodes:
+            verdicts.append(judge(client, replicas=0, same_url=False, broker_id=lambda: None))
+            node.config_set("appendonly", "yes")
+        verdicts.append(judge(client, replicas=0, same_url=False, broker_id=lambda: None))
+    finally:
+        for node in nodes:
+            node.config_set("appendonly", "no")
+            node.close()
+        client.close()
+    assert [v.safe for v in verdicts] == [False, False, False, True]
 
 
 def test_cluster_gate_room_and_leases_keep_one_slot(redis_cluster: Cluster, prefix: str) -> None:

@@ -387,7 +387,6 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             deadline_us=since + to_us(max_wait) if max_wait is not None else 0,
             note=wait_note(task, blocking.name, decision, new, parked_until=due,
                            line=(blocking.queue_in(config.prefix).decode(), entry)),
-            note_ttl_ms=int(decision.retry_after * 1000) + NOTE_AFTER_MS,
             weights=config.fair_weights)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
@@ -484,7 +483,7 @@ def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: in
         waiters = (waiters_key(runtime.config.prefix, seat_of.name, seat_of.key)
                    if seat_of is not None else "")
         at = runtime.room.park(entry, envelope.dumps(), str(request.id), at_us=at_us,
-                               delay_us=delay_us, note=note, note_ttl_ms=NOTE_AFTER_MS,
+                               delay_us=delay_us, note=note,
                                waiters=waiters, was=was)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
@@ -508,7 +507,8 @@ def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> 
     # as late as its visibility timeout; the marker must outlive that.
     ttl_ms = int(runtime.config.visibility_timeout * 1000) + 60_000 if acks_late else 0
     try:
-        now = runtime.room.arrive(state.entry, state.token, state.room, marker_ttl_ms=ttl_ms)
+        now = runtime.room.arrive(state.entry, state.token, state.room, marker_ttl_ms=ttl_ms,
+                                  task_id=str(task.request.id), note_ttl_ms=NOTE_AFTER_MS)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _store_failed(task, runtime, state, exc)

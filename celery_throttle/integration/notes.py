@@ -42,12 +42,17 @@ def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitS
     in line as (``room/queues.py``), to tell its place.
     """
     due = decision.now + to_us(decision.retry_after)
-    note = {"task": task.name, "limit": limit, "due": due, "booked": bool(state.booked),
-            "deferrals": state.deferrals, "since": state.since,
-            "parked_until": parked_until}
+    # Compact, defaults left out (read_wait puts them back): a note is kept
+    # for every waiting task, and its bytes are most of a waiting task's.
+    note: dict[str, Any] = {"task": task.name, "limit": limit, "due": due,
+                            "deferrals": state.deferrals, "since": state.since}
+    if state.booked:
+        note["booked"] = True
+    if parked_until:
+        note["parked_until"] = parked_until
     if line is not None:
         note.update(queue=line[0], entry=line[1])
-    return json.dumps(note)
+    return json.dumps(note, separators=(",", ":"))
 
 
 def write_note(task: Task[Any, Any], runtime: Runtime, note: str, wait: float) -> None:
@@ -63,10 +68,10 @@ def write_note(task: Task[Any, Any], runtime: Runtime, note: str, wait: float) -
 
 def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
     """What the last deferral of ``task_id`` recorded, with times relative to now (or None)."""
-    now, raw = runtime.room.read_note(_wait_key(runtime, task_id))
+    now, raw = runtime.room.read_note(task_id)
     if not raw:
         return None
-    note = json.loads(raw)
+    note = {"booked": False, "parked_until": 0, **json.loads(raw)}
     note["due_in_s"] = round(from_us(note["due"] - now), 3)
     parked = note.get("parked_until") or 0
     note["dispatched_in_s"] = round(from_us(parked - now), 3) if parked else None

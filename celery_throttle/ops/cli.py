@@ -41,6 +41,7 @@ from ..integration.config import read_config
 from ..integration.declared import KnownLimit, known_limits
 from ..integration.notes import forget_dropped, read_wait
 from ..integration.runtime import runtime_for
+from ..room.envelope import Envelope
 from ..values import LONGEST_WAIT, from_us
 
 __all__ = ["throttle"]
@@ -301,7 +302,10 @@ def parked(ctx: click.Context, limit_name: str | None, count: int, as_json: bool
     rows = []
     # With --limit, look further than -n: other limits' tasks are skipped.
     for item in room.next_parked(count if limit_name is None else max(count, 1000)):
-        headers = json.loads(item.message or b"{}").get("h", {})
+        try:
+            headers = Envelope.loads(item.message).headers
+        except (ValueError, KeyError):
+            headers = {}
         note = json.loads(item.note) if item.note else {}
         limit = note.get("limit", "?")
         if limit_name is not None and limit != limit_name:

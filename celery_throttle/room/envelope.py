@@ -6,6 +6,13 @@ stand-in producer that records the publish instead of sending it.  The
 dispatcher later publishes the recorded body, headers and routing unchanged
 with a real producer: the task's arguments are never deserialized outside
 the worker that runs it, whatever the serializer (json, pickle, msgpack).
+
+Stored, an envelope is compressed (:meth:`Envelope.dumps`): a waiting task's
+message is mostly Celery's own protocol-2 headers, the same names and
+defaults in every message, so deflate is primed with them (a preset
+dictionary).  Measured on a small task's message
+(``tests/unit/test_envelope.py``): 906 bytes as JSON, 518 deflated alone,
+181-184 with the dictionary.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +29,28 @@ from kombu.compression import compress
 from kombu.serialization import dumps
 
 __all__ = ["Envelope", "capture"]
+
+# The first byte of a stored envelope: its format.  A format, once stored,
+# is read for as long as a task may wait in it (a dictionary is never
+# changed in place: a new one gets a new tag).
+_JSON = b"{"  # the first format: the JSON of the fields, the body base64-encoded
+_DEFLATED = b"\x01"  # the fields' JSON, NUL, the raw body; deflated with _DICTIONARY
+# What most messages share, latest-used last (deflate finds nearer matches
+# cheaper): Celery's protocol-2 headers and properties, this package's header,
+# the body's embed part.  Never edited (see above).
+_DICTIONARY = (
+    b'[[], {}, {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]'
+    b'{"ct":"application/x-msgpack","ce":"binary","x":"","rk":"celery","h":{"lang":"py",'
+    b'"task":"","id":"","shadow":null,"eta":null,"expires":null,"group":null,'
+    b'"group_index":null,"retries":0,"timelimit":[null,null],"root_id":"","parent_id":null,'
+    b'"argsrepr":"()","kwargsrepr":"{}","origin":"gen@","ignore_result":false,'
+    b'"replaced_task_nesting":0,"stamped_headers":null,"stamps":{},'
+    b'"celery_throttle":{"slot":null,"booked":0,"epoch":0,"shift":0,"deferrals":1,'
+    b'"since":17,"copy":"","prev":"","spacing":[],"entry":"","token":"","room":0}},'
+    b'"p":{"correlation_id":"","reply_to":"","delivery_mode":2,"priority":0}}'
+    b'{"ct":"application/json","ce":"utf-8","x":"","rk":"celery","h":{"lang":"py","task":"'
+)
+_WBITS = -15  # raw deflate: no zlib header or checksum (Redis keeps the bytes intact)
 
 # Properties not replayed: "expiration" is relative to the capture (the
 # worker checks the `expires` header itself when the message arrives).
@@ -40,18 +70,34 @@ class Envelope:
     properties: dict[str, Any] = field(default_factory=dict)
 
     def dumps(self) -> bytes:
-        """The envelope as JSON (the body base64-encoded: it may be pickle or msgpack)."""
-        return json.dumps({
-            "b": base64.b64encode(self.body).decode("ascii"), "ct": self.content_type,
-            "ce": self.content_encoding, "x": self.exchange, "rk": self.routing_key,
-            "h": self.headers, "p": self.properties,
+        """The envelope, compressed, to store (:meth:`loads` reads it)."""
+        fields = json.dumps({
+            "ct": self.content_type, "ce": self.content_encoding, "x": self.exchange,
+            "rk": self.routing_key, "h": self.headers, "p": self.properties,
         }, default=str, separators=(",", ":")).encode()
+        # JSON never holds a raw NUL (json.dumps escapes it): the first one ends the fields.
+        packer = zlib.compressobj(6, zlib.DEFLATED, _WBITS, zdict=_DICTIONARY)
+        return _DEFLATED + packer.compress(fields + b"\0" + self.body) + packer.flush()
 
     @classmethod
     def loads(cls, raw: bytes | str) -> Envelope:
-        """Read an envelope written by :meth:`dumps`."""
-        d = json.loads(raw)
-        return cls(base64.b64decode(d["b"]), d["ct"], d["ce"], d["x"], d["rk"], d["h"], d["p"])
+        """Read an envelope written by :meth:`dumps` (or by the JSON format before it);
+        ``ValueError`` if it is neither."""
+        d, body = _fields(raw)
+        try:
+            return cls(body, d["ct"], d["ce"], d["x"], d["rk"], d["h"], d["p"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a stored envelope (no field {exc})") from None
+
+    @staticmethod
+    def task_id_in(raw: bytes | str | None) -> str:
+        """The task id in a stored envelope's headers ("" if there is none or it is unreadable)."""
+        try:
+            headers = _fields(raw or b"")[0].get("h")
+        except ValueError:
+            return ""
+        task_id = headers.get("id") if isinstance(headers, dict) else None
+        return task_id if isinstance(task_id, str) else ""
 
     def with_header(self, name: str, **values: Any) -> Envelope:
         """A copy with ``values`` merged into the dict header ``name``."""
@@ -73,6 +119,28 @@ class Envelope:
             headers=self.headers, content_type=self.content_type,
             content_encoding=self.content_encoding, declare=declare,
             retry=True, retry_policy=retry_policy, **self.properties)
+
+
+def _fields(raw: bytes | str) -> tuple[dict[str, Any], bytes]:
+    """A stored envelope's fields and body, in either format (``ValueError`` if neither)."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    if data[:1] == _JSON:
+        d = json.loads(data)
+        if not isinstance(d, dict):
+            raise ValueError("not a stored envelope (not a JSON object)")
+        return d, base64.b64decode(d.get("b") or "")
+    if data[:1] != _DEFLATED:
+        raise ValueError(f"not a stored envelope (format byte {data[:1]!r})")
+    try:
+        unpacker = zlib.decompressobj(_WBITS, zdict=_DICTIONARY)
+        plain = unpacker.decompress(data[1:]) + unpacker.flush()
+    except zlib.error as exc:
+        raise ValueError(f"not a stored envelope ({exc})") from None
+    fields, _, body = plain.partition(b"\0")
+    d = json.loads(fields)
+    if not isinstance(d, dict):
+        raise ValueError("not a stored envelope (not a JSON object)")
+    return d, body
 
 
 class _Recorder:

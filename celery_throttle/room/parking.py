@@ -17,14 +17,16 @@ ETA, a short lead before their slot.  Three scripts, each a few lines:
   publishing) is refused.
 
 Keys (``keys.room_key``): ``parked`` (sorted set: entry -> dispatch time, us),
-``messages`` (hash: entry -> message), ``claimed`` (sorted set: entry ->
-deadline), ``wake`` (a list holding at most one token) and ``trip`` (the
-measured trip from dispatch to arrival, which dispatches run ahead by).
+``messages`` (hash: entry -> message, compressed: ``envelope.py``),
+``claimed`` (sorted set: entry -> deadline), ``wake`` (a list holding at
+most one token), ``trip`` (the measured trip from dispatch to arrival, which
+dispatches run ahead by) and ``notes`` (hash: task digest -> the wait note
+of a task waiting here; its arrival moves it to a key of its own, with a
+TTL, for ``celery throttle why`` after the start).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,10 +34,11 @@ from dataclasses import dataclass, field
 import redis
 from redis.cluster import RedisCluster
 
-from ..core.keys import epoch_key, room_key, task_key
+from ..core.keys import epoch_key, key_digest, room_key, task_key
 from ..core.logs import logger
 from ..core.scripts import source
 from ..values import US_PER_SECOND, from_us
+from .envelope import Envelope
 from .queues import Queues
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
@@ -87,7 +90,7 @@ class WaitingRoom:
         self._unreplicated_until = 0.0  # monotonic: parks do not wait for replicas until then
         self.parked, self.messages = room_key(prefix, "parked"), room_key(prefix, "messages")
         self.claimed, self.wake = room_key(prefix, "claimed"), room_key(prefix, "wake")
-        self.trip = room_key(prefix, "trip")
+        self.trip, self.notes = room_key(prefix, "trip"), room_key(prefix, "notes")
         self.epoch = epoch_key(prefix)
         # redis-py's Script: EVALSHA, reloaded on NOSCRIPT; registering does no I/O.
         self._park = client.register_script(source(__package__, "park.lua"))
@@ -97,21 +100,20 @@ class WaitingRoom:
         self.queues = Queues(client, prefix)  # the limits' queues share the messages
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
-             delay_us: int = 0, note: str = "", note_ttl_ms: int = 60_000,
-             waiters: str = "", was: str = "") -> int:
+             delay_us: int = 0, note: str = "", waiters: str = "", was: str = "") -> int:
         """Park ``message`` until ``at_us`` (server clock), or ``delay_us`` from now.
 
         ``note``: the wait note to leave for ``celery throttle why`` under
-        ``task_id``, kept until ``note_ttl_ms`` after the dispatch time.
+        ``task_id``, kept while it waits (its arrival moves it, :meth:`arrive`).
         ``waiters``: a concurrency limit's waiters list (``keys.waiters_key``)
         to join, so a freed seat is handed to this task (``task_id`` is the
         lease holder); ``was``: the entry it had there before, whose turn it
         keeps.  Returns the dispatch time (server clock, microseconds), or 0 when
         ``entry`` is parked already (nothing written).
         """
-        keys = [self.parked, self.messages, self.wake, task_key(self.prefix, "wait", task_id),
-                waiters or self.wake]
-        args: list[str | bytes | int] = [entry, message, at_us, delay_us, note, note_ttl_ms,
+        keys = [self.parked, self.messages, self.wake, self.notes, waiters or self.wake]
+        args: list[str | bytes | int] = [entry, message, at_us, delay_us, note,
+                                         key_digest(task_id),
                 f"{entry} {task_id}" if waiters else "",
                 f"{was} {task_id}" if waiters and was else ""]
         if not self.replicas or time.monotonic() < self._unreplicated_until:
@@ -149,17 +151,22 @@ class WaitingRoom:
                   for i in range(0, len(items), 3)]
         return (None if wait < 0 else from_us(wait)), parked
 
-    def arrive(self, entry: str, token: str, epoch: int, *, marker_ttl_ms: int = 0) -> int:
+    def arrive(self, entry: str, token: str, epoch: int, *, marker_ttl_ms: int = 0,
+               task_id: str = "", note_ttl_ms: int = 60_000) -> int:
         """May this dispatched copy go on?  0: no, another copy of the entry arrived first;
         else yes, and the server's time (us), which a charged start waits for.
 
         ``marker_ttl_ms`` > 0 (acks_late): remember the copy that went on for
-        that long, so the broker's redelivery of it may go on again.
+        that long, so the broker's redelivery of it may go on again.  The
+        first copy of ``task_id`` to arrive moves its wait note to a key of
+        its own, kept ``note_ttl_ms``.
         """
         marker = task_key(self.prefix, "arrived", entry)
+        wait = task_key(self.prefix, "wait", task_id) if task_id else self.notes
         return int(self._arrive(keys=[self.messages, self.claimed, marker, self.epoch,
-                                       self.trip, self.queues.entries],
-                                 args=[entry, token, marker_ttl_ms, epoch]))
+                                       self.trip, self.queues.entries, self.notes, wait],
+                                 args=[entry, token, marker_ttl_ms, epoch,
+                                       key_digest(task_id) if task_id else "", note_ttl_ms]))
 
     def sleep(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for a wake token (a new earliest entry); True if woken."""
@@ -177,19 +184,18 @@ class WaitingRoom:
         entries = [items[i].decode() for i in range(0, len(items), 3)]
         scores = [int(float(items[i + 1])) for i in range(0, len(items), 3)]
         messages = [_raw(items[i + 2]) for i in range(0, len(items), 3)]
-        # Every note key carries the prefix's hash tag: one MGET, on one node.
-        notes = [_raw(n) or None for n in self.client.mget([
-            task_key(self.prefix, "wait", _task_id(m)) for m in messages])]
+        notes = [_raw(n) or None for n in self.client.hmget(
+            self.notes, [key_digest(Envelope.task_id_in(m)) for m in messages])]
         return [Waiting(e, from_us(score - now), m, n)
                 for e, score, m, n in zip(entries, scores, messages, notes, strict=True)]
 
     def purge(self) -> list[str]:
         """Drop every parked and every dispatched-but-not-arrived task (a dispatched copy that
         arrives later is refused); return their task ids ("" for an unreadable message)."""
-        ids = self._look(keys=[self.parked, self.messages, self.claimed, self.wake],
-                         args=["purge"])
+        messages = self._look(keys=[self.parked, self.messages, self.claimed, self.wake,
+                                    self.notes], args=["purge"])
         self.queues.clear()
-        return [_raw(i).decode() for i in ids]
+        return [Envelope.task_id_in(m) for m in messages]
 
     def state(self) -> RoomState:
         """Counts and the next dispatch time, read in one round trip."""
@@ -199,10 +205,13 @@ class WaitingRoom:
         return RoomState(int(parked), int(claimed), nxt)
 
 
-    def read_note(self, key: str) -> tuple[int, bytes]:
-        """A task's wait note under ``key`` (b"" if none) and the server's time, in us: one
-        read, on the node that holds the key (``integration/notes.py`` names the key)."""
-        sec, usec, raw = self._look(keys=[key], args=["note"])
+    def read_note(self, task_id: str) -> tuple[int, bytes]:
+        """``task_id``'s wait note (b"" if none) and the server's time, in us: one read, on
+        the node that holds the prefix.  A note has a key of its own (a task that
+        started, or waits as a countdown: ``integration/notes.py``) or, while the
+        task waits here, a field of the notes hash."""
+        sec, usec, raw = self._look(keys=[task_key(self.prefix, "wait", task_id), self.notes],
+                                    args=["note", key_digest(task_id)])
         return _micros(sec, usec), _raw(raw)
 
 
@@ -213,10 +222,3 @@ def _micros(sec: bytes | int, usec: bytes | int) -> int:
 def _raw(value: bytes | str | None) -> bytes:
     return value.encode() if isinstance(value, str) else value or b""
 
-
-def _task_id(message: bytes) -> str:
-    """The task id in a parked message's headers ("" if unreadable)."""
-    try:
-        return str(json.loads(message or b"{}").get("h", {}).get("id", ""))
-    except ValueError:
-        return ""

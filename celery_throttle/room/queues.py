@@ -53,7 +53,6 @@ from ..core.keys import (
     room_key,
     sibling_key,
     split_limit_key,
-    task_key,
 )
 from ..core.limits import Limit
 from ..core.scripts import BUCKET, joined
@@ -135,6 +134,7 @@ class Queues:
         self.ready, self.specs = room_key(prefix, "ready"), room_key(prefix, "specs")
         self.claimed, self.wake = room_key(prefix, "claimed"), room_key(prefix, "wake")
         self.trip, self.epoch = room_key(prefix, "trip"), epoch_key(prefix)
+        self.notes = room_key(prefix, "notes")  # (parking.py's: the wait notes)
         self.live = live_key(prefix)
         turns = (__package__, "turns.lua")
         self._enqueue = client.register_script(joined(turns, (__package__, "enqueue.lua")))
@@ -142,8 +142,7 @@ class Queues:
 
     def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[Limit],
                 blocking: Limit, place_us: int, due_us: int = 0, expires_us: int = 0,
-                deadline_us: int = 0, note: str = "", note_ttl_ms: int = 60_000,
-                weights: Weights | None = None) -> int:
+                deadline_us: int = 0, note: str = "", weights: Weights | None = None) -> int:
         """Put the task in line for ``blocking`` (one of its ``limits``) at ``place_us``,
         or, when ``blocking`` has a fair key value, at its value's next turn.
 
@@ -153,13 +152,13 @@ class Queues:
         """
         keys: list[str | bytes] = [
             self.messages, self.entries, blocking.queue_in(self.prefix), self.ready, self.wake,
-            task_key(self.prefix, "wait", task_id), blocking.turns_in(self.prefix)]
+            self.notes, blocking.turns_in(self.prefix)]
         fair, units = fair_of(blocking, weights or {})
         args: list[str | bytes | int | float] = [
             entry, message, place_us,
             entry_json(task_id, limits, self.prefix, place_us=place_us, expires_us=expires_us,
                        deadline_us=deadline_us, weights=weights),
-            due_us, note, note_ttl_ms, fair, repr(units)]
+            due_us, note, key_digest(task_id), fair, repr(units)]
         return int(self._enqueue(keys=keys, args=args))
 
     def declare(self, limits: Sequence[Limit]) -> None:

@@ -122,18 +122,25 @@ def test_only_a_new_earliest_entry_wakes_a_dispatcher(client: redis.Redis, prefi
     assert room.sleep(0.01) is False
 
 
-def test_park_leaves_the_wait_note_until_after_the_dispatch(
+def test_the_wait_note_is_kept_while_parked_and_a_minute_after_the_arrival(
     client: redis.Redis, prefix: str
 ) -> None:
-    """The note for `why` is written by the same call and outlives the dispatch time."""
-    room = WaitingRoom(client, prefix)
-    room.park("e", b"m", "task-1", delay_us=10_000_000, note='{"limit": "x"}',
-              note_ttl_ms=60_000)
+    """The note for `why` is written by the park, read while parked, and moved by the
+    arrival to a key of its own with a TTL (no key per waiting task: memory)."""
     from celery_throttle.core.keys import task_key
 
+    room = WaitingRoom(client, prefix)
+    room.park("e", b"m", "task-1", at_us=_now_us(client) - 1, note='{"limit": "x"}')
     key = task_key(prefix, "wait", "task-1")
+    assert client.exists(key) == 0
+    assert room.read_note("task-1")[1] == b'{"limit": "x"}'
+    assert room.next_parked(1)[0].note is None  # (its message b"m" names no task id)
+    _, [item] = room.claim_due(10, 60_000_000)
+    assert room.arrive("e", item.token, item.epoch, task_id="task-1", note_ttl_ms=60_000) > 0
     assert client.get(key) == b'{"limit": "x"}'
-    assert 69_000 < client.pttl(key) <= 70_000
+    assert 59_000 < client.pttl(key) <= 60_000
+    assert client.hlen(room.notes) == 0
+    assert room.read_note("task-1")[1] == b'{"limit": "x"}'
 
 
 def test_state_counts_parked_and_dispatching(client: redis.Redis, prefix: str) -> None:

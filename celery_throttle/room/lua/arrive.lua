@@ -14,11 +14,15 @@ KEYS[3]  the arrival marker of this entry
 KEYS[4]  the prefix's epoch
 KEYS[5]  the waiting room's trip estimate (a hash: "avg" and "dev", us)
 KEYS[6]  the limits' queues' entries hash (queues.py): the entry's record goes too
+KEYS[7]  the waiting tasks' notes (park.lua's hash)
+KEYS[8]  the task's own wait note key, where its note moves for ARGV[6] ms
 ARGV[1]  entry id
 ARGV[2]  the token of the dispatch that published this copy
 ARGV[3]  marker TTL, milliseconds; 0 = no marker (not acks_late: its message
          was acknowledged before it got here, so it is never redelivered)
 ARGV[4]  the epoch the entry was parked in
+ARGV[5]  the task's field in KEYS[7] (its id's digest), "" for none
+ARGV[6]  how long the moved note is kept, milliseconds
 
 The first arrival also measures the trip from its dispatch (the token is
 "<dispatch time>.<n>") into the trip estimate the dispatcher dispatches ahead by.
@@ -32,6 +36,14 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 if redis.call('HDEL', KEYS[1], entry) == 1 then
   redis.call('ZREM', KEYS[2], entry)
   redis.call('HDEL', KEYS[6], entry)
+  if ARGV[5] ~= '' then
+    -- `celery throttle why` still answers for a minute after the start.
+    local note = redis.call('HGET', KEYS[7], ARGV[5])
+    if note then
+      redis.call('SET', KEYS[8], note, 'PX', tonumber(ARGV[6]))
+      redis.call('HDEL', KEYS[7], ARGV[5])
+    end
+  end
   local dispatched = tonumber(string.match(ARGV[2], '^(%d+)%.'))
   if dispatched then
     local trip = now - dispatched

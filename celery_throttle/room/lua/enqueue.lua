@@ -11,7 +11,8 @@ KEYS[4]  the ready index: a sorted set, queue key -> when its limit admits its
          next start (us, server clock)
 KEYS[5]  the wake list (one token: a dispatcher sleeping past the new earliest
          queue wakes)
-KEYS[6]  the task's wait note (for `celery throttle why`)
+KEYS[6]  the waiting tasks' notes (a hash: task digest -> wait note, as in
+         park.lua)
 KEYS[7]  the queue's turns (turns.lua), used when ARGV[8] is not ""
 ARGV[1]  entry id
 ARGV[2]  the message (envelope JSON)
@@ -20,7 +21,7 @@ ARGV[3]  place in line: its first wait (us, server clock) + its priority's
 ARGV[4]  the entry's JSON
 ARGV[5]  when the blocking limit admits a start (us, server clock), 0 = now
 ARGV[6]  the wait note (JSON), "" for none
-ARGV[7]  the note's TTL, milliseconds
+ARGV[7]  the note's field in KEYS[6] (the task id's digest)
 ARGV[8]  its fair key value's digest for a fair queue (ordered by turn, not
          by place), or ""
 ARGV[9]  its cost / its value's weight: how far its turn moves the value on
@@ -57,6 +58,6 @@ if not current or due < current then
   end
 end
 if ARGV[6] ~= '' then
-  redis.call('SET', KEYS[6], ARGV[6], 'PX', math.max(1, tonumber(ARGV[7])))
+  redis.call('HSET', KEYS[6], ARGV[7], ARGV[6])
 end
 return now

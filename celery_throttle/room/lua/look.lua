@@ -12,10 +12,13 @@ ARGV[1]  the operation:
            -> {sec, usec, parked count, claimed count, first score or ""}
   "peek"   KEYS[1] parked, KEYS[2] messages (hash); ARGV[2] count
            -> {sec, usec, entry, score, message, entry, score, message, ...}
-  "purge"  KEYS[1] parked, KEYS[2] messages, KEYS[3] claimed, KEYS[4] wake
-           -> the task ids of the messages dropped ("" for one that cannot be
-              read), for the caller to mark them revoked
-  "note"   KEYS[1] a wait note -> {sec, usec, note or ""}
+  "purge"  KEYS[1] parked, KEYS[2] messages, KEYS[3] claimed, KEYS[4] wake,
+           KEYS[5] the waiting tasks' notes
+           -> the messages dropped (stored envelopes: compressed, so the
+              caller reads their task ids, to mark them revoked)
+  "note"   KEYS[1] a task's wait note key, KEYS[2] the waiting tasks' notes;
+           ARGV[2] the task's field there -> {sec, usec, note or ""}: the
+           key (a task that started, or waits as a countdown), else the field
 Scores are microseconds on the server clock, returned as strings.
 ]]
 local op = ARGV[1]
@@ -35,16 +38,10 @@ elseif op == 'peek' then
   end
   return out
 elseif op == 'purge' then
-  local ids = {}
   local messages = redis.call('HVALS', KEYS[2])
-  for i = 1, #messages do
-    local ok, m = pcall(cjson.decode, messages[i])
-    local id = ok and type(m) == 'table' and type(m.h) == 'table' and m.h.id
-    ids[i] = type(id) == 'string' and id or ''
-  end
-  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-  return ids
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+  return messages
 elseif op == 'note' then
-  return {t[1], t[2], redis.call('GET', KEYS[1]) or ''}
+  return {t[1], t[2], redis.call('GET', KEYS[1]) or redis.call('HGET', KEYS[2], ARGV[2]) or ''}
 end
 return redis.error_reply('look.lua: unknown operation ' .. tostring(op))

@@ -9,7 +9,8 @@ KEYS[1]  the parked set: member = entry id, score = dispatch time (us)
 KEYS[2]  the messages hash: entry id -> the serialized message
 KEYS[3]  the wake list: one token, pushed when this entry is the new earliest,
          so a dispatcher sleeping until a later dispatch wakes at once
-KEYS[4]  the task's wait note (for `celery throttle why`)
+KEYS[4]  the waiting tasks' notes (a hash: task digest -> wait note, for
+         `celery throttle why`; arrive.lua moves a note to a key of its own)
 KEYS[5]  a concurrency limit's waiters list (gate.lua hands a freed seat to
          the oldest), or any key when ARGV[7] is ""
 ARGV[1]  entry id
@@ -17,7 +18,7 @@ ARGV[2]  the message (envelope JSON)
 ARGV[3]  dispatch time, microseconds of this server's clock; 0 = now + ARGV[4]
 ARGV[4]  delay, microseconds (used when ARGV[3] is 0)
 ARGV[5]  the wait note (JSON), "" for none; its "due" is the dispatch time
-ARGV[6]  the note's TTL after the dispatch time, milliseconds
+ARGV[6]  the note's field in KEYS[4] (the task id's digest)
 ARGV[7]  "entry holder" to append to the waiters list, or ""
 ARGV[8]  the item this task had in that list before (it came back and waits
          again): replaced in place, so the task keeps its turn; or ""
@@ -45,8 +46,9 @@ if first[1] == entry then
   redis.call('PEXPIRE', KEYS[3], 60000)
 end
 if ARGV[5] ~= '' then
-  local ttl = math.max(1, math.ceil((at - now) / 1000) + tonumber(ARGV[6]))
-  redis.call('SET', KEYS[4], ARGV[5], 'PX', ttl)
+  -- A field, not a key with a TTL: a key costs about 400 bytes of Redis per
+  -- waiting task, a field of one hash about 150.
+  redis.call('HSET', KEYS[4], ARGV[6], ARGV[5])
 end
 if ARGV[7] ~= '' then
   local turn = ARGV[8] ~= '' and redis.call('LPOS', KEYS[5], ARGV[8]) -- Redis >= 6.0.6

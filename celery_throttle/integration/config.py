@@ -40,8 +40,8 @@ SETTINGS: dict[str, tuple[object, str]] = {
         None, "options of the connections to the sentinels themselves (e.g. their "
         "password); default: broker_transport_options['sentinel_kwargs']"),
     "throttle_park_replicas": (
-        None, "a parked task is acknowledged once this many replicas have it (WAIT, up to "
-        "0.5 s); default: 1 with a sentinel:// store, else 0"),
+        None, "a parked task (or one put in line) is acknowledged once this many replicas "
+        "have it (WAIT, up to 0.5 s); default: 1 with a sentinel:// store, else 0"),
     "throttle_prefix": ("throttle", "key prefix and Redis Cluster hash tag of every bucket"),
     "throttle_queues": ({}, "{queue: rate} or {queue: {'rate': r, 'burst': b}}: a limit on "
                         "every task consumed from that queue"),

@@ -377,7 +377,7 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     envelope = capture(task.signature_from_request(request, headers=headers))
     due = decision.now + to_us(decision.retry_after)
     try:
-        waiting = runtime.room.queues.enqueue(
+        waiting = runtime.room.enqueue(
             entry, envelope.dumps(), str(request.id),
             limits=[lim for lim in limits if isinstance(lim, Limit)], blocking=blocking,
             place_us=since + _rank(task, runtime) * to_us(config.priority_ageing),

@@ -13,7 +13,7 @@ in ``pyproject.toml``), so it runs with the app and settings of ``-A proj``:
   tasks included (``core/live.py``);
 * ``pause NAME [--for S] [--key K]`` / ``resume NAME [--key K]``: admit
   nothing (the pause a provider's 429 writes), or end a pause now;
-* ``parked [--limit NAME] [-n N]``: the tasks parked in the waiting room
+* ``parked [--limit NAME] [-n N]``: the tasks parked in the waiting room or in line
   that are dispatched next;
 * ``purge --yes``: drop every parked task (they never run; the result backend
   marks them REVOKED).
@@ -217,16 +217,25 @@ def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key:
                      top_keys=[{"key_digest": d, "waiting": n} for d, n in line.top])
     room = runtime_for(app).room.state()
     in_line = runtime_for(app).room.queues.waiting()
+    # Whether waiting tasks may wait in the store now (room/durability.py).
+    verdict = runtime_for(app).durability.verdict() if runtime_for(app).config.waiting_room \
+        else None
     if as_json:
-        click.echo(json.dumps({"limits": rows, "waiting_room": dataclasses.asdict(room),
-                               "in_line": in_line, "at": time.time()}, indent=2))
+        click.echo(json.dumps({"limits": rows, "waiting_room": {
+            **dataclasses.asdict(room), "in_use": verdict is not None and verdict.safe,
+            "because": verdict.reason if verdict is not None else "throttle_waiting_room "
+                                                                  "is False"},
+            "in_line": in_line, "at": time.time()}, indent=2))
         return
     click.echo(_table(rows))
-    if room.parked or room.dispatching or in_line or runtime_for(app).config.waiting_room:
+    if room.parked or room.dispatching or in_line or verdict is not None:
         nxt = (f"; next dispatch in {room.next_dispatch:.3f}s"
                if room.next_dispatch is not None else "")
         click.echo(f"waiting room: {room.parked} parked, {in_line} in line, "
                    f"{room.dispatching} dispatched and on their way{nxt}")
+    if verdict is not None and not verdict.safe:
+        click.echo(f"waiting room not used: {verdict.reason}; long waits are re-published "
+                   "with a countdown")
 
 
 @throttle.command()
@@ -295,17 +304,15 @@ def reset(ctx: click.Context, name: str, key: str | None, int_key: str | None) -
 @click.option("--json", "as_json", is_flag=True, help="one JSON document instead of text")
 @click.pass_context
 def parked(ctx: click.Context, limit_name: str | None, count: int, as_json: bool) -> None:
-    """The tasks parked in the waiting room that are dispatched next (soonest first)."""
+    """The tasks waiting in the waiting room that go next: parked (soonest dispatch first),
+    and in line (the heads of the limits' queues)."""
     if count < 1:
         raise click.BadParameter(f"{count}: expected at least 1", param_hint="-n")
     room = runtime_for(_app(ctx)).room
     rows = []
     # With --limit, look further than -n: other limits' tasks are skipped.
     for item in room.next_parked(count if limit_name is None else max(count, 1000)):
-        try:
-            headers = Envelope.loads(item.message).headers
-        except (ValueError, KeyError):
-            headers = {}
+        headers = _headers(item.message)
         note = json.loads(item.note) if item.note else {}
         limit = note.get("limit", "?")
         if limit_name is not None and limit != limit_name:
@@ -314,14 +321,29 @@ def parked(ctx: click.Context, limit_name: str | None, count: int, as_json: bool
                      "limit": limit, "dispatch_in_s": round(item.dispatch_in, 3)})
         if len(rows) == count:
             break
+    line = [{"task": (h := _headers(t.message)).get("task", "?"), "id": h.get("id", "?"),
+             "limit": t.limit, "key_digest": t.key_digest, "place": t.place}
+            for t in room.queues.next_in_line(count, limit_name)]
     if as_json:
-        click.echo(json.dumps({"parked": rows, "at": time.time()}, indent=2))
+        click.echo(json.dumps({"parked": rows, "in_line": line, "at": time.time()}, indent=2))
         return
-    if not rows:
-        click.echo("no task parked" + (f" for limit {limit_name!r}" if limit_name else ""))
+    if not rows and not line:
+        click.echo("no task waiting" + (f" for limit {limit_name!r}" if limit_name else ""))
     for row in rows:
         click.echo(f"{row['task']}[{row['id']}] waits for limit {row['limit']!r}: "
                    f"dispatched in {row['dispatch_in_s']:.3f}s")
+    for row in line:
+        key = "" if row["key_digest"] == "-" else f" (key {row['key_digest']})"
+        click.echo(f"{row['task']}[{row['id']}] waits in line for limit {row['limit']!r}"
+                   f"{key}: place {row['place']}")
+
+
+def _headers(message: bytes) -> dict[str, Any]:
+    """A stored message's Celery headers ({} if it cannot be read)."""
+    try:
+        return Envelope.loads(message).headers
+    except (ValueError, KeyError):
+        return {}
 
 
 @throttle.command()

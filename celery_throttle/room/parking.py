@@ -29,17 +29,21 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
+from redis.commands.core import Script
 
 from ..core.keys import epoch_key, key_digest, room_key, task_key
+from ..core.limits import Limit
 from ..core.logs import logger
 from ..core.scripts import source
 from ..values import US_PER_SECOND, from_us
 from .envelope import Envelope
-from .queues import Queues
+from .queues import Queues, Weights
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 
@@ -116,26 +120,42 @@ class WaitingRoom:
                                          key_digest(task_id),
                 f"{entry} {task_id}" if waiters else "",
                 f"{was} {task_id}" if waiters and was else ""]
+        at, _now = self._replicated(self._park, keys, args)
+        return int(at)
+
+    def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[Limit],
+                blocking: Limit, place_us: int, due_us: int = 0, expires_us: int = 0,
+                deadline_us: int = 0, note: str = "", weights: Weights | None = None) -> int:
+        """``Queues.enqueue`` (the same arguments and reply), acknowledged as a park is: once
+        ``throttle_park_replicas`` replicas have it."""
+        keys, args = self.queues.enqueue_call(
+            entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
+            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, note=note,
+            weights=weights)
+        return int(self._replicated(self.queues.script, keys, args))
+
+    def _replicated(self, script: Script, keys: Sequence[str | bytes],
+                    args: Sequence[str | bytes | int | float]) -> Any:
+        """Run a script that stores a waiting task; its reply, once the replicas have it."""
         if not self.replicas or time.monotonic() < self._unreplicated_until:
-            at, _now = self._park(keys=keys, args=args)
-            return int(at)
+            return script(keys=keys, args=args)
         # The caller acknowledges the task's broker message after this: a
-        # failover to a replica that never got the park would lose the task.
+        # failover to a replica that never got the write would lose the task.
         # WAIT counts the replicas that have this connection's writes, so it
         # goes on the script's connection (one pipeline, not a transaction).
         pipe = self.client.pipeline(transaction=False)
-        self._park(keys=keys, args=args, client=pipe)
+        script(keys=keys, args=args, client=pipe)
         pipe.execute_command("WAIT", self.replicas, REPLICA_WAIT_MS)
-        (at, _now), acked = pipe.execute()
+        reply, acked = pipe.execute()
         if int(acked) < self.replicas:
             # No replica (after a failover, until one attaches): waiting would
             # stall every park for nothing, so parks stop waiting for a while.
             self._unreplicated_until = time.monotonic() + REPLICA_RETRY_S
-            logger.warning("celery_throttle: a parked task reached %d of %d replicas within "
+            logger.warning("celery_throttle: a waiting task reached %d of %d replicas within "
                            "%d ms: a failover now could lose it (parks do not wait for "
                            "replicas for %d s)", int(acked), self.replicas, REPLICA_WAIT_MS,
                            REPLICA_RETRY_S)
-        return int(at)
+        return reply
 
     def claim_due(self, batch: int, timeout_us: int) -> tuple[float | None, list[Parked]]:
         """Claim up to ``batch`` due entries; also seconds until the next (0: more due now).

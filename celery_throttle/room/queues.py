@@ -45,6 +45,7 @@ from typing import Any, cast
 
 import redis
 from redis.cluster import RedisCluster
+from redis.commands.core import Script
 
 from ..core.keys import (
     epoch_key,
@@ -58,7 +59,7 @@ from ..core.limits import Limit
 from ..core.scripts import BUCKET, joined
 from ..values import from_us
 
-__all__ = ["Line", "Queues", "Served", "Weights", "entry_json", "fair_of"]
+__all__ = ["InLine", "Line", "Queues", "Served", "Weights", "entry_json", "fair_of"]
 
 #: The most queues looked at per round, and the waiting tasks read per queue.
 LOOK_QUEUES, LOOK_HEADS = 64, 8
@@ -76,6 +77,17 @@ class Served:
     epoch: int
     flag: str
     start: int
+    message: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class InLine:
+    """A task waiting in line: its ``place`` in its queue (0: next), and its stored message."""
+
+    entry: str
+    limit: str
+    key_digest: str  # the queue's key value ("-": a shared limit's one queue)
+    place: int
     message: bytes
 
 
@@ -148,8 +160,23 @@ class Queues:
 
         ``due_us``: when ``blocking`` admits a start (server clock; 0: now).
         Returns the server's time (us), or 0 when ``entry`` waits already
-        (nothing written: the broker delivered its message again).
+        (nothing written: the broker delivered its message again).  (A worker
+        enqueues through ``WaitingRoom.enqueue``, which also waits for the
+        store's replicas.)
         """
+        keys, args = self.enqueue_call(
+            entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
+            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, note=note,
+            weights=weights)
+        return int(self._enqueue(keys=keys, args=args))
+
+    def enqueue_call(self, entry: str, message: bytes, task_id: str, *,
+                     limits: Sequence[Limit], blocking: Limit, place_us: int, due_us: int = 0,
+                     expires_us: int = 0, deadline_us: int = 0, note: str = "",
+                     weights: Weights | None = None,
+                     ) -> tuple[list[str | bytes], list[str | bytes | int | float]]:
+        """The keys and arguments of :meth:`enqueue`'s script (``script``), to run it on
+        another connection (a pipeline that also waits for replicas)."""
         keys: list[str | bytes] = [
             self.messages, self.entries, blocking.queue_in(self.prefix), self.ready, self.wake,
             self.notes, blocking.turns_in(self.prefix)]
@@ -159,7 +186,12 @@ class Queues:
             entry_json(task_id, limits, self.prefix, place_us=place_us, expires_us=expires_us,
                        deadline_us=deadline_us, weights=weights),
             due_us, note, key_digest(task_id), fair, repr(units)]
-        return int(self._enqueue(keys=keys, args=args))
+        return keys, args
+
+    @property
+    def script(self) -> Script:
+        """The enqueue script (``lua/enqueue.lua``), for :meth:`enqueue_call`'s keys and args."""
+        return self._enqueue
 
     def declare(self, limits: Sequence[Limit]) -> None:
         """Record ``limits``' rates as the code now declares them (a worker starting with a
@@ -236,6 +268,30 @@ class Queues:
             out.append(Line(name, sum(c for _, c in found), tuple(found[:top]),
                             from_us(found[0][1] * interval) if interval else None))
         return sorted(out, key=lambda line: -line.waiting)
+
+    def next_in_line(self, count: int, name: str | None = None, *,
+                     most: int = 1000) -> list[InLine]:
+        """The ``count`` tasks nearest the head of their queues (of limit ``name``, or of
+        every limit), in the first ``most`` queues of the ready index: places 0 first."""
+        queues = [q for q in map(_text, cast(list[bytes], self.client.zrange(
+            self.ready, 0, most - 1))) if name is None or _name_of(q) == name]
+        if not queues:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for q in queues:
+            pipe.zrange(q, 0, count - 1)
+        found = sorted(((place, q, _text(entry))
+                        for q, entries in zip(queues, pipe.execute(), strict=True)
+                        for place, entry in enumerate(entries)), key=lambda row: row[0])[:count]
+        if not found:
+            return []
+        messages = cast(list[bytes | None], self.client.hmget(
+            self.messages, [entry for _, _, entry in found]))
+        out = []
+        for (place, q, entry), message in zip(found, messages, strict=True):
+            _, digest, limit = split_limit_key(q)
+            out.append(InLine(entry, limit, digest, place, message or b""))
+        return out
 
     def look_now(self, name: str) -> int:
         """Look at every queue of limit ``name`` now, not when its old rate or pause said

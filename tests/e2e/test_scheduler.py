@@ -65,6 +65,7 @@ def test_urgent_task_starts_ahead_of_a_waiting_batch(
         urgent = capp.in_line.apply_async((1000,), priority=URGENT)
         why = throttle_cli(["why", batch[-1].id], redis_base)
         shown = throttle_cli(["status", "line"], redis_base)
+        listed = throttle_cli(["parked", "--limit", "line", "-n", "3"], redis_base)
         states = wait_results([*batch, urgent], timeout=40)
         rows = read_records(records, expect=41, timeout=5)
         text = logs(nodes)
@@ -81,6 +82,9 @@ def test_urgent_task_starts_ahead_of_a_waiting_batch(
     assert " ERROR" not in text
     assert re.search(r"is number \d+ in line and waits for limit 'line'", why.stdout), why.stdout
     assert re.search(r"\d+ in line, drains in ~[\d.]+s", shown.stdout), shown.stdout
+    assert re.findall(r"^tests\.celery_app\.in_line\[[-\w]+\] waits in line for limit "
+                      r"'line': place (\d)$", listed.stdout, flags=re.MULTILINE) == \
+        ["0", "1", "2"], listed.stdout
 
 
 @pytest.mark.parametrize("how", ["purge", "revoke"])

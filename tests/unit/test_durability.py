@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +19,7 @@ from celery_throttle.room.durability import RECHECK_S, Durability, Verdict
 from celery_throttle.testing import RedisServer
 
 from ..clock import StepClock
+from ..workers import ROOT, app_env
 
 
 @pytest.fixture
@@ -146,3 +150,22 @@ def test_bad_values_of_the_setting_are_refused() -> None:
     with pytest.raises(Exception, match=r"throttle_waiting_room='sometimes': expected True "
                                         r"or False or \"always\""):
         read_config(app)
+
+
+def _status(redis_base: str, conf: dict[str, object]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **app_env(redis_base, conf)}
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.celery_app", "throttle",
+                           "status", "patient"], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, check=False)
+
+
+def test_status_says_whether_waiting_tasks_wait_in_the_store(redis_base: str,
+                                                             plain: RedisServer) -> None:
+    """`throttle status` names the reason when the store is not used for waiting tasks."""
+    beside = _status(redis_base, {})  # the test app's store: the broker's server
+    apart = _status(redis_base, {"throttle_redis_url": f"{plain.url}/0"})
+    assert beside.returncode == 0, beside.stderr
+    assert apart.returncode == 0, apart.stderr
+    assert "waiting room not used" not in beside.stdout
+    assert ("waiting room not used: the store keeps waiting tasks in memory only (appendonly "
+            "no) and is not the broker's server") in apart.stdout

@@ -111,8 +111,9 @@ def test_moved_after_resharding_the_prefix_slot_is_survived(redis_cluster: Clust
 
 def test_a_park_returns_once_a_replica_has_it(prefix: str, caplog: pytest.LogCaptureFixture,
                                               redis_url: str) -> None:
-    """throttle_park_replicas: the park is on the replica when it returns; with no replica
-    to acknowledge, it returns after the WAIT timeout with a WARNING."""
+    """throttle_park_replicas: a park (or a task put in line) is on the replica when it
+    returns; with no replica to acknowledge, it returns after the WAIT timeout with a
+    WARNING."""
     with SentinelGroup() as group:
         master = connect(group.url, master_name=MASTER)
         room = WaitingRoom(master, prefix, replicas=1)
@@ -120,6 +121,10 @@ def test_a_park_returns_once_a_replica_has_it(prefix: str, caplog: pytest.LogCap
         for i in range(20):  # each park is already on the replica when park() returns
             room.park(f"e{i}", b"{}", f"t{i}", delay_us=60_000_000)
             assert replica.zscore(room.parked, f"e{i}") is not None
+        line = Limit("line", parse_rate("1/s"))
+        for i in range(20):  # ... and so is a task put in line
+            room.enqueue(f"q{i}", b"{}", f"u{i}", limits=[line], blocking=line, place_us=i)
+            assert replica.zscore(line.queue_in(prefix), f"q{i}") is not None
         replica.close()
         master.close()
 

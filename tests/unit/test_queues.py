@@ -223,3 +223,26 @@ def test_a_task_moving_to_a_fair_queue_takes_its_values_turn(client: redis.Redis
     # b's first turn comes right after a's first:
     assert client.zrange(shared.queue_in(prefix), 0, -1) == [b"a0", b"b0", b"a1", b"a2"]
     gate.close()
+
+
+def test_the_heads_of_the_lines_are_listed_with_their_places(client: redis.Redis,
+                                                              prefix: str) -> None:
+    """next_in_line: each queue's first tasks, places 0 first, one limit's or every limit's."""
+    queues = Queues(client, prefix)
+    api = Limit("api", parse_rate("1/s"))
+    mail = Limit("mail", parse_rate("1/s"), key="acme")
+    now = _now_us(client)
+    for i in range(3):
+        queues.enqueue(f"a{i}", b"A%d" % i, f"ta{i}", limits=[api], blocking=api,
+                       place_us=now + i, due_us=now + 10_000_000)
+        queues.enqueue(f"m{i}", b"M%d" % i, f"tm{i}", limits=[mail], blocking=mail,
+                       place_us=now + i, due_us=now + 10_000_000)
+    every = queues.next_in_line(4)
+    assert sorted((t.entry, t.place) for t in every) == [("a0", 0), ("a1", 1), ("m0", 0),
+                                                         ("m1", 1)]
+    assert {t.entry: t.message for t in every}["m1"] == b"M1"
+    only = queues.next_in_line(10, "mail")
+    assert [(t.entry, t.limit, t.key_digest, t.place) for t in only] == [
+        ("m0", "mail", key_digest("acme"), 0), ("m1", "mail", key_digest("acme"), 1),
+        ("m2", "mail", key_digest("acme"), 2)]
+    assert queues.next_in_line(5, "nothing") == []

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.integration
 def test_command_answers_why_a_task_waits_and_until_when(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """`celery throttle status/why/reset` against live workers and Redis."""
-    with worker_nodes(redis_base, ("w1",)):
+    """`celery throttle status/why/reset` against live workers and Redis (slots booked at
+    arrival: the lines' status and why are tests/e2e/test_scheduler.py's)."""
+    with worker_nodes(redis_base, ("w1",), conf={"throttle_scheduler": False}):
         results = [capp.patient.delay(i) for i in range(20)]  # 1/s: a 19 s queue
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and records.llen("records") < 2:

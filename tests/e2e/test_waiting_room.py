@@ -32,7 +32,12 @@ from ..workers import (
 
 pytestmark = pytest.mark.integration
 
-ROOM: dict[str, object] = {"throttle_waiting_room": True}
+#: The waiting room with booked slots (the scheduler off): a task books its slot when it
+#: arrives and is parked until it (tests/e2e/test_scheduler.py has the lines).
+ROOM: dict[str, object] = {"throttle_waiting_room": True, "throttle_scheduler": False}
+#: Both ways of waiting in the store, for the crash and clock cases.
+PATHS: dict[str, dict[str, object]] = {
+    "booked": ROOM, "line": {"throttle_waiting_room": True, "throttle_scheduler": True}}
 
 
 def test_parked_tasks_run_once_in_their_slots_with_no_eta(
@@ -81,11 +86,12 @@ def test_waits_three_times_the_visibility_timeout_with_no_hops(
     check_window_bound(starts, rate=1, burst=1, period=1.0)
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 def test_dispatcher_killed_mid_dispatch_loses_nothing_and_runs_nothing_twice(
-    capp: ModuleType, records: redis.Redis, redis_base: str
+    capp: ModuleType, records: redis.Redis, redis_base: str, path: str
 ) -> None:
     """A node dies after its dispatcher claimed a due task, before publishing: it runs once."""
-    conf = {**ROOM, "throttle_dispatch_timeout": 3, **short_visibility(5)}
+    conf = {**PATHS[path], "throttle_dispatch_timeout": 3, **short_visibility(5)}
     with worker_nodes(redis_base, ("w1",), conf=conf, fault="dispatch.before_publish"):
         results = [capp.patient.delay(i) for i in range(8)]  # 1/s: all parked within 1 s
         deadline = time.monotonic() + 15
@@ -126,12 +132,13 @@ def aof_store() -> Iterator[RedisServer]:
     server.stop()
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 def test_store_killed_with_tasks_parked_runs_each_once_after_restart(
-    capp: ModuleType, records: redis.Redis, redis_base: str, aof_store: RedisServer
+    capp: ModuleType, records: redis.Redis, redis_base: str, aof_store: RedisServer, path: str
 ) -> None:
     """Store SIGKILLed for 3 s with tasks parked (AOF on): none starts meanwhile, all run once."""
     with worker_nodes(redis_base, ("w1", "w2"),
-                 conf={**ROOM, "throttle_redis_url": f"{aof_store.url}/0"}) as nodes:
+                      conf={**PATHS[path], "throttle_redis_url": f"{aof_store.url}/0"}) as nodes:
         results = [capp.patient.delay(i) for i in range(10)]  # 1/s: 9 s of waits
         time.sleep(2.5)
         aof_store.kill()
@@ -178,8 +185,9 @@ def test_commands_show_parked_tasks_and_why_one_waits(
                      r"waits for limit 'patient': next start in ", why.stdout), why.stdout
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(
-    capp: ModuleType, records: redis.Redis, redis_base: str
+    capp: ModuleType, records: redis.Redis, redis_base: str, path: str
 ) -> None:
     """Nodes at +3 s, -3 s and 0: parked tasks wait on Redis's clock, so the rate is kept.
 
@@ -188,7 +196,7 @@ def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(
     another's.  Parked tasks have no ETA; their dispatch and their claim are
     judged on the server's clock.
     """
-    conf = {**ROOM, **PICKLE}
+    conf = {**PATHS[path], **PICKLE}
     with worker_nodes(redis_base, ("fast",), conf=conf, env={"CT_CLOCK_OFFSET": "3"}), worker_nodes(
             redis_base, ("slow",), conf=conf, env={"CT_CLOCK_OFFSET": "-3"}), worker_nodes(
             redis_base, ("true",), conf=conf):
@@ -200,7 +208,7 @@ def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(
     times = [r["t"] for r in rows]
     worst = check_window_bound(times, rate=5, burst=1, period=1.0)
     utilisation = 7.8 / (times[-1] - times[0])
-    print(f"\nskewed clocks with the waiting room: utilisation {utilisation:.2f}, "
+    print(f"\nskewed clocks with the waiting room ({path}): utilisation {utilisation:.2f}, "
           f"worst windows {worst}, hosts {sorted({r['host'] for r in rows})}")
     assert utilisation >= 0.9
     assert len({r["host"] for r in rows}) == 3  # every node ran some

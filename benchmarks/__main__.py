@@ -31,6 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CHARTS = ROOT / "benchmarks" / "charts"
 
 
+_ROOM_MEMORY = (
+    "The tables above count every task not yet run as waiting, and at their peak most of "
+    "those are still messages in the broker (about 1,240 B each, the countdown column), so "
+    "their per-task figure moves little with the store's layout. This one isolates the "
+    "store: no workers, one small task put in line for one limit as a worker puts it, the "
+    "layout before this version written side by side on a fresh server.\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run every section, print the document and write BENCHMARKS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -95,6 +103,12 @@ def main(argv: list[str] | None = None) -> None:
                                 rate, "--measure", measure], capture_output=True, text=True,
                                timeout=1800, cwd=ROOT, check=True)
         doc.append(scale.stdout)
+    doc.append("\n### Memory of a task waiting in line\n")
+    doc.append(_ROOM_MEMORY)
+    room = subprocess.run([sys.executable, "-m", "benchmarks.room_memory", "--n",
+                           "2000" if args.quick else "20000"], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, check=True)
+    doc.append(room.stdout)
     doc.append("\n### Memory of pool processes\n")
     memory = subprocess.run([sys.executable, "-m", "benchmarks.pool_memory"], capture_output=True,
                             text=True, timeout=600, cwd=ROOT, check=True)

@@ -33,6 +33,7 @@ from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import queue_of
 from ..room.envelope import capture
 from ..room.header import HEADER, WaitState, spacing_of
+from ..room.queues import MAX_AHEAD_US
 from ..values import from_us, to_us
 from . import leases
 from .copies import new_copy
@@ -45,9 +46,6 @@ __all__ = ["admit", "defer_after_start", "release_leases_of", "run_ended"]
 
 _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _MAX_SLEEPS = 3
-# The longest a task dispatched from its queue sleeps until the start it was
-# charged for (serve.lua's MAX_AHEAD, in seconds).
-_MAX_AHEAD = 0.5
 _STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of a started copy
 _LEASED = "_celery_throttle_leased"  # request attribute: the leases.Held of this run
 
@@ -117,7 +115,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         if state.slot and arrived_at:
             # ... at this moment, which it arrived ahead of by at most the dispatch's
             # lead (queues.py): it starts then, not earlier.
-            time.sleep(min(max(0.0, from_us(state.slot - arrived_at)), _MAX_AHEAD))
+            time.sleep(min(max(0.0, from_us(state.slot - arrived_at)), from_us(MAX_AHEAD_US)))
     elif charged == "t" and arrived:
         raise ThrottleTimeout.exceeded(task.name, limits[0].name if limits else "",
                                        _waited(runtime, state), max_wait or 0.0)

@@ -59,10 +59,15 @@ from ..core.limits import Limit
 from ..core.scripts import BUCKET, joined
 from ..values import from_us
 
-__all__ = ["InLine", "Line", "Queues", "Served", "Weights", "entry_json", "fair_of"]
+__all__ = ["MAX_AHEAD_US", "InLine", "Line", "Queues", "Served", "Weights", "entry_json",
+           "fair_of"]
 
 #: The most queues looked at per round, and the waiting tasks read per queue.
 LOOK_QUEUES, LOOK_HEADS = 64, 8
+#: The most a queue is served ahead of its limit's next start (us): the task
+#: sleeps that long at most in a worker process, until the start it was
+#: charged for.  (A long trip estimate, a node starting up, must not fill it.)
+MAX_AHEAD_US = 500_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +213,8 @@ class Queues:
         """Dispatch the due queues' tasks, up to ``batch``; also seconds until the next due
         queue (0: more are due now; None: no task waits).  ``revoked(task_id)``: such
         tasks are dispatched uncharged (the worker drops them)."""
-        reply = self._serve(keys=[self.ready, self.trip], args=["look", LOOK_QUEUES])
+        reply = self._serve(keys=[self.ready, self.trip],
+                            args=["look", LOOK_QUEUES, MAX_AHEAD_US])
         queues = [_text(q) for q in reply[3:]]
         if not queues:
             wait = int(reply[2])
@@ -237,7 +243,7 @@ class Queues:
         reply = self._serve(
             keys=[self.messages, self.entries, self.ready, self.claimed, self.epoch, self.trip,
                   self.wake, self.specs, self.live, *triples],
-            args=["serve", batch, timeout_us, " ".join(uncharged), len(own)])
+            args=["serve", batch, timeout_us, " ".join(uncharged), len(own), MAX_AHEAD_US])
         wait, epoch, items = int(reply[0]), int(reply[1]), reply[2:]
         served = [Served(_text(items[k]), _text(items[k + 1]), epoch, _text(items[k + 2]),
                          int(items[k + 3]), items[k + 4]) for k in range(0, len(items), 5)]

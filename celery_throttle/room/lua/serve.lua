@@ -9,6 +9,7 @@ Three operations, ARGV[1]:
   KEYS[1] the ready index (queue key -> when its limit admits a start, us)
   KEYS[2] the trip estimate (parking.py): a queue is due this much ahead
   ARGV[2] the most queues returned
+  ARGV[3] the most ahead, us (queues.MAX_AHEAD_US)
   Reply: { now, ahead, next, queue 1, queue 2, ... }: next is the earliest
          time (us) of a queue not due yet, or -1
 
@@ -30,6 +31,7 @@ Three operations, ARGV[1]:
   ARGV[3] claim timeout, us (as dispatch.lua: not arrived by then, due again)
   ARGV[4] entries to dispatch without a charge (revoked: the worker drops them)
   ARGV[5] the number of queues to serve
+  ARGV[6] the most ahead, us (as for "look")
   A task's turn: its limits (at their live rate, else the declared one, else
   the one it was enqueued with) admit it within `ahead`: every one is charged for that moment
   and the task is dispatched.  The limit that blocks it is another one: it
@@ -41,18 +43,17 @@ Three operations, ARGV[1]:
          the moment its limits were charged for (us; 0 uncharged)
 
 Ahead: a queue is served ahead of its limit's next start by the trip from
-dispatch to arrival (parking.py's estimate), at most MAX_AHEAD: the task
+dispatch to arrival (parking.py's estimate), at most the given most: the task
 sleeps the rest of it in a worker process, which a long estimate (a node
 starting up delays a few arrivals by seconds) must not fill.
 ]]
-local MAX_AHEAD = 500000
 local t = redis.call('TIME')
 now = tonumber(t[1]) * 1000000 + tonumber(t[2]) -- declared by bucket.lua
 local op = ARGV[1]
 
-local function ahead_of(trip)
+local function ahead_of(trip, most)
   local est = redis.call('HMGET', trip, 'avg', 'dev')
-  return math.min(MAX_AHEAD, math.floor((tonumber(est[1]) or 0) + 2 * (tonumber(est[2]) or 0)))
+  return math.min(tonumber(most), math.floor((tonumber(est[1]) or 0) + 2 * (tonumber(est[2]) or 0)))
 end
 
 local function next_due(ready, ahead)
@@ -64,7 +65,7 @@ local function next_due(ready, ahead)
 end
 
 if op == 'look' then
-  local ahead = ahead_of(KEYS[2])
+  local ahead = ahead_of(KEYS[2], ARGV[3])
   local out = { now, ahead, -1 }
   local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + ahead, 'LIMIT', 0,
                          tonumber(ARGV[2]))
@@ -108,7 +109,7 @@ for j = 1, (#KEYS - 9) / 3 do
   local b, q = KEYS[7 + 3 * j], KEYS[8 + 3 * j]
   queue_of[b], turns_of[q], buckets[j] = q, KEYS[9 + 3 * j], b
 end
-local ahead = ahead_of(KEYS[6])
+local ahead = ahead_of(KEYS[6], ARGV[6])
 local epoch = redis.call('GET', KEYS[5])
 if not epoch then
   epoch = string.format('%d', now)

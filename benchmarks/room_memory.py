@@ -1,0 +1,114 @@
+"""Redis memory of one task waiting in line, by structure (no workers: the store alone).
+
+    python -m benchmarks.room_memory [--n 20000]
+
+``--n`` tasks of a small Celery task (one int argument) are put in line for
+one limit through ``WaitingRoom.enqueue``, as a worker puts them, with the
+message a worker stores and the wait note it writes.  Two layouts side by
+side on one fresh server: this version's (the message deflated with its
+dictionary, the note a field of the notes hash) and the one before it (the
+message as JSON, the note a key of its own with a TTL, written here as that
+version wrote it).  Prints a markdown table: bytes per waiting task in total
+(``used_memory`` before and after) and per structure (``MEMORY USAGE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import secrets
+import uuid
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_throttle.core.keys import key_digest, task_key
+from celery_throttle.core.limits import Limit
+from celery_throttle.core.rates import parse_rate
+from celery_throttle.room.envelope import Envelope, capture
+from celery_throttle.room.parking import WaitingRoom
+from celery_throttle.testing import RedisServer
+
+T0 = 1_796_000_000_000_000  # a fixed place in line (us): the memory does not depend on it
+
+
+def _message(app: Celery, task_id: str) -> Envelope:
+    """What a worker stores for a small task it defers (Celery's headers and ours)."""
+    task = app.tasks["proj.tasks.summarize"]
+    header: dict[str, Any] = {"celery_throttle": {
+        "slot": None, "booked": 0, "epoch": 0, "shift": 0, "deferrals": 1, "since": T0,
+        "copy": secrets.token_hex(8), "prev": "", "spacing": [200000],
+        "entry": f"{key_digest(task_id)}:-"}}
+    return capture(task.signature((7,), task_id=task_id, priority=9, headers=header))
+
+
+def _json_format(envelope: Envelope) -> bytes:
+    """The stored format before this version: the fields as JSON, the body base64."""
+    return json.dumps({
+        "b": base64.b64encode(envelope.body).decode(), "ct": envelope.content_type,
+        "ce": envelope.content_encoding, "x": envelope.exchange, "rk": envelope.routing_key,
+        "h": envelope.headers, "p": envelope.properties}, separators=(",", ":")).encode()
+
+
+def run(n: int, layout: str) -> dict[str, float]:
+    """Bytes per waiting task, total and per structure, for ``layout`` ("now" or "before")."""
+    app = Celery("bench", broker="memory://", set_as_current=False)
+
+    @app.task(name="proj.tasks.summarize", shared=False)
+    def summarize(document: int) -> int:
+        return document
+
+    limit = Limit("proj.tasks.summarize", parse_rate("300/m"))
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        room = WaitingRoom(client, "throttle")
+        base = int(client.info("memory")["used_memory"])
+        for i in range(n):
+            task_id = str(uuid.uuid4())
+            entry = f"{key_digest(task_id)}:-"
+            envelope = _message(app, task_id)
+            note: dict[str, Any] = {"task": summarize.name, "limit": limit.name, "due": T0 + i,
+                                    "deferrals": 1, "since": T0,
+                                    "queue": limit.queue_in("throttle").decode(), "entry": entry}
+            if layout == "now":
+                room.enqueue(entry, envelope.dumps(), task_id, limits=[limit], blocking=limit,
+                             place_us=T0 + i, due_us=T0 + 10**12,
+                             note=json.dumps(note, separators=(",", ":")))
+            else:
+                room.enqueue(entry, _json_format(envelope), task_id, limits=[limit],
+                             blocking=limit, place_us=T0 + i, due_us=T0 + 10**12)
+                old = {**note, "booked": False, "parked_until": 0}
+                client.set(task_key("throttle", "wait", task_id), json.dumps(old), px=3_600_000)
+        total = int(client.info("memory")["used_memory"]) - base
+        parts = {"messages": room.messages, "entries": room.queues.entries,
+                 "queue": limit.queue_in("throttle").decode(), "notes hash": room.notes}
+        out = {"total": total / n}
+        for name, key in parts.items():
+            out[name] = (client.memory_usage(key, samples=0) or 0) / n
+        # The rest: the note keys of the layout before (a key, its value, its TTL).
+        out["note keys"] = out["total"] - sum(out[name] for name in parts)
+        client.close()
+    app.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=20_000, help="tasks in line")
+    args = parser.parse_args(argv)
+    now, before = run(args.n, "now"), run(args.n, "before")
+    print(f"{args.n} tasks of one small task in line for one limit; bytes of Redis per "
+          f"waiting task (`python -m benchmarks.room_memory --n {args.n}`).\n")
+    print("| structure | before (JSON message, note key) | now |")
+    print("|---|---:|---:|")
+    for name in ("messages", "entries", "queue", "notes hash", "note keys", "total"):
+        print(f"| {name} | {before[name]:.0f} B | {now[name]:.0f} B |")
+    print(f"| projected for 1,000,000 waiting tasks | {before['total'] * 1e6 / 2**30:.2f} GiB"
+          f" | {now['total'] * 1e6 / 2**30:.2f} GiB |")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,9 +6,10 @@ Configured from the environment: CT_REDIS (server URL; broker on db 10 unless
 CT_BROKER names another, store on db 11, results on db 12, records on db 13:
 high numbers, since the tests flush them), CT_PREFIX (the bucket prefix) and
 CT_CONF (settings, as JSON); a fault is injected at one of
-celery_throttle.faults' points (CT_FAULT) or as a skewed clock
-(CT_CLOCK_OFFSET).  CT_PROVIDER, CT_LEASE and CT_NO_SETTLE shape the provider
-tasks, CT_NO_INSTALL leaves install() out.
+celery_throttle.faults' points (CT_FAULT: the node dies; CT_STALL: the
+process stalls) or as a skewed clock (CT_CLOCK_OFFSET).  CT_PROVIDER,
+CT_LEASE and CT_NO_SETTLE shape the provider tasks, CT_NO_INSTALL leaves
+install() out.
 """
 
 from __future__ import annotations
@@ -282,6 +283,22 @@ if os.environ.get("CT_FAULT"):
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
     faults.inject(os.environ["CT_FAULT"], _die_once)
+
+if os.environ.get("CT_STALL"):
+    # CT_STALL="point:seconds:every": each process stalls ``seconds`` at that
+    # point of celery_throttle.faults every ``every``-th time it reaches it
+    # (a process woken late: a loaded machine, a container out of CPU quota).
+    from celery_throttle import faults
+
+    _point, _seconds, _every = os.environ["CT_STALL"].split(":")
+    _reached = [0]
+
+    def _stall(*_: object) -> None:
+        _reached[0] += 1
+        if _reached[0] % int(_every) == 0:
+            time.sleep(float(_seconds))
+
+    faults.inject(_point, _stall)
 
 if os.environ.get("CT_CLOCK_OFFSET"):
     # A node whose wall clock is off by CT_CLOCK_OFFSET seconds, where Celery

@@ -94,6 +94,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
     charged = state.charged  # ... from a limit's queue: how (queues.Served.flag)
     arrived_at: int | None = 0  # the server's time when it arrived (0: unknown)
+    asked = time.monotonic()  # (before the arrival is asked: see _turn_kept)
     if arrived:
         arrived_at = _first_arrival(task, runtime, state)
         if arrived_at is None:
@@ -110,12 +111,9 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             request.delivery_info = info  # type: ignore[assignment]
     concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
     holder = str(request.id) if concurrent else ""
-    if charged == "c" and arrived and _in_time(task, runtime, limits, state, arrived_at):
-        admitted = True  # its turn came in its queue: every limit was charged for it ...
-        if state.slot and arrived_at:
-            # ... at this moment, which it arrived ahead of by at most the dispatch's
-            # lead (queues.py): it starts then, not earlier.
-            time.sleep(min(max(0.0, from_us(state.slot - arrived_at)), from_us(MAX_AHEAD_US)))
+    if charged == "c" and arrived and _turn_kept(task, runtime, limits, state, arrived_at,
+                                                 asked):
+        admitted = True  # its turn came in its queue: every limit was charged for it
     elif charged == "t" and arrived:
         raise ThrottleTimeout.exceeded(task.name, limits[0].name if limits else "",
                                        _waited(runtime, state), max_wait or 0.0)
@@ -340,8 +338,8 @@ def _room_open(task: Task[Any, Any], runtime: Runtime) -> bool:
 def _in_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit]) -> bool:
     """Does the task wait in line (the scheduler)?  Rate limits only, for now: a task
     with a concurrency limit waits as before (its seat is handed over in order)."""
-    return (runtime.config.scheduler and _room_open(task, runtime)
-            and all(isinstance(lim, Limit) for lim in limits))
+    return (runtime.config.scheduler and all(isinstance(lim, Limit) for lim in limits)
+            and _room_open(task, runtime))
 
 
 def _rank(task: Task[Any, Any], runtime: Runtime) -> int:
@@ -402,20 +400,30 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     raise Ignore()
 
 
-def _in_time(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
-             state: WaitState, arrived_at: int | None) -> bool:
-    """Did a task dispatched from its queue arrive in time for the start it was charged for?
+def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+               state: WaitState, arrived_at: int | None, asked: float) -> bool:
+    """A task dispatched from its queue: wait for the start it was charged for; in time?
 
-    Later than the grace (``_grace``), starting would put two starts closer
-    than an interval (the next task keeps its own moment): its turn is lost
-    (a little throughput) and it asks again, in line, keeping its place.
+    It arrives ahead of that moment by at most the dispatch's lead
+    (``queues.MAX_AHEAD_US``) and sleeps until then.  Later than the grace
+    (``_grace``), arriving late or woken late (a loaded machine, a container
+    out of its CPU quota, can run a sleeping process 100 ms after its
+    timer), starting would put two starts closer than an interval (the next
+    task keeps its own moment): its turn is lost (a little throughput) and
+    it asks again, in line, keeping its place.  The check comes after the
+    sleep: the server's clock now is at most its time at the arrival plus
+    what this process's clock counted since it asked (``asked``, monotonic).
     """
     if not state.slot or not arrived_at:
         return True
-    late = from_us(arrived_at - state.slot)
+    ahead = from_us(state.slot - arrived_at)
+    if ahead > 0:
+        time.sleep(min(ahead, from_us(MAX_AHEAD_US)))
+    faults.at("defer.turn_slept", task)
+    late = time.monotonic() - asked - ahead
     if late <= _grace(runtime, limits, (1 << len(limits)) - 1):
         return True
-    logger.info("throttle: task %s[%s] arrived %.3fs after its turn; in line again",
+    logger.info("throttle: task %s[%s] ready %.3fs after its turn; in line again",
                 task.name, task.request.id, late)
     return False
 

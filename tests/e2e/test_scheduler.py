@@ -229,3 +229,25 @@ def test_a_fair_limit_serves_a_later_tenant_in_turn(
     assert used >= 0.85
     check_window_bound(times, rate=10, burst=1, period=1.0)
     assert " ERROR" not in text
+
+
+def test_a_task_woken_late_for_its_turn_waits_again_in_line(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """Every third turn a process wakes 0.2 s late (4 intervals at 20/s): those tasks wait in
+    line again instead of starting late, so the starts keep the window bound."""
+    # Eight processes hold 0.4 s of the backlog: sleeps of at most 0.1 s put the
+    # rest in line.
+    with worker_nodes(redis_base, ("w1", "w2"), conf={**LINE, "throttle_max_sleep": 0.1},
+                      env={"CT_STALL": "defer.turn_slept:0.2:3"}) as nodes:
+        results = [capp.steady.delay(i) for i in range(80)]
+        states = wait_results(results, timeout=60)
+        rows = read_records(records, expect=80, timeout=5)
+        text = logs(nodes)
+    assert states == ["SUCCESS"] * 80
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
+    again = len(re.findall(r"after its turn; in line again", text))
+    worst = check_window_bound([r["t"] for r in rows], rate=20, burst=1, period=1.0)
+    print(f"\nwoken late every third turn: {again} turns lost, worst windows {worst}")
+    assert again >= 5  # the stalls happened, and were caught
+    assert " ERROR" not in text

@@ -43,11 +43,14 @@ def test_cluster_gate_room_and_leases_keep_one_slot(redis_cluster: Cluster, pref
     """On a 3-master cluster: a multi-limit decision, leases, inspection and the waiting room
     work, and every key they write is in the prefix's one slot."""
     gate = Gate.from_url(redis_cluster.url, prefix=prefix)
-    tenant = Limit("tenant", parse_rate("5/s"), 2, key="acme")
-    provider = Limit("provider", parse_rate("10/s"), 1)
+    # Slow rates: a bucket's key lives until its limit is free again, and the
+    # keys are counted below (at 10/s a loaded run took longer than the 0.2 s
+    # the provider's key lived, and saw 3 keys).
+    tenant = Limit("tenant", parse_rate("5/m"), 2, key="acme")
+    provider = Limit("provider", parse_rate("6/m"), 1)
     inflight = Concurrency("inflight", 2, lease=5)
     first = gate.acquire_many([tenant, provider, inflight], holder="job-1")
-    second = gate.acquire_many([tenant, provider, inflight], holder="job-2", reserve=5)
+    second = gate.acquire_many([tenant, provider, inflight], holder="job-2", reserve=15)
     assert first.allowed
     assert not second.allowed
     assert second.reserved

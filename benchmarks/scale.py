@@ -3,10 +3,10 @@
     python -m benchmarks.scale [--n 50000] [--rate 5] [--measure 150] [--paths P,P]
 
 All tasks are published at once (one producer thread, Celery priority 9: a
-batch) to 2 prefork nodes x 4 processes with default settings (the waiting
-room, slots booked at arrival), next to the same run on the countdown path
-(``throttle_waiting_room=False``) and with the scheduler, tasks waiting in
-line (``throttle_scheduler=True``), and measured for ``--measure`` seconds
+batch) to 2 prefork nodes x 4 processes with default settings (the scheduler:
+waiting tasks wait in line), next to the same run on the countdown path
+(``throttle_waiting_room=False``) and in the waiting room with slots booked at
+arrival (``throttle_scheduler=False``), and measured for ``--measure`` seconds
 after the last publish (a backlog at a slow quota takes hours to drain: the
 steady state is what counts). Ten seconds after the last publish one urgent
 task of the same limit (priority 0: first on a Redis broker) is sent: how long
@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> None:
           f"(`python -m benchmarks.scale --n {args.n} --rate {args.rate} --measure "
           f"{args.measure:g}`).  The tasks are sent with priority 9, the urgent one with 0.\n")
     names = {"countdown": "countdown (`throttle_waiting_room=False`)",
-             "room": "waiting room, slots booked (default)",
-             "scheduler": "scheduler (`throttle_scheduler=True`)"}
+             "room": "waiting room, slots booked (`throttle_scheduler=False`)",
+             "scheduler": "scheduler (default)"}
     print("| measure | " + " | ".join(names[p] for p in paths) + " |")
     print("|---|" + "---:|" * len(paths))
     lines: list[tuple[str, Callable[[dict[str, float]], str]]] = [

@@ -65,7 +65,7 @@ SETTINGS: dict[str, tuple[object, str]] = {
                               "kept as well as in the broker (the store is the broker's "
                               "server, appends to disk, or parks wait for replicas); "
                               "\"always\": on any store; False: never"),
-    "throttle_scheduler": (False, "tasks that must wait longer than throttle_max_sleep wait in "
+    "throttle_scheduler": (True, "tasks that must wait longer than throttle_max_sleep wait in "
                            "line, in the queue of the limit that blocks them, and are "
                            "dispatched when it admits them, best priority first (see the "
                            "scheduler); False: they book their slot when they arrive"),

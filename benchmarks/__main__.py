@@ -36,7 +36,7 @@ _ROOM_MEMORY = (
     "those are still messages in the broker (about 1,240 B each, the countdown column), so "
     "their per-task figure moves little with the store's layout. This one isolates the "
     "store: no workers, one small task put in line for one limit as a worker puts it, the "
-    "layout before this version written side by side on a fresh server.\n")
+    "layouts of earlier versions written side by side on a fresh server.\n")
 
 
 def main(argv: list[str] | None = None) -> None:

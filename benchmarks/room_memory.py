@@ -4,12 +4,14 @@
 
 ``--n`` tasks of a small Celery task (one int argument) are put in line for
 one limit through ``WaitingRoom.enqueue``, as a worker puts them, with the
-message a worker stores and the wait note it writes.  Two layouts side by
-side on one fresh server: this version's (the message deflated with its
-dictionary, the note a field of the notes hash) and the one before it (the
-message as JSON, the note a key of its own with a TTL, written here as that
-version wrote it).  Prints a markdown table: bytes per waiting task in total
-(``used_memory`` before and after) and per structure (``MEMORY USAGE``).
+message a worker stores.  Three layouts side by side on one fresh server:
+this version's (the message deflated with its dictionary; the task's note a
+pointer to its entry, which ``celery throttle why`` reads), the one before
+it (the note as JSON, a field of the notes hash) and the first one (the
+message as JSON, the note a key of its own with a TTL); the older ones are
+written here as those versions wrote them.  Prints a markdown table: bytes
+per waiting task in total (``used_memory`` before and after) and per
+structure (``MEMORY USAGE``).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def _json_format(envelope: Envelope) -> bytes:
 
 
 def run(n: int, layout: str) -> dict[str, float]:
-    """Bytes per waiting task, total and per structure, for ``layout`` ("now" or "before")."""
+    """Bytes per waiting task, total and per structure, for ``layout`` ("now", "note field"
+    or "first")."""
     app = Celery("bench", broker="memory://", set_as_current=False)
 
     @app.task(name="proj.tasks.summarize", shared=False)
@@ -72,13 +75,16 @@ def run(n: int, layout: str) -> dict[str, float]:
             note: dict[str, Any] = {"task": summarize.name, "limit": limit.name, "due": T0 + i,
                                     "deferrals": 1, "since": T0,
                                     "queue": limit.queue_in("throttle").decode(), "entry": entry}
-            if layout == "now":
+            if layout != "first":
                 room.enqueue(entry, envelope.dumps(), task_id, limits=[limit], blocking=limit,
-                             place_us=T0 + i, due_us=T0 + 10**12,
-                             note=json.dumps(note, separators=(",", ":")))
+                             place_us=T0 + i, due_us=T0 + 10**12)
+                if layout == "note field":  # (over the pointer enqueue wrote)
+                    client.hset(room.notes, key_digest(task_id),
+                                json.dumps(note, separators=(",", ":")))
             else:
                 room.enqueue(entry, _json_format(envelope), task_id, limits=[limit],
                              blocking=limit, place_us=T0 + i, due_us=T0 + 10**12)
+                client.hdel(room.notes, key_digest(task_id))  # (that version wrote none)
                 old = {**note, "booked": False, "parked_until": 0}
                 client.set(task_key("throttle", "wait", task_id), json.dumps(old), px=3_600_000)
         total = int(client.info("memory")["used_memory"]) - base
@@ -87,7 +93,7 @@ def run(n: int, layout: str) -> dict[str, float]:
         out = {"total": total / n}
         for name, key in parts.items():
             out[name] = (client.memory_usage(key, samples=0) or 0) / n
-        # The rest: the note keys of the layout before (a key, its value, its TTL).
+        # The rest: the note keys of the first layout (a key, its value, its TTL).
         out["note keys"] = out["total"] - sum(out[name] for name in parts)
         client.close()
     app.close()
@@ -99,15 +105,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=20_000, help="tasks in line")
     args = parser.parse_args(argv)
-    now, before = run(args.n, "now"), run(args.n, "before")
+    layouts = ("first", "note field", "now")
+    runs = [run(args.n, layout) for layout in layouts]
     print(f"{args.n} tasks of one small task in line for one limit; bytes of Redis per "
           f"waiting task (`python -m benchmarks.room_memory --n {args.n}`).\n")
-    print("| structure | before (JSON message, note key) | now |")
-    print("|---|---:|---:|")
+    print("| structure | JSON message, note key | deflated message, note in the notes hash "
+          "| now: the note a pointer to the entry |")
+    print("|---|---:|---:|---:|")
     for name in ("messages", "entries", "queue", "notes hash", "note keys", "total"):
-        print(f"| {name} | {before[name]:.0f} B | {now[name]:.0f} B |")
-    print(f"| projected for 1,000,000 waiting tasks | {before['total'] * 1e6 / 2**30:.2f} GiB"
-          f" | {now['total'] * 1e6 / 2**30:.2f} GiB |")
+        print(f"| {name} | " + " | ".join(f"{r[name]:.0f} B" for r in runs) + " |")
+    print("| projected for 1,000,000 waiting tasks | "
+          + " | ".join(f"{r['total'] * 1e6 / 2**30:.2f} GiB" for r in runs) + " |")
 
 
 if __name__ == "__main__":

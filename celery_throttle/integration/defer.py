@@ -381,8 +381,6 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             expires_us=decision.now + to_us(max(to_expiry, 0.0)) if to_expiry is not None
             else 0,
             deadline_us=since + to_us(max_wait) if max_wait is not None else 0,
-            note=wait_note(task, blocking.name, decision, new, parked_until=due,
-                           line=(blocking.queue_in(config.prefix).decode(), entry)),
             weights=config.fair_weights)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])

@@ -1,9 +1,11 @@
 """Wait notes: why and until when a task waits, for ``celery throttle why``.
 
-One JSON value per waiting task under ``{prefix}:wait:<task id digest>``,
-written at each deferral (by the script that parks a task, or by one SET
-when it is re-published with a countdown) and kept until a minute after the
-start it announces.  Best effort: the deferral itself is what matters.
+One JSON value per waiting task, written at each deferral: by one SET under
+``{prefix}:wait:<task id digest>`` when it is re-published with a countdown,
+kept until a minute after the start it announces; by the script that parks
+it, as a field of the waiting room's notes hash, moved to that key when it
+arrives.  A task waiting in line notes only its entry there: the entry and
+its message say the rest.  Best effort: the deferral itself is what matters.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from celery.backends.base import DisabledBackend
 
 from ..core.gate import Decision
 from ..core.keys import task_key
-from ..room.header import WaitState
+from ..room.envelope import Envelope
+from ..room.header import HEADER, WaitState
 from ..values import from_us, to_us
 from .runtime import Runtime
 
@@ -34,12 +37,12 @@ NOTE_AFTER_MS = 60_000
 
 
 def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitState,
-              parked_until: int = 0, line: tuple[str, str] | None = None) -> str:
+              parked_until: int = 0) -> str:
     """Why and until when the task waits, for ``celery throttle why`` (JSON).
 
     ``parked_until``: when the waiting room dispatches it (server clock, us);
-    0 when it waits as a countdown.  ``line``: the queue and entry it waits
-    in line as (``room/queues.py``), to tell its place.
+    0 when it waits as a countdown.  (A task waiting in line writes none: its
+    entry is its note, see :func:`read_wait`.)
     """
     due = decision.now + to_us(decision.retry_after)
     # Compact, defaults left out (read_wait puts them back): a note is kept
@@ -50,8 +53,6 @@ def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitS
         note["booked"] = True
     if parked_until:
         note["parked_until"] = parked_until
-    if line is not None:
-        note.update(queue=line[0], entry=line[1])
     return json.dumps(note, separators=(",", ":"))
 
 
@@ -67,20 +68,43 @@ def write_note(task: Task[Any, Any], runtime: Runtime, note: str, wait: float) -
 
 
 def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
-    """What the last deferral of ``task_id`` recorded, with times relative to now (or None)."""
+    """What the last deferral of ``task_id`` recorded, with times relative to now (or None).
+
+    A task waiting in line noted only its entry ("@" and the entry id): its
+    note is read from there, with its place now and an estimated start (its
+    place times its limit's interval: other limits of the tasks ahead, and
+    costs above one, make it later).  None once it left the line.
+    """
     now, raw = runtime.room.read_note(task_id)
     if not raw:
         return None
-    note = {"booked": False, "parked_until": 0, **json.loads(raw)}
+    if raw.startswith(b"@"):
+        note = _in_line(runtime, raw[1:].decode(), now)
+        if note is None:
+            return None
+    else:
+        note = {"booked": False, "parked_until": 0, **json.loads(raw)}
     note["due_in_s"] = round(from_us(note["due"] - now), 3)
     parked = note.get("parked_until") or 0
     note["dispatched_in_s"] = round(from_us(parked - now), 3) if parked else None
     note["waiting_s"] = round(from_us(now - (note["since"] or now)), 3)
-    if note.get("queue") and note.get("entry"):
-        # Its place now (0: next); None once it left the line (dispatched).
-        with contextlib.suppress(redis.RedisError):
-            note["place"] = runtime.gate.client.zrank(note["queue"], note["entry"])
     return dict(note)
+
+
+def _in_line(runtime: Runtime, entry: str, now: int) -> dict[str, Any] | None:
+    """The note of a task waiting in line as ``entry``, from the entry and its message."""
+    found = runtime.room.queues.find(entry)
+    if found is None:
+        return None
+    line, interval = found
+    headers: dict[str, Any] = Envelope.loads(line.message).headers if line.message else {}
+    ours = headers.get(HEADER)
+    if not isinstance(ours, dict):
+        ours = {}
+    return {"task": headers.get("task", "?"), "limit": line.limit,
+            "due": now + (line.place + 1) * interval, "deferrals": ours.get("deferrals", 0),
+            "since": ours.get("since"), "booked": False, "parked_until": 0,
+            "entry": entry, "place": line.place}
 
 
 # Wait notes deleted per command (one slot: a cluster takes them in one DEL).

@@ -22,7 +22,8 @@ Keys (``keys.room_key``): ``parked`` (sorted set: entry -> dispatch time, us),
 most one token), ``trip`` (the measured trip from dispatch to arrival, which
 dispatches run ahead by) and ``notes`` (hash: task digest -> the wait note
 of a task waiting here; its arrival moves it to a key of its own, with a
-TTL, for ``celery throttle why`` after the start).
+TTL, for ``celery throttle why`` after the start; a task waiting in line
+notes only its entry, ``queues.py``).
 """
 
 from __future__ import annotations
@@ -125,13 +126,12 @@ class WaitingRoom:
 
     def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[Limit],
                 blocking: Limit, place_us: int, due_us: int = 0, expires_us: int = 0,
-                deadline_us: int = 0, note: str = "", weights: Weights | None = None) -> int:
+                deadline_us: int = 0, weights: Weights | None = None) -> int:
         """``Queues.enqueue`` (the same arguments and reply), acknowledged as a park is: once
         ``throttle_park_replicas`` replicas have it."""
         keys, args = self.queues.enqueue_call(
             entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
-            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, note=note,
-            weights=weights)
+            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights)
         return int(self._replicated(self.queues.script, keys, args))
 
     def _replicated(self, script: Script, keys: Sequence[str | bytes],

@@ -159,25 +159,27 @@ class Queues:
 
     def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[Limit],
                 blocking: Limit, place_us: int, due_us: int = 0, expires_us: int = 0,
-                deadline_us: int = 0, note: str = "", weights: Weights | None = None) -> int:
+                deadline_us: int = 0, weights: Weights | None = None) -> int:
         """Put the task in line for ``blocking`` (one of its ``limits``) at ``place_us``,
         or, when ``blocking`` has a fair key value, at its value's next turn.
 
         ``due_us``: when ``blocking`` admits a start (server clock; 0: now).
         Returns the server's time (us), or 0 when ``entry`` waits already
-        (nothing written: the broker delivered its message again).  (A worker
+        (nothing written: the broker delivered its message again).  The task's
+        wait note is a pointer to ``entry``: what ``celery throttle why`` says of
+        it is read from the entry and its message (:meth:`find`), so a task in
+        line stores no note of its own.  (A worker
         enqueues through ``WaitingRoom.enqueue``, which also waits for the
         store's replicas.)
         """
         keys, args = self.enqueue_call(
             entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
-            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, note=note,
-            weights=weights)
+            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights)
         return int(self._enqueue(keys=keys, args=args))
 
     def enqueue_call(self, entry: str, message: bytes, task_id: str, *,
                      limits: Sequence[Limit], blocking: Limit, place_us: int, due_us: int = 0,
-                     expires_us: int = 0, deadline_us: int = 0, note: str = "",
+                     expires_us: int = 0, deadline_us: int = 0,
                      weights: Weights | None = None,
                      ) -> tuple[list[str | bytes], list[str | bytes | int | float]]:
         """The keys and arguments of :meth:`enqueue`'s script (``script``), to run it on
@@ -190,7 +192,7 @@ class Queues:
             entry, message, place_us,
             entry_json(task_id, limits, self.prefix, place_us=place_us, expires_us=expires_us,
                        deadline_us=deadline_us, weights=weights),
-            due_us, note, key_digest(task_id), fair, repr(units)]
+            due_us, key_digest(task_id), fair, repr(units)]
         return keys, args
 
     @property
@@ -298,6 +300,31 @@ class Queues:
             _, digest, limit = split_limit_key(q)
             out.append(InLine(entry, limit, digest, place, message or b""))
         return out
+
+    def find(self, entry: str) -> tuple[InLine, int] | None:
+        """Where ``entry`` waits: its place in the queue it is in, its message, and the
+        interval (us) that queue's limit is charged at now (as the dispatch reads it: the
+        live rate, else the declared one, else the one it was enqueued with).  None once
+        it left its line (dispatched or dropped)."""
+        task = _task(self.client.hget(self.entries, entry) or b"")
+        if task is None:
+            return None
+        rows = [row for row in task.get("l") or [] if isinstance(row, list) and len(row) >= 3
+                and isinstance(row[0], str) and ":b:" in row[0]]
+        queues = [sibling_key(row[0], "q") for row in rows]
+        pipe = self.client.pipeline(transaction=False)
+        for q in queues:
+            pipe.zrank(q, entry)
+        pipe.hget(self.messages, entry)
+        *places, message = pipe.execute()
+        for row, q, place in zip(rows, queues, places, strict=True):
+            if place is None:
+                continue
+            _, digest, name = split_limit_key(q)
+            spec = self.client.hget(self.live, name) or self.client.hget(self.specs, name)
+            interval = int(_text(spec).split()[0]) if spec else int(row[2])
+            return InLine(entry, name, digest, int(place), message or b""), interval
+        return None
 
     def look_now(self, name: str) -> int:
         """Look at every queue of limit ``name`` now, not when its old rate or pause said

@@ -21,8 +21,11 @@ from celery.exceptions import Ignore
 
 import celery_throttle
 from celery_throttle import Concurrency, Gate, Limit, metrics, parse_rate, throttled
+from celery_throttle.core.keys import key_digest
 from celery_throttle.integration.notes import read_wait
 from celery_throttle.integration.runtime import forget, runtime_for
+from celery_throttle.room.envelope import capture
+from celery_throttle.room.header import HEADER, WaitState
 from celery_throttle.testing import free_port
 
 from ..clock import T0, StepClock
@@ -91,6 +94,43 @@ def test_counts_log_line_and_wait_note_after_a_known_run(
     assert note["deferrals"] == 1
     assert 1.9 < note["due_in_s"] <= 2.0
     assert read_wait(runtime_for(app), "task-0") is None  # started at once: nothing recorded
+
+
+def test_why_reads_a_task_in_line_from_its_entry(app: Celery) -> None:
+    """A task in line stores no note of its own (a pointer to its entry): `why` reads its
+    task, limit, deferrals and place from the entry and its message, estimates its start
+    at the rate in force, and forgets it once it left the line."""
+    runtime = runtime_for(app)
+    room = runtime.room
+    limit = Limit("line", parse_rate("2/s"))
+
+    @app.task(shared=False, name="proj.in_line")
+    def job(i: int) -> int:
+        return i
+
+    sec, usec = runtime.gate.client.time()
+    now = int(sec) * 1_000_000 + int(usec)
+    entries = [f"{key_digest(f't{i}')}:-" for i in range(3)]
+    for i, entry in enumerate(entries):
+        header: dict[str, Any] = {
+            HEADER: WaitState(deferrals=1, since=now - 5_000_000, entry=entry).to_header()}
+        message = capture(job.signature((i,), task_id=f"t{i}", headers=header)).dumps()
+        assert room.enqueue(entry, message, f"t{i}", limits=[limit], blocking=limit,
+                            place_us=now + i, due_us=now + 60_000_000)
+    assert runtime.gate.client.hget(room.notes, key_digest("t2")) == b"@" + entries[2].encode()
+    note = read_wait(runtime, "t2")
+    assert note is not None
+    assert (note["task"], note["limit"], note["place"], note["deferrals"]) == \
+        ("proj.in_line", "line", 2, 1)
+    assert note["booked"] is False
+    assert 1.4 < note["due_in_s"] <= 1.5  # third in line at 2/s
+    assert 4.9 < note["waiting_s"] < 6.0
+    runtime.live.set("line", "20/s")  # the rate the dispatch now charges it at
+    note = read_wait(runtime, "t2")
+    assert note is not None
+    assert 0.1 < note["due_in_s"] <= 0.15
+    room.queues.clear()  # (as a dispatch takes it out of its line)
+    assert read_wait(runtime, "t2") is None
 
 
 def test_store_errors_are_counted(app: Celery) -> None:

@@ -8,6 +8,8 @@ import redis
 from redis.cluster import RedisCluster
 
 from celery_throttle.core.keys import epoch_key
+from celery_throttle.core.limits import Limit
+from celery_throttle.core.rates import parse_rate
 from celery_throttle.room.parking import Parked, WaitingRoom
 
 # Far enough ahead that nothing becomes due while a test runs.
@@ -141,6 +143,25 @@ def test_the_wait_note_is_kept_while_parked_and_a_minute_after_the_arrival(
     assert 59_000 < client.pttl(key) <= 60_000
     assert client.hlen(room.notes) == 0
     assert room.read_note("task-1")[1] == b'{"limit": "x"}'
+
+
+def test_a_task_in_line_notes_its_entry_and_the_arrival_drops_it(
+    client: redis.Redis, prefix: str
+) -> None:
+    """A task in line notes only a pointer to its entry; its arrival deletes it and keeps
+    no key (the entry it pointed at is gone: nothing to say after the start)."""
+    from celery_throttle.core.keys import task_key
+
+    room = WaitingRoom(client, prefix)
+    limit = Limit("ptr", parse_rate("100/s"))
+    room.enqueue("e", b"m", "task-1", limits=[limit], blocking=limit, place_us=_now_us(client))
+    assert room.read_note("task-1")[1] == b"@e"
+    _, [served] = room.queues.serve_due(10, 60_000_000)
+    assert room.arrive("e", served.token, served.epoch, task_id="task-1",
+                       note_ttl_ms=60_000) > 0
+    assert client.hlen(room.notes) == 0
+    assert client.exists(task_key(prefix, "wait", "task-1")) == 0
+    assert room.read_note("task-1")[1] == b""
 
 
 def test_state_counts_parked_and_dispatching(client: redis.Redis, prefix: str) -> None:

@@ -40,7 +40,10 @@ if redis.call('HDEL', KEYS[1], entry) == 1 then
     -- `celery throttle why` still answers for a minute after the start.
     local note = redis.call('HGET', KEYS[7], ARGV[5])
     if note then
-      redis.call('SET', KEYS[8], note, 'PX', tonumber(ARGV[6]))
+      -- (A task in line noted only its entry, gone now: nothing to keep.)
+      if string.sub(note, 1, 1) ~= '@' then
+        redis.call('SET', KEYS[8], note, 'PX', tonumber(ARGV[6]))
+      end
       redis.call('HDEL', KEYS[7], ARGV[5])
     end
   end

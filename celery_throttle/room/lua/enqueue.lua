@@ -12,19 +12,19 @@ KEYS[4]  the ready index: a sorted set, queue key -> when its limit admits its
 KEYS[5]  the wake list (one token: a dispatcher sleeping past the new earliest
          queue wakes)
 KEYS[6]  the waiting tasks' notes (a hash: task digest -> wait note, as in
-         park.lua)
-KEYS[7]  the queue's turns (turns.lua), used when ARGV[8] is not ""
+         park.lua); a task in line has "@" and its entry id there: its entry
+         and message are its note (`celery throttle why` reads them)
+KEYS[7]  the queue's turns (turns.lua), used when ARGV[7] is not ""
 ARGV[1]  entry id
-ARGV[2]  the message (envelope JSON)
+ARGV[2]  the message (envelope.py's)
 ARGV[3]  place in line: its first wait (us, server clock) + its priority's
          rank x the ageing step (us)
 ARGV[4]  the entry's JSON
 ARGV[5]  when the blocking limit admits a start (us, server clock), 0 = now
-ARGV[6]  the wait note (JSON), "" for none
-ARGV[7]  the note's field in KEYS[6] (the task id's digest)
-ARGV[8]  its fair key value's digest for a fair queue (ordered by turn, not
+ARGV[6]  the note's field in KEYS[6] (the task id's digest)
+ARGV[7]  its fair key value's digest for a fair queue (ordered by turn, not
          by place), or ""
-ARGV[9]  its cost / its value's weight: how far its turn moves the value on
+ARGV[8]  its cost / its value's weight: how far its turn moves the value on
 
 Reply: now (us); 0 when the entry waits already (nothing written): the
 broker delivered the same message again
@@ -37,8 +37,8 @@ if redis.call('HSETNX', KEYS[1], entry, ARGV[2]) == 0 then
 end
 redis.call('HSET', KEYS[2], entry, ARGV[4])
 local score = ARGV[3]
-if ARGV[8] ~= '' then
-  score = fair_tag(KEYS[7], ARGV[8], tonumber(ARGV[9]))
+if ARGV[7] ~= '' then
+  score = fair_tag(KEYS[7], ARGV[7], tonumber(ARGV[8]))
 end
 redis.call('ZADD', KEYS[3], score, entry)
 local due = tonumber(ARGV[5])
@@ -57,7 +57,5 @@ if not current or due < current then
     redis.call('PEXPIRE', KEYS[5], 60000)
   end
 end
-if ARGV[6] ~= '' then
-  redis.call('HSET', KEYS[6], ARGV[7], ARGV[6])
-end
+redis.call('HSET', KEYS[6], ARGV[6], '@' .. entry)
 return now

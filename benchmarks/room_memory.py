@@ -8,10 +8,10 @@ message a worker stores.  Three layouts side by side on one fresh server:
 this version's (the message deflated with its dictionary; the task's note a
 pointer to its entry, which ``celery throttle why`` reads), the one before
 it (the note as JSON, a field of the notes hash) and the first one (the
-message as JSON, the note a key of its own with a TTL); the older ones are
-written here as those versions wrote them.  Prints a markdown table: bytes
-per waiting task in total (``used_memory`` before and after) and per
-structure (``MEMORY USAGE``).
+message as JSON, the note a key of its own with a TTL); the older ones (and
+their records for the dispatch) are written here as those versions wrote
+them.  Prints a markdown table: bytes per waiting task in total
+(``used_memory`` before and after) and per structure (``MEMORY USAGE``).
 """
 
 from __future__ import annotations
@@ -87,6 +87,14 @@ def run(n: int, layout: str) -> dict[str, float]:
                 client.hdel(room.notes, key_digest(task_id))  # (that version wrote none)
                 old = {**note, "booked": False, "parked_until": 0}
                 client.set(task_key("throttle", "wait", task_id), json.dumps(old), px=3_600_000)
+            if layout != "now":
+                # The dispatch's record as the earlier versions wrote it: every
+                # field, with its defaults.
+                row = [limit.key_in("throttle").decode(), limit.name, limit.rate.interval_us,
+                       limit.burst, limit.cost, "", 1]
+                client.hset(room.queues.entries, entry, json.dumps(
+                    {"t": task_id, "p": T0 + i, "e": 0, "w": 0, "l": [row]},
+                    separators=(",", ":")))
         total = int(client.info("memory")["used_memory"]) - base
         parts = {"messages": room.messages, "entries": room.queues.entries,
                  "queue": limit.queue_in("throttle").decode(), "notes hash": room.notes}

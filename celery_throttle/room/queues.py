@@ -135,10 +135,18 @@ def entry_json(task_id: str, limits: Sequence[Limit], prefix: str, *, place_us: 
     rows = []
     for lim in limits:
         fair, units = fair_of(lim, weights or {})
-        rows.append([lim.key_in(prefix).decode(), lim.name, lim.rate.interval_us, lim.burst,
-                     lim.cost, fair, units])
-    return json.dumps({"t": task_id, "p": place_us, "e": expires_us, "w": deadline_us,
-                       "l": rows}, separators=(",", ":"))
+        row: list[str | int | float] = [lim.key_in(prefix).decode(), lim.name,
+                                        lim.rate.interval_us, lim.burst, lim.cost]
+        if fair:  # (serve.lua reads a missing fair key value as none, and units as 1)
+            row += [fair, units]
+        rows.append(row)
+    # One per waiting task: the deadlines are left out when there are none.
+    task: dict[str, object] = {"t": task_id, "p": place_us, "l": rows}
+    if expires_us:
+        task["e"] = expires_us
+    if deadline_us:
+        task["w"] = deadline_us
+    return json.dumps(task, separators=(",", ":"))
 
 
 class Queues:

@@ -185,9 +185,9 @@ local function serve(q)
     if not task or redis.call('HEXISTS', messages, entry) == 0 then
       redis.call('ZREM', q, entry) -- its message is gone (purged): nothing to dispatch
       redis.call('HDEL', entries, entry)
-    elseif uncharged[entry] or (task.e > 0 and now >= task.e) then
+    elseif uncharged[entry] or ((task.e or 0) > 0 and now >= task.e) then
       dispatch(q, entry, 'x', 0, place, false)
-    elseif task.w > 0 and now >= task.w then
+    elseif (task.w or 0) > 0 and now >= task.w then
       dispatch(q, entry, 't', 0, place, false)
     else
       local lims = limits_of(task)

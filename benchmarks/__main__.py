@@ -39,6 +39,13 @@ _ROOM_MEMORY = (
     "layouts of earlier versions written side by side on a fresh server.\n")
 
 
+_KEYS_DISPATCH = (
+    "No workers: the store alone, as the dispatchers drive it (see the module's docstring). "
+    "A limit whose waiting tasks are spread over many key values (or fair key values) "
+    "must not cost the store more per dispatched task than one key value does, and a fair "
+    "limit must keep serving its values in turn.\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run every section, print the document and write BENCHMARKS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -109,6 +116,13 @@ def main(argv: list[str] | None = None) -> None:
                            "2000" if args.quick else "20000"], capture_output=True, text=True,
                           timeout=600, cwd=ROOT, check=True)
     doc.append(room.stdout)
+    doc.append("\n### Dispatch with many key values\n")
+    doc.append(_KEYS_DISPATCH)
+    keys = subprocess.run([sys.executable, "-m", "benchmarks.keys_dispatch", "--tasks",
+                           "4000" if args.quick else "200000", "--values",
+                           "2000" if args.quick else "100000"], capture_output=True, text=True,
+                          timeout=1800, cwd=ROOT, check=True)
+    doc.append(keys.stdout)
     doc.append("\n### Memory of pool processes\n")
     memory = subprocess.run([sys.executable, "-m", "benchmarks.pool_memory"], capture_output=True,
                             text=True, timeout=600, cwd=ROOT, check=True)

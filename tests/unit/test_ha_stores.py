@@ -112,6 +112,39 @@ def test_moved_after_resharding_the_prefix_slot_is_survived(redis_cluster: Clust
     gate.client.close()
 
 
+def test_tasks_in_line_survive_a_reshard_mid_dispatch(redis_cluster: Cluster,
+                                                      prefix: str) -> None:
+    """300 tasks in line; once at least 100 are dispatched the prefix's slot moves to
+    another master, queues, entries and all: the rest are dispatched from there, each task
+    exactly once, none lost."""
+    room = WaitingRoom(connect(redis_cluster.url), prefix)
+    line = Limit("line", parse_rate("1000/s"))
+    for i in range(300):
+        room.enqueue(f"e{i}", b"m", f"t{i}", limits=[line], blocking=line, place_us=i)
+    served: list[str] = []
+
+    def dispatch_until(count: int) -> None:  # as a dispatcher does, bounded
+        deadline = time.monotonic() + 20
+        while len(served) < count and time.monotonic() < deadline:
+            wait, batch = room.queues.serve_due(50, 60_000_000)
+            served.extend(item.entry for item in batch)
+            if wait is None:
+                return
+            time.sleep(min(wait, 0.05))
+
+    dispatch_until(100)
+    with contextlib.closing(redis_cluster.client(0)) as cli:
+        slot = key_slot(cli, line.queue_in(prefix).decode())
+    before = redis_cluster.owner(slot)
+    assert redis_cluster.move_slot(slot, (before + 1) % 3) >= 4  # queue, entries, messages ...
+    assert redis_cluster.owner(slot) != before
+    dispatch_until(300)
+    assert len(served) == 300
+    assert sorted(served) == sorted(f"e{i}" for i in range(300))  # each once
+    assert room.queues.waiting() == 0
+    room.client.close()
+
+
 def test_a_park_returns_once_a_replica_has_it(prefix: str, caplog: pytest.LogCaptureFixture,
                                               redis_url: str) -> None:
     """throttle_park_replicas: a park (or a task put in line) is on the replica when it

@@ -94,8 +94,9 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
     charged = state.charged  # ... from a limit's queue: how (queues.Served.flag)
     arrived_at: int | None = 0  # the server's time when it arrived (0: unknown)
-    asked = time.monotonic()  # (before the arrival is asked: see _turn_kept)
+    asked = 0.0  # (this process's clock before the arrival is asked: see _turn_kept)
     if arrived:
+        asked = time.monotonic()
         arrived_at = _first_arrival(task, runtime, state)
         if arrived_at is None:
             logger.info("throttle: task %s[%s] dropped: a second copy dispatched from the "

@@ -79,7 +79,7 @@ def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
     if not raw:
         return None
     if raw.startswith(b"@"):
-        note = _in_line(runtime, raw[1:].decode(), now)
+        note = _note_in_line(runtime, raw[1:].decode(), now)
         if note is None:
             return None
     else:
@@ -91,7 +91,7 @@ def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
     return dict(note)
 
 
-def _in_line(runtime: Runtime, entry: str, now: int) -> dict[str, Any] | None:
+def _note_in_line(runtime: Runtime, entry: str, now: int) -> dict[str, Any] | None:
     """The note of a task waiting in line as ``entry``, from the entry and its message."""
     found = runtime.room.queues.find(entry)
     if found is None:

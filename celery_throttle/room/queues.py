@@ -317,19 +317,25 @@ class Queues:
         task = _task(self.client.hget(self.entries, entry) or b"")
         if task is None:
             return None
-        rows = [row for row in task.get("l") or [] if isinstance(row, list) and len(row) >= 3
-                and isinstance(row[0], str) and ":b:" in row[0]]
+        rows = _rows_of(task)
         queues = [sibling_key(row[0], "q") for row in rows]
+        # One round trip: its place in each of its limits' queues (it is in one),
+        # its message, and each limit's live and declared rates.
         pipe = self.client.pipeline(transaction=False)
         for q in queues:
             pipe.zrank(q, entry)
         pipe.hget(self.messages, entry)
-        *places, message = pipe.execute()
-        for row, q, place in zip(rows, queues, places, strict=True):
+        for q in queues:
+            name = split_limit_key(q)[2]
+            pipe.hget(self.live, name)
+            pipe.hget(self.specs, name)
+        replies, n = pipe.execute(), len(queues)
+        places, message, specs = replies[:n], replies[n], replies[n + 1:]
+        for j, (row, q, place) in enumerate(zip(rows, queues, places, strict=True)):
             if place is None:
                 continue
             _, digest, name = split_limit_key(q)
-            spec = self.client.hget(self.live, name) or self.client.hget(self.specs, name)
+            spec = specs[2 * j] or specs[2 * j + 1]
             interval = int(_text(spec).split()[0]) if spec else int(row[2])
             return InLine(entry, name, digest, int(place), message or b""), interval
         return None
@@ -379,10 +385,15 @@ def _name_of(queue: str) -> str | None:
         return None
 
 
-def _limits_of(task: dict[str, Any]) -> list[str]:
-    """The bucket keys of a waiting task's limits (none of an unreadable record)."""
+def _rows_of(task: dict[str, Any]) -> list[list[Any]]:
+    """A waiting task's limit rows (bucket key, name, interval, ...), the readable ones."""
     limits = task.get("l")
     if not isinstance(limits, list):
         return []
-    buckets = [lim[0] for lim in limits if isinstance(lim, list) and lim]
-    return [b for b in buckets if isinstance(b, str) and ":b:" in b]
+    return [row for row in limits if isinstance(row, list) and len(row) >= 3
+            and isinstance(row[0], str) and ":b:" in row[0]]
+
+
+def _limits_of(task: dict[str, Any]) -> list[str]:
+    """The bucket keys of a waiting task's limits (none of an unreadable record)."""
+    return [row[0] for row in _rows_of(task)]

@@ -4,14 +4,16 @@
 
 ``--n`` tasks of a small Celery task (one int argument) are put in line for
 one limit through ``WaitingRoom.enqueue``, as a worker puts them, with the
-message a worker stores.  Three layouts side by side on one fresh server:
-this version's (the message deflated with its dictionary; the task's note a
-pointer to its entry, which ``celery throttle why`` reads), the one before
-it (the note as JSON, a field of the notes hash) and the first one (the
-message as JSON, the note a key of its own with a TTL); the older ones (and
-their records for the dispatch) are written here as those versions wrote
-them.  Prints a markdown table: bytes per waiting task in total
-(``used_memory`` before and after) and per structure (``MEMORY USAGE``).
+message a worker stores.  Four layouts side by side on one fresh server:
+this version's (one record per task: what the dispatch needs of it and its
+message, deflated with its dictionary, in one field; no note, since
+``celery throttle why`` finds the record from the task id), the one before
+(the record in an entries hash of its own, the note a pointer to it), the
+one before that (the note as JSON, a field of the notes hash) and the first
+one (the message as JSON, the note a key of its own with a TTL); the older
+ones are written here as those versions wrote them.  Prints a markdown
+table: bytes per waiting task in total (``used_memory`` before and after)
+and per structure (``MEMORY USAGE``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from celery import Celery
 from celery_throttle.core.keys import key_digest, task_key
 from celery_throttle.core.limits import Limit
 from celery_throttle.core.rates import parse_rate
-from celery_throttle.room.envelope import Envelope, capture
+from celery_throttle.room.envelope import Envelope, capture, split_record
 from celery_throttle.room.parking import WaitingRoom
+from celery_throttle.room.queues import entry_id
 from celery_throttle.testing import RedisServer
 
 T0 = 1_796_000_000_000_000  # a fixed place in line (us): the memory does not depend on it
@@ -55,8 +58,8 @@ def _json_format(envelope: Envelope) -> bytes:
 
 
 def run(n: int, layout: str) -> dict[str, float]:
-    """Bytes per waiting task, total and per structure, for ``layout`` ("now", "note field"
-    or "first")."""
+    """Bytes per waiting task, total and per structure, for ``layout`` ("now", "pointer",
+    "note field" or "first")."""
     app = Celery("bench", broker="memory://", set_as_current=False)
 
     @app.task(name="proj.tasks.summarize", shared=False)
@@ -70,7 +73,7 @@ def run(n: int, layout: str) -> dict[str, float]:
         base = int(client.info("memory")["used_memory"])
         for i in range(n):
             task_id = str(uuid.uuid4())
-            entry = f"{key_digest(task_id)}:-"
+            entry = entry_id(task_id)
             envelope = _message(app, task_id)
             note: dict[str, Any] = {"task": summarize.name, "limit": limit.name, "due": T0 + i,
                                     "deferrals": 1, "since": T0,
@@ -78,9 +81,11 @@ def run(n: int, layout: str) -> dict[str, float]:
             if layout != "first":
                 room.enqueue(entry, envelope.dumps(), task_id, limits=[limit], blocking=limit,
                              place_us=T0 + i, due_us=T0 + 10**12)
-                if layout == "note field":  # (over the pointer enqueue wrote)
+                if layout == "note field":
                     client.hset(room.notes, key_digest(task_id),
                                 json.dumps(note, separators=(",", ":")))
+                elif layout == "pointer":
+                    client.hset(room.notes, key_digest(task_id), f"@{entry}")
             else:
                 room.enqueue(entry, _json_format(envelope), task_id, limits=[limit],
                              blocking=limit, place_us=T0 + i, due_us=T0 + 10**12)
@@ -88,13 +93,19 @@ def run(n: int, layout: str) -> dict[str, float]:
                 old = {**note, "booked": False, "parked_until": 0}
                 client.set(task_key("throttle", "wait", task_id), json.dumps(old), px=3_600_000)
             if layout != "now":
-                # The dispatch's record as the earlier versions wrote it: every
-                # field, with its defaults.
-                row = [limit.key_in("throttle").decode(), limit.name, limit.rate.interval_us,
-                       limit.burst, limit.cost, "", 1]
-                client.hset(room.queues.entries, entry, json.dumps(
-                    {"t": task_id, "p": T0 + i, "e": 0, "w": 0, "l": [row]},
-                    separators=(",", ":")))
+                # The earlier versions kept the record in the entries hash, the
+                # message alone in the messages hash.
+                message = split_record(client.hget(room.messages, entry) or b"")[1]
+                client.hset(room.messages, entry, message)
+                # Its rows had the limit's name second, and its place.
+                row: list[str | int] = [limit.key_in("throttle").decode(), limit.name,
+                                        limit.rate.interval_us, limit.burst, limit.cost]
+                if layout == "pointer":
+                    earlier: dict[str, object] = {"t": task_id, "p": T0 + i, "l": [row]}
+                else:  # (and every field, with its defaults)
+                    earlier = {"t": task_id, "p": T0 + i, "e": 0, "w": 0, "l": [[*row, "", 1]]}
+                client.hset(room.queues.entries, entry,
+                            json.dumps(earlier, separators=(",", ":")))
         total = int(client.info("memory")["used_memory"]) - base
         parts = {"messages": room.messages, "entries": room.queues.entries,
                  "queue": limit.queue_in("throttle").decode(), "notes hash": room.notes}
@@ -113,13 +124,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=20_000, help="tasks in line")
     args = parser.parse_args(argv)
-    layouts = ("first", "note field", "now")
+    layouts = ("first", "note field", "pointer", "now")
     runs = [run(args.n, layout) for layout in layouts]
     print(f"{args.n} tasks of one small task in line for one limit; bytes of Redis per "
           f"waiting task (`python -m benchmarks.room_memory --n {args.n}`).\n")
     print("| structure | JSON message, note key | deflated message, note in the notes hash "
-          "| now: the note a pointer to the entry |")
-    print("|---|---:|---:|---:|")
+          "| the note a pointer to the entry | now: one record per task, no note |")
+    print("|---|---:|---:|---:|---:|")
     for name in ("messages", "entries", "queue", "notes hash", "note keys", "total"):
         print(f"| {name} | " + " | ".join(f"{r[name]:.0f} B" for r in runs) + " |")
     print("| projected for 1,000,000 waiting tasks | "

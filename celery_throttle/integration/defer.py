@@ -27,13 +27,13 @@ from celery.exceptions import Ignore
 
 from .. import faults, metrics
 from ..core.gate import AnyLimit, Concurrency, Decision, Limit
-from ..core.keys import key_digest, waiters_key
+from ..core.keys import waiters_key
 from ..core.logs import logger
 from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import queue_of
 from ..room.envelope import capture
 from ..room.header import HEADER, WaitState, spacing_of
-from ..room.queues import MAX_AHEAD_US
+from ..room.queues import MAX_AHEAD_US, entry_id
 from ..values import from_us, to_us
 from . import leases
 from .copies import new_copy
@@ -428,13 +428,10 @@ def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
 
 
 def _entry_of(task: Task[Any, Any], copy: str) -> str:
-    """The waiting room's entry of the task's message copy ``copy`` ("-": the user's message).
-
-    Named by the copy that waits, not by the one it becomes: a broker that
-    delivers that copy again (a node's warm shutdown gives back messages
-    whose acknowledgement it had not sent yet) finds it waiting already.
-    """
-    return f"{key_digest(str(task.request.id))}:{copy or '-'}"
+    """The waiting room's entry of the task's message copy ``copy`` (``queues.entry_id``):
+    a broker that delivers that copy again (a node's warm shutdown gives back messages
+    whose acknowledgement it had not sent yet) finds it waiting already."""
+    return entry_id(str(task.request.id), copy)
 
 
 def _delivered_again(task: Task[Any, Any]) -> NoReturn:

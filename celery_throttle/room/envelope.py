@@ -13,6 +13,12 @@ defaults in every message, so deflate is primed with them (a preset
 dictionary).  Measured on a small task's message
 (``tests/unit/test_envelope.py``): 906 bytes as JSON, 518 deflated alone,
 181-184 with the dictionary.
+
+A task waiting in a limit's queue is stored as one record: what the
+dispatch needs of it (``queues.entry_json``), a newline, then its envelope
+(:func:`in_line`), so the waiting room keeps one hash field per waiting
+task.  The record's JSON never holds a raw newline (``json.dumps`` escapes
+it), so the first one ends it.
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ from typing import Any
 from kombu.compression import compress
 from kombu.serialization import dumps
 
-__all__ = ["Envelope", "capture"]
+__all__ = ["Envelope", "capture", "in_line", "split_record"]
 
 # The first byte of a stored envelope: its format.  A format, once stored,
 # is read for as long as a task may wait in it (a dictionary is never
 # changed in place: a new one gets a new tag).
 _JSON = b"{"  # the first format: the JSON of the fields, the body base64-encoded
 _DEFLATED = b"\x01"  # the fields' JSON, NUL, the raw body; deflated with _DICTIONARY
+_RECORD = b"\x02"  # a task in line: its dispatch record (JSON), a newline, its envelope
 # What most messages share, latest-used last (deflate finds nearer matches
 # cheaper): Celery's protocol-2 headers and properties, this package's header,
 # the body's embed part.  Never edited (see above).
@@ -121,9 +128,26 @@ class Envelope:
             retry=True, retry_policy=retry_policy, **self.properties)
 
 
-def _fields(raw: bytes | str) -> tuple[dict[str, Any], bytes]:
-    """A stored envelope's fields and body, in either format (``ValueError`` if neither)."""
+def in_line(record: str, stored: bytes) -> bytes:
+    """What a task waiting in a limit's queue stores: its dispatch ``record`` (JSON) and its
+    ``stored`` envelope (:meth:`Envelope.dumps`), in one value (``lua/record.lua`` splits
+    it on the server)."""
+    return _RECORD + record.encode() + b"\n" + stored
+
+
+def split_record(raw: bytes | str) -> tuple[bytes | None, bytes]:
+    """A stored value's dispatch record (None for a parked task's plain envelope) and its
+    envelope."""
     data = raw.encode() if isinstance(raw, str) else raw
+    if data[:1] != _RECORD:
+        return None, data
+    record, _, stored = data[1:].partition(b"\n")
+    return record, stored
+
+
+def _fields(raw: bytes | str) -> tuple[dict[str, Any], bytes]:
+    """A stored envelope's fields and body, in any format (``ValueError`` if none)."""
+    data = split_record(raw)[1]
     if data[:1] == _JSON:
         d = json.loads(data)
         if not isinstance(d, dict):

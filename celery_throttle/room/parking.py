@@ -41,7 +41,7 @@ from redis.commands.core import Script
 from ..core.keys import epoch_key, key_digest, room_key, task_key
 from ..core.limits import Limit
 from ..core.logs import logger
-from ..core.scripts import source
+from ..core.scripts import joined, source
 from ..values import US_PER_SECOND, from_us
 from .envelope import Envelope
 from .queues import Queues, Weights
@@ -101,7 +101,9 @@ class WaitingRoom:
         self._park = client.register_script(source(__package__, "park.lua"))
         self._dispatch = client.register_script(source(__package__, "dispatch.lua"))
         self._arrive = client.register_script(source(__package__, "arrive.lua"))
-        self._look = client.register_script(source(__package__, "look.lua"))  # server clock
+        # (look.lua: reads with the server's clock)
+        self._look = client.register_script(joined((__package__, "record.lua"),
+                                                   (__package__, "look.lua")))
         self.queues = Queues(client, prefix)  # the limits' queues share the messages
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
@@ -229,9 +231,12 @@ class WaitingRoom:
         """``task_id``'s wait note (b"" if none) and the server's time, in us: one read, on
         the node that holds the prefix.  A note has a key of its own (a task that
         started, or waits as a countdown: ``integration/notes.py``) or, while the
-        task waits here, a field of the notes hash."""
-        sec, usec, raw = self._look(keys=[task_key(self.prefix, "wait", task_id), self.notes],
-                                    args=["note", key_digest(task_id)])
+        task waits here, a field of the notes hash; a task in line is noted as "@" and
+        its entry (``Queues.find`` reads it)."""
+        digest = key_digest(task_id)
+        sec, usec, raw = self._look(
+            keys=[task_key(self.prefix, "wait", task_id), self.notes, self.messages],
+            args=["note", digest, f"{digest}:-"])
         return _micros(sec, usec), _raw(raw)
 
 

@@ -24,8 +24,9 @@ limit at once, and a limit's new rate applies to the tasks already waiting.
   their numbers of waiting tasks.
 
 Keys: each limit's queue (``keys.queue_key``: entry -> place), the
-``entries`` hash (entry -> its task id, deadlines and limits, JSON), the
-``ready`` index (queue -> when its limit admits a start: the dispatcher
+waiting room's ``messages`` hash (entry -> one record per waiting task: its
+task id, deadlines and limits as JSON, then its message; ``envelope.in_line``),
+the ``ready`` index (queue -> when its limit admits a start: the dispatcher
 looks only at the due ones, so its work grows with the limits that have
 waiting tasks, not with the tasks) and the ``specs`` hash (limit name ->
 its interval and burst as the code of the worker started last declares
@@ -34,6 +35,8 @@ its turn comes: an override set at run time (``core/live.py``), else the
 declared rate, else the one it was enqueued with.  Messages, the
 claimed set, the trip and the wake list are the waiting room's
 (``parking.py``): a task dispatched from a queue arrives as a parked one does.
+(An earlier version kept the records in an ``entries`` hash of their own:
+they are still read from there, and deleted with their tasks.)
 """
 
 from __future__ import annotations
@@ -58,9 +61,10 @@ from ..core.keys import (
 from ..core.limits import Limit
 from ..core.scripts import BUCKET, joined
 from ..values import from_us
+from .envelope import in_line, split_record
 
-__all__ = ["MAX_AHEAD_US", "InLine", "Line", "Queues", "Served", "Weights", "entry_json",
-           "fair_of"]
+__all__ = ["MAX_AHEAD_US", "InLine", "Line", "Queues", "Served", "Weights", "entry_id",
+           "entry_json", "fair_of"]
 
 #: The most queues looked at per round, and the waiting tasks read per queue.
 LOOK_QUEUES, LOOK_HEADS = 64, 8
@@ -113,6 +117,13 @@ class Line:
     drains_in: float | None
 
 
+def entry_id(task_id: str, copy: str = "") -> str:
+    """The waiting room's entry of ``task_id``'s message copy ``copy`` ("": the user's own
+    message).  Named by the copy that waits, not by the one it becomes: a broker that
+    delivers that copy again finds it waiting already."""
+    return f"{key_digest(task_id)}:{copy or '-'}"
+
+
 #: Fair-share weights: limit name -> fair key value digest -> weight (default 1).
 Weights = Mapping[str, Mapping[str, int]]
 
@@ -129,19 +140,22 @@ def fair_of(limit: Limit, weights: Weights) -> tuple[str, float]:
 def entry_json(task_id: str, limits: Sequence[Limit], prefix: str, *, place_us: int = 0,
                expires_us: int = 0, deadline_us: int = 0, weights: Weights | None = None
                ) -> str:
-    """What the dispatch needs of a waiting task: its id, its place, its expiry and
-    ``max_wait`` deadlines (server clock, us; 0: none) and each limit's bucket, name, rate,
-    cost and fair key value (digest and turn)."""
+    """What the dispatch needs of a waiting task: its id, its expiry and ``max_wait``
+    deadlines (server clock, us; 0: none), each limit's bucket (its name is in it), rate,
+    cost and fair key value (digest and turn), and its place when a limit is fair (a fair
+    queue orders by turn; any other keeps the place as the task's score)."""
     rows = []
     for lim in limits:
         fair, units = fair_of(lim, weights or {})
-        row: list[str | int | float] = [lim.key_in(prefix).decode(), lim.name,
-                                        lim.rate.interval_us, lim.burst, lim.cost]
+        row: list[str | int | float] = [lim.key_in(prefix).decode(), lim.rate.interval_us,
+                                        lim.burst, lim.cost]
         if fair:  # (serve.lua reads a missing fair key value as none, and units as 1)
             row += [fair, units]
         rows.append(row)
-    # One per waiting task: the deadlines are left out when there are none.
-    task: dict[str, object] = {"t": task_id, "p": place_us, "l": rows}
+    # One per waiting task: what the dispatch can do without is left out.
+    task: dict[str, object] = {"t": task_id, "l": rows}
+    if any(lim.fair is not None for lim in limits):
+        task["p"] = place_us
     if expires_us:
         task["e"] = expires_us
     if deadline_us:
@@ -161,9 +175,10 @@ class Queues:
         self.trip, self.epoch = room_key(prefix, "trip"), epoch_key(prefix)
         self.notes = room_key(prefix, "notes")  # (parking.py's: the wait notes)
         self.live = live_key(prefix)
-        turns = (__package__, "turns.lua")
+        turns, record = (__package__, "turns.lua"), (__package__, "record.lua")
         self._enqueue = client.register_script(joined(turns, (__package__, "enqueue.lua")))
-        self._serve = client.register_script(joined(BUCKET, turns, (__package__, "serve.lua")))
+        self._serve = client.register_script(joined(BUCKET, turns, record,
+                                                    (__package__, "serve.lua")))
 
     def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[Limit],
                 blocking: Limit, place_us: int, due_us: int = 0, expires_us: int = 0,
@@ -173,10 +188,12 @@ class Queues:
 
         ``due_us``: when ``blocking`` admits a start (server clock; 0: now).
         Returns the server's time (us), or 0 when ``entry`` waits already
-        (nothing written: the broker delivered its message again).  The task's
-        wait note is a pointer to ``entry``: what ``celery throttle why`` says of
-        it is read from the entry and its message (:meth:`find`), so a task in
-        line stores no note of its own.  (A worker
+        (nothing written: the broker delivered its message again).  The task
+        stores one record (its limits and its message, ``envelope.in_line``)
+        and no wait note: what ``celery throttle why`` says of it is read from
+        the record (:meth:`find`), found from its task id (a copy in line
+        again, not the user's own message, leaves a pointer to its entry in
+        the notes hash).  (A worker
         enqueues through ``WaitingRoom.enqueue``, which also waits for the
         store's replicas.)
         """
@@ -193,14 +210,14 @@ class Queues:
         """The keys and arguments of :meth:`enqueue`'s script (``script``), to run it on
         another connection (a pipeline that also waits for replicas)."""
         keys: list[str | bytes] = [
-            self.messages, self.entries, blocking.queue_in(self.prefix), self.ready, self.wake,
-            self.notes, blocking.turns_in(self.prefix)]
+            self.messages, blocking.queue_in(self.prefix), self.ready, self.wake, self.notes,
+            blocking.turns_in(self.prefix)]
         fair, units = fair_of(blocking, weights or {})
+        record = entry_json(task_id, limits, self.prefix, place_us=place_us,
+                            expires_us=expires_us, deadline_us=deadline_us, weights=weights)
+        note = "" if entry == entry_id(task_id) else key_digest(task_id)
         args: list[str | bytes | int | float] = [
-            entry, message, place_us,
-            entry_json(task_id, limits, self.prefix, place_us=place_us, expires_us=expires_us,
-                       deadline_us=deadline_us, weights=weights),
-            due_us, key_digest(task_id), fair, repr(units)]
+            entry, in_line(record, message), place_us, due_us, note, fair, repr(units)]
         return keys, args
 
     @property
@@ -229,7 +246,8 @@ class Queues:
         if not queues:
             wait = int(reply[2])
             return (None if wait < 0 else from_us(wait)), []
-        heads = self._serve(keys=[self.entries, *queues], args=["heads", LOOK_HEADS])
+        heads = self._serve(keys=[self.messages, self.entries, *queues],
+                            args=["heads", LOOK_HEADS])
         others: dict[str, None] = {}  # buckets of the tasks' other limits, in order
         uncharged = []
         i = 0
@@ -304,9 +322,9 @@ class Queues:
         messages = cast(list[bytes | None], self.client.hmget(
             self.messages, [entry for _, _, entry in found]))
         out = []
-        for (place, q, entry), message in zip(found, messages, strict=True):
+        for (place, q, entry), stored in zip(found, messages, strict=True):
             _, digest, limit = split_limit_key(q)
-            out.append(InLine(entry, limit, digest, place, message or b""))
+            out.append(InLine(entry, limit, digest, place, split_record(stored or b"")[1]))
         return out
 
     def find(self, entry: str) -> tuple[InLine, int] | None:
@@ -314,30 +332,35 @@ class Queues:
         interval (us) that queue's limit is charged at now (as the dispatch reads it: the
         live rate, else the declared one, else the one it was enqueued with).  None once
         it left its line (dispatched or dropped)."""
-        task = _task(self.client.hget(self.entries, entry) or b"")
+        stored = cast(bytes | None, self.client.hget(self.messages, entry))
+        if stored is None:
+            return None
+        record, message = split_record(stored)
+        if record is None:  # (a record of an earlier version)
+            record = cast(bytes | None, self.client.hget(self.entries, entry))
+        task = _task(record or b"")
         if task is None:
             return None
         rows = _rows_of(task)
-        queues = [sibling_key(row[0], "q") for row in rows]
-        # One round trip: its place in each of its limits' queues (it is in one),
-        # its message, and each limit's live and declared rates.
+        queues = [sibling_key(bucket, "q") for bucket, _ in rows]
+        # One more round trip: its place in each of its limits' queues (it is in
+        # one), and each limit's live and declared rates.
         pipe = self.client.pipeline(transaction=False)
         for q in queues:
             pipe.zrank(q, entry)
-        pipe.hget(self.messages, entry)
         for q in queues:
             name = split_limit_key(q)[2]
             pipe.hget(self.live, name)
             pipe.hget(self.specs, name)
         replies, n = pipe.execute(), len(queues)
-        places, message, specs = replies[:n], replies[n], replies[n + 1:]
-        for j, (row, q, place) in enumerate(zip(rows, queues, places, strict=True)):
+        places, specs = replies[:n], replies[n:]
+        for j, ((_, enqueued), q, place) in enumerate(zip(rows, queues, places, strict=True)):
             if place is None:
                 continue
             _, digest, name = split_limit_key(q)
             spec = specs[2 * j] or specs[2 * j + 1]
-            interval = int(_text(spec).split()[0]) if spec else int(row[2])
-            return InLine(entry, name, digest, int(place), message or b""), interval
+            interval = int(_text(spec).split()[0]) if spec else enqueued
+            return InLine(entry, name, digest, int(place), message), interval
         return None
 
     def look_now(self, name: str) -> int:
@@ -354,8 +377,15 @@ class Queues:
         return len(queues)
 
     def waiting(self) -> int:
-        """How many tasks wait in the limits' queues."""
-        return int(self.client.hlen(self.entries))
+        """How many tasks wait in the limits' queues: every message of the waiting room that
+        is neither parked nor being dispatched (three counts in one round trip)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hlen(self.messages)
+        pipe.zcard(room_key(self.prefix, "parked"))
+        pipe.zcard(self.claimed)
+        stored, parked, claimed = (int(n) for n in pipe.execute())
+        # (Read one after another, not at one instant: never below 0.)
+        return max(0, stored - parked - claimed)
 
     def clear(self) -> None:
         """Drop every queue (their messages are the waiting room's, dropped by its purge)."""
@@ -385,15 +415,25 @@ def _name_of(queue: str) -> str | None:
         return None
 
 
-def _rows_of(task: dict[str, Any]) -> list[list[Any]]:
-    """A waiting task's limit rows (bucket key, name, interval, ...), the readable ones."""
+def _rows_of(task: dict[str, Any]) -> list[tuple[str, int]]:
+    """A waiting task's limits, the readable ones: (bucket key, interval when enqueued, us).
+
+    A row is [bucket, interval, burst, cost, ...]; an earlier version's had the
+    limit's name second (serve.lua reads both)."""
     limits = task.get("l")
     if not isinstance(limits, list):
         return []
-    return [row for row in limits if isinstance(row, list) and len(row) >= 3
-            and isinstance(row[0], str) and ":b:" in row[0]]
+    out = []
+    for row in limits:
+        if not (isinstance(row, list) and len(row) >= 3 and isinstance(row[0], str)
+                and ":b:" in row[0]):
+            continue
+        interval = row[2] if isinstance(row[1], str) else row[1]
+        if isinstance(interval, int):
+            out.append((row[0], interval))
+    return out
 
 
 def _limits_of(task: dict[str, Any]) -> list[str]:
     """The bucket keys of a waiting task's limits (none of an unreadable record)."""
-    return [row[0] for row in _rows_of(task)]
+    return [bucket for bucket, _ in _rows_of(task)]

@@ -41,8 +41,9 @@ def _in_line(redis_base: str, count: int, timeout: float) -> None:
     most = 0
     try:
         while time.monotonic() < deadline:
-            waiting = (int(store.hlen("{throttle}:room:entries"))
-                       + int(store.zcard("{throttle}:room:parked")))
+            # Every stored message in line or parked: all but those being dispatched.
+            waiting = (int(store.hlen("{throttle}:room:messages"))
+                       - int(store.zcard("{throttle}:room:claimed")))
             if waiting >= count:
                 return
             most = max(most, waiting)

@@ -115,7 +115,7 @@ def test_moved_after_resharding_the_prefix_slot_is_survived(redis_cluster: Clust
 def test_tasks_in_line_survive_a_reshard_mid_dispatch(redis_cluster: Cluster,
                                                       prefix: str) -> None:
     """300 tasks in line; once at least 100 are dispatched the prefix's slot moves to
-    another master, queues, entries and all: the rest are dispatched from there, each task
+    another master, queues, records and all: the rest are dispatched from there, each task
     exactly once, none lost."""
     room = WaitingRoom(connect(redis_cluster.url), prefix)
     line = Limit("line", parse_rate("1000/s"))
@@ -136,7 +136,7 @@ def test_tasks_in_line_survive_a_reshard_mid_dispatch(redis_cluster: Cluster,
     with contextlib.closing(redis_cluster.client(0)) as cli:
         slot = key_slot(cli, line.queue_in(prefix).decode())
     before = redis_cluster.owner(slot)
-    assert redis_cluster.move_slot(slot, (before + 1) % 3) >= 4  # queue, entries, messages ...
+    assert redis_cluster.move_slot(slot, (before + 1) % 3) >= 4  # queue, messages, claimed ...
     assert redis_cluster.owner(slot) != before
     dispatch_until(300)
     assert len(served) == 300

@@ -26,6 +26,7 @@ from celery_throttle.integration.notes import read_wait
 from celery_throttle.integration.runtime import forget, runtime_for
 from celery_throttle.room.envelope import capture
 from celery_throttle.room.header import HEADER, WaitState
+from celery_throttle.room.queues import entry_id
 from celery_throttle.testing import free_port
 
 from ..clock import T0, StepClock
@@ -97,9 +98,10 @@ def test_counts_log_line_and_wait_note_after_a_known_run(
 
 
 def test_why_reads_a_task_in_line_from_its_entry(app: Celery) -> None:
-    """A task in line stores no note of its own (a pointer to its entry): `why` reads its
-    task, limit, deferrals and place from the entry and its message, estimates its start
-    at the rate in force, and forgets it once it left the line."""
+    """A task in line stores no note of its own: `why` finds its record from its task id
+    (a copy in line again, from a pointer to its entry), reads its task, limit, deferrals
+    and place from it, estimates its start at the rate in force, and forgets it once it
+    left the line."""
     runtime = runtime_for(app)
     room = runtime.room
     limit = Limit("line", parse_rate("2/s"))
@@ -110,14 +112,19 @@ def test_why_reads_a_task_in_line_from_its_entry(app: Celery) -> None:
 
     sec, usec = runtime.gate.client.time()
     now = int(sec) * 1_000_000 + int(usec)
-    entries = [f"{key_digest(f't{i}')}:-" for i in range(3)]
+    # The user's own messages of t0 and t1, a copy of t2 in line again.
+    entries = [entry_id("t0"), entry_id("t1"), entry_id("t2", "c0ffee")]
     for i, entry in enumerate(entries):
         header: dict[str, Any] = {
             HEADER: WaitState(deferrals=1, since=now - 5_000_000, entry=entry).to_header()}
         message = capture(job.signature((i,), task_id=f"t{i}", headers=header)).dumps()
         assert room.enqueue(entry, message, f"t{i}", limits=[limit], blocking=limit,
                             place_us=now + i, due_us=now + 60_000_000)
-    assert runtime.gate.client.hget(room.notes, key_digest("t2")) == b"@" + entries[2].encode()
+    assert runtime.gate.client.hgetall(room.notes) == {
+        key_digest("t2").encode(): b"@" + entries[2].encode()}
+    note = read_wait(runtime, "t1")
+    assert note is not None
+    assert (note["task"], note["limit"], note["place"]) == ("proj.in_line", "line", 1)
     note = read_wait(runtime, "t2")
     assert note is not None
     assert (note["task"], note["limit"], note["place"], note["deferrals"]) == \
@@ -131,6 +138,7 @@ def test_why_reads_a_task_in_line_from_its_entry(app: Celery) -> None:
     assert 0.1 < note["due_in_s"] <= 0.15
     room.queues.clear()  # (as a dispatch takes it out of its line)
     assert read_wait(runtime, "t2") is None
+    assert read_wait(runtime, "t1") is None
 
 
 def test_store_errors_are_counted(app: Celery) -> None:

@@ -7,10 +7,11 @@ import threading
 import redis
 from redis.cluster import RedisCluster
 
-from celery_throttle.core.keys import epoch_key
+from celery_throttle.core.keys import epoch_key, key_digest
 from celery_throttle.core.limits import Limit
 from celery_throttle.core.rates import parse_rate
 from celery_throttle.room.parking import Parked, WaitingRoom
+from celery_throttle.room.queues import entry_id
 
 # Far enough ahead that nothing becomes due while a test runs.
 LATER_US = 3_600 * 1_000_000
@@ -148,17 +149,29 @@ def test_the_wait_note_is_kept_while_parked_and_a_minute_after_the_arrival(
 def test_a_task_in_line_notes_its_entry_and_the_arrival_drops_it(
     client: redis.Redis, prefix: str
 ) -> None:
-    """A task in line notes only a pointer to its entry; its arrival deletes it and keeps
-    no key (the entry it pointed at is gone: nothing to say after the start)."""
+    """A task in line is noted by its entry: the user's own message by none (found from
+    its task id), a copy in line again by a pointer.  Dispatched, its record becomes its
+    plain message; its arrival deletes the pointer and keeps no key (the entry it pointed
+    at is gone: nothing to say after the start)."""
     from celery_throttle.core.keys import task_key
 
     room = WaitingRoom(client, prefix)
-    limit = Limit("ptr", parse_rate("100/s"))
-    room.enqueue("e", b"m", "task-1", limits=[limit], blocking=limit, place_us=_now_us(client))
+    limit = Limit("ptr", parse_rate("100/s"), burst=2)  # (both due at once)
+    own = entry_id("task-0")
+    for entry, task_id in ((own, "task-0"), ("e", "task-1")):
+        room.enqueue(entry, b"\x01m", task_id, limits=[limit], blocking=limit,
+                     place_us=_now_us(client))
+    assert client.hkeys(room.notes) == [key_digest("task-1").encode()]
+    assert room.read_note("task-0")[1] == b"@" + own.encode()
     assert room.read_note("task-1")[1] == b"@e"
-    _, [served] = room.queues.serve_due(10, 60_000_000)
-    assert room.arrive("e", served.token, served.epoch, task_id="task-1",
-                       note_ttl_ms=60_000) > 0
+    _, served = room.queues.serve_due(10, 60_000_000)
+    assert [s.entry for s in served] == [own, "e"]
+    assert [s.message for s in served] == [b"\x01m"] * 2
+    assert client.hmget(room.messages, [own, "e"]) == [b"\x01m"] * 2  # claimed as parked
+    assert room.read_note("task-0")[1] == b""  # dispatched: no longer in line
+    for item, task_id in zip(served, ("task-0", "task-1"), strict=True):
+        assert room.arrive(item.entry, item.token, item.epoch, task_id=task_id,
+                           note_ttl_ms=60_000) > 0
     assert client.hlen(room.notes) == 0
     assert client.exists(task_key(prefix, "wait", "task-1")) == 0
     assert room.read_note("task-1")[1] == b""

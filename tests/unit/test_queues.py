@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import redis
 
 from celery_throttle import Gate, Limit, parse_rate
 from celery_throttle.core.keys import key_digest
+from celery_throttle.room.envelope import split_record
 from celery_throttle.room.parking import WaitingRoom
 from celery_throttle.room.queues import Queues
 
@@ -148,7 +150,7 @@ def test_an_entry_waits_once_whatever_the_broker_delivers_again(client: redis.Re
     assert room.queues.enqueue("e", b"again", "t", limits=[limit], blocking=limit,
                                place_us=now - 5) == 0
     assert room.park("e", b"again", "t", delay_us=1) == 0
-    assert client.hget(room.messages, "e") == b"first"
+    assert split_record(client.hget(room.messages, "e") or b"")[1] == b"first"
     assert client.zrange(limit.queue_in(prefix), 0, -1, withscores=True) == [(b"e", now)]
 
 
@@ -246,3 +248,30 @@ def test_the_heads_of_the_lines_are_listed_with_their_places(client: redis.Redis
         ("m0", "mail", key_digest("acme"), 0), ("m1", "mail", key_digest("acme"), 1),
         ("m2", "mail", key_digest("acme"), 2)]
     assert queues.next_in_line(5, "nothing") == []
+
+
+def test_tasks_put_in_line_by_the_earlier_layout_are_dispatched_and_found(
+        client: redis.Redis, prefix: str) -> None:
+    """A task in line as the earlier version stored it (its message alone in the messages
+    hash, its record in an entries hash of its own) is counted, found by `why` and
+    dispatched once, and its record goes with it."""
+    queues = Queues(client, prefix)
+    limit = Limit("api", parse_rate("20/s"))
+    now = _now_us(client)
+    # Its record as that version wrote it: the limit's name second in its row.
+    record = json.dumps({"t": "t-old", "p": now, "e": 0, "w": 0, "l": [
+        [limit.key_in(prefix).decode(), limit.name, limit.rate.interval_us, 1, 1, "", 1]]})
+    client.hset(queues.messages, "old", b"\x01m")
+    client.hset(queues.entries, "old", record)
+    client.zadd(limit.queue_in(prefix), {"old": now})
+    client.zadd(queues.ready, {limit.queue_in(prefix): now})
+    queues.enqueue("new", b"\x01n", "t-new", limits=[limit], blocking=limit, place_us=now + 1)
+    assert queues.waiting() == 2
+    found = queues.find("old")
+    assert found is not None
+    assert (found[0].place, found[0].message, found[1]) == (0, b"\x01m", 50_000)
+    out = _serve_all(queues, within=3.0, want=2)
+    assert [e for e, _, _ in out] == ["old", "new"]
+    assert client.exists(queues.entries) == 0
+    assert client.hgetall(queues.messages) == {b"old": b"\x01m", b"new": b"\x01n"}  # claimed
+    assert queues.waiting() == 0

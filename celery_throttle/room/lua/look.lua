@@ -16,9 +16,13 @@ ARGV[1]  the operation:
            KEYS[5] the waiting tasks' notes
            -> the messages dropped (stored envelopes: compressed, so the
               caller reads their task ids, to mark them revoked)
-  "note"   KEYS[1] a task's wait note key, KEYS[2] the waiting tasks' notes;
-           ARGV[2] the task's field there -> {sec, usec, note or ""}: the
-           key (a task that started, or waits as a countdown), else the field
+  "note"   KEYS[1] a task's wait note key, KEYS[2] the waiting tasks' notes,
+           KEYS[3] messages; ARGV[2] the task's field in KEYS[2], ARGV[3]
+           the entry of its own message -> {sec, usec, note or ""}: the key
+           (a task that started, or waits as a countdown), else the field,
+           else "@" and that entry if it waits in line (its record is its
+           note: enqueue.lua)
+record.lua comes first (the loader joins them).
 Scores are microseconds on the server clock, returned as strings.
 ]]
 local op = ARGV[1]
@@ -42,6 +46,11 @@ elseif op == 'purge' then
   redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
   return messages
 elseif op == 'note' then
-  return {t[1], t[2], redis.call('GET', KEYS[1]) or redis.call('HGET', KEYS[2], ARGV[2]) or ''}
+  local note = redis.call('GET', KEYS[1]) or redis.call('HGET', KEYS[2], ARGV[2])
+  if not note then
+    local stored = redis.call('HGET', KEYS[3], ARGV[3])
+    note = (stored and split_record(stored)) and ('@' .. ARGV[3]) or ''
+  end
+  return {t[1], t[2], note}
 end
 return redis.error_reply('look.lua: unknown operation ' .. tostring(op))

@@ -1,7 +1,7 @@
 --[[
 Serve the limits' queues: dispatch each queue's best waiting task when its
-limits admit it (see room/queues.py).  bucket.lua and turns.lua come first
-(the loader joins them): the charge here is the gate's own.
+limits admit it (see room/queues.py).  bucket.lua, turns.lua and record.lua
+come first (the loader joins them): the charge here is the gate's own.
 
 Three operations, ARGV[1]:
 
@@ -14,9 +14,13 @@ Three operations, ARGV[1]:
          time (us) of a queue not due yet, or -1
 
 "heads"  the first waiting tasks of the given queues (read only).
-  KEYS[1] the entries hash; KEYS[2..] the queues
+  KEYS[1] the messages hash; KEYS[2] the entries hash; KEYS[3..] the queues
   ARGV[2] how many per queue
-  Reply: { queue count, entry 1, its JSON, entry 2, ... } per queue, in order
+  Reply: { queue count, entry 1, its record's JSON, entry 2, ... } per queue,
+         in order
+
+A task's record is in the messages hash (record.lua); an earlier version
+kept it in the entries hash, where it is still read (and deleted with it).
 
 "serve"  dispatch.
   KEYS[1] messages hash   KEYS[2] entries hash   KEYS[3] ready index
@@ -64,6 +68,15 @@ local function next_due(ready, ahead)
   return math.max(1, tonumber(first[2]) - ahead - now)
 end
 
+-- An entry's record (JSON), or nil once its message is gone (purged).
+local function record_of(messages, entries, entry)
+  local stored = redis.call('HGET', messages, entry)
+  if not stored then
+    return nil
+  end
+  return split_record(stored) or redis.call('HGET', entries, entry)
+end
+
 if op == 'look' then
   local ahead = ahead_of(KEYS[2], ARGV[3])
   local out = { now, ahead, -1 }
@@ -80,12 +93,12 @@ end
 
 if op == 'heads' then
   local out = {}
-  for j = 2, #KEYS do
+  for j = 3, #KEYS do
     local entries = redis.call('ZRANGE', KEYS[j], 0, tonumber(ARGV[2]) - 1)
     out[#out + 1] = #entries
     for _, e in ipairs(entries) do
       out[#out + 1] = e
-      out[#out + 1] = redis.call('HGET', KEYS[1], e) or ''
+      out[#out + 1] = record_of(KEYS[1], KEYS[2], e) or ''
     end
   end
   return out
@@ -136,8 +149,14 @@ local function dispatch(q, entry, flag, at, place, fair)
   end
   redis.call('ZREM', q, entry)
   redis.call('HDEL', entries, entry)
-  local message = redis.call('HGET', messages, entry)
-  if message then
+  local stored = redis.call('HGET', messages, entry)
+  if stored then
+    local record, message = split_record(stored)
+    if record then
+      -- Claimed, it is a dispatched message as a parked one is (dispatch.lua
+      -- dispatches it again if no copy arrives).
+      redis.call('HSET', messages, entry, message)
+    end
     served = served + 1
     redis.call('ZADD', claimed, deadline, entry)
     out[#out + 1] = entry
@@ -148,23 +167,33 @@ local function dispatch(q, entry, flag, at, place, fair)
   end
 end
 
+-- A record's limit row: { bucket, interval, burst, cost[, fair, units] }, the
+-- limit's name read from its bucket key (keys.py's split_limit_key); an
+-- earlier version's row had the name second.
+local function row_of(l)
+  if type(l[2]) == 'string' then
+    return l[1], l[2], l[3], l[4], l[5], l[6], l[7]
+  end
+  return l[1], string.match(l[1], '^[^}]*}:b:[^:]*:(.*)$'), l[2], l[3], l[4], l[5], l[6]
+end
+
 -- The task's limits as they are now; nil when one of its buckets was not
 -- passed (the caller looks at the queue again and brings it).
 local function limits_of(task)
   local lims = {}
   for i, l in ipairs(task.l) do
-    if not queue_of[l[1]] then
+    local key, name, interval, burst, cost, fair, units = row_of(l)
+    if not queue_of[key] then
       return nil
     end
-    local interval, burst = l[3], l[4]
-    local spec = redis.call('HGET', live, l[2]) or redis.call('HGET', specs, l[2])
+    local spec = redis.call('HGET', live, name) or redis.call('HGET', specs, name)
     if spec then
       local ti, bu = string.match(spec, '^(%d+) (%d+)')
       interval, burst = tonumber(ti) or interval, tonumber(bu) or burst
     end
     -- A burst lowered below the cost could never admit it: the cost is capped.
-    lims[i] = { key = l[1], interval = interval, burst = burst, cost = math.min(l[5], burst),
-                fair = l[6] or '', units = l[7] or 1 }
+    lims[i] = { key = key, interval = interval, burst = burst, cost = math.min(cost, burst),
+                fair = fair or '', units = units or 1 }
   end
   return lims
 end
@@ -180,9 +209,9 @@ local function serve(q)
       return
     end
     local entry, place = head[1], head[2]
-    local raw = redis.call('HGET', entries, entry)
+    local raw = record_of(messages, entries, entry)
     local task = raw and cjson.decode(raw)
-    if not task or redis.call('HEXISTS', messages, entry) == 0 then
+    if not task then
       redis.call('ZREM', q, entry) -- its message is gone (purged): nothing to dispatch
       redis.call('HDEL', entries, entry)
     elseif uncharged[entry] or ((task.e or 0) > 0 and now >= task.e) then
@@ -222,7 +251,7 @@ local function serve(q)
         -- Another of its limits blocks it: it waits in that one's line,
         -- keeping its place (a fair line gives it its value's next turn).
         local to = lims[blocking]
-        local score = task.p
+        local score = task.p or tonumber(place) -- (no fair limit: its place is its score)
         if to.fair ~= '' then
           score = fair_tag(turns_of[other], to.fair, to.units)
         end

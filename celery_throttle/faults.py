@@ -19,9 +19,9 @@ POINTS = {
                               "(argument: the batch) and has not published it",
     "defer.after_republish": "a deferred task was re-published with a countdown "
                              "(argument: the task) and the running copy is not yet acknowledged",
-    "defer.turn_slept": "a task dispatched from its limit's queue slept until the start it "
-                        "was charged for (argument: the task) and has not checked it is "
-                        "in time",
+    "defer.start_slept": "a task slept until the start it was admitted for (a booked slot "
+                         "just ahead) or charged for (dispatched from its limit's queue) "
+                         "(argument: the task) and has not checked it is in time",
 }
 
 # This module's state: the hooks registered in this process.

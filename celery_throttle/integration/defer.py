@@ -238,7 +238,10 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     # again for less would loop).
     max_sleep = max(config.max_sleep, config.dispatch_lead + 0.1) if arrived \
         else config.max_sleep
-    for attempt in range(_MAX_SLEEPS):
+    # At most _MAX_SLEEPS sleeps for a slot, and as many late wake-ups.
+    slept = 0
+    for attempt in range(2 * _MAX_SLEEPS):
+        asked = time.monotonic()
         try:
             decision = runtime.gate.acquire_many(
                 limits, reserve=horizon, claim=claim, grace=grace, holder=holder,
@@ -248,10 +251,17 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
             _store_failed(task, runtime, state, exc)
             return False
         if decision.allowed:
-            if decision.retry_after > 0:
-                # Admitted for its slot, just ahead: the start is that moment.
-                time.sleep(decision.retry_after)
-            return True
+            if decision.retry_after <= 0:
+                return True
+            # Admitted for its slot, just ahead: the start is that moment.  Woken
+            # later than the grace, it claims the slot again: the gate finds it
+            # lost and decides afresh, rather than this start crowding the next.
+            late = _slept_to_start(task, asked, decision.retry_after)
+            if late <= grace or attempt == 2 * _MAX_SLEEPS - 1:
+                return True  # (late again and again: this machine cannot do better)
+            logger.info("throttle: task %s[%s] ready %.3fs after its slot; asking again",
+                        task.name, request.id, late)
+            continue
         if claim is not None and claim.booked and not decision.early:
             # Arrived after its slot's grace, or a limit it was not booked in
             # is busy: the slot is lost (a little throughput) rather than used
@@ -267,7 +277,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
             raise ThrottleTimeout.exceeded(task.name, _limit_name(decision, limits),
                                            waited + decision.retry_after, max_wait)
         if (decision.reservation is None or decision.retry_after > max_sleep
-                or attempt == _MAX_SLEEPS - 1 or _queues_for_slot(task, runtime, decision)):
+                or slept == _MAX_SLEEPS - 1 or attempt == 2 * _MAX_SLEEPS - 1
+                or _queues_for_slot(task, runtime, decision)):
             break
         if claim is None or decision.slot != claim.slot:
             # A new slot: its grace follows the limits it is booked in.  (An
@@ -281,6 +292,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         # admit it at the slot: an early claim would be told to wait again.)
         ahead = grace / 2 if _booked_in_all(limits, decision.reservation.booked) else 0.0
         time.sleep(max(0.0, decision.retry_after - ahead))
+        slept += 1
         claim = decision.reservation
     if in_line and decision.reservation is None and isinstance(decision.limit, Limit):
         _join_line(task, runtime, limits, decision, state, to_expiry, max_wait)
@@ -415,16 +427,29 @@ def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     """
     if not state.slot or not arrived_at:
         return True
-    ahead = from_us(state.slot - arrived_at)
-    if ahead > 0:
-        time.sleep(min(ahead, from_us(MAX_AHEAD_US)))
-    faults.at("defer.turn_slept", task)
-    late = time.monotonic() - asked - ahead
+    late = _slept_to_start(task, asked, min(from_us(state.slot - arrived_at),
+                                            from_us(MAX_AHEAD_US)))
     if late <= _grace(runtime, limits, (1 << len(limits)) - 1):
         return True
     logger.info("throttle: task %s[%s] ready %.3fs after its turn; in line again",
                 task.name, task.request.id, late)
     return False
+
+
+def _slept_to_start(task: Task[Any, Any], asked: float, ahead: float) -> float:
+    """Sleep until a start ``ahead`` seconds after the moment this process asked for it
+    (``asked``, its monotonic clock); how late it woke (seconds; a start already past,
+    ``ahead`` < 0, counts too).
+
+    A loaded machine, or a container out of its CPU quota, can run a sleeping
+    process 100 ms after its timer: a start that late would come closer than
+    an interval to the next one, which keeps its own moment.  The caller tells
+    a late start from a timely one by the grace (``_grace``).
+    """
+    if ahead > 0:
+        time.sleep(ahead)
+    faults.at("defer.start_slept", task)
+    return time.monotonic() - asked - ahead
 
 
 def _entry_of(task: Task[Any, Any], copy: str) -> str:

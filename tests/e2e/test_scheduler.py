@@ -240,7 +240,7 @@ def test_a_task_woken_late_for_its_turn_waits_again_in_line(
     # Eight processes hold 0.4 s of the backlog: sleeps of at most 0.1 s put the
     # rest in line.
     with worker_nodes(redis_base, ("w1", "w2"), conf={**LINE, "throttle_max_sleep": 0.1},
-                      env={"CT_STALL": "defer.turn_slept:0.2:3"}) as nodes:
+                      env={"CT_STALL": "defer.start_slept:0.2:3"}) as nodes:
         results = [capp.steady.delay(i) for i in range(80)]
         states = wait_results(results, timeout=60)
         rows = read_records(records, expect=80, timeout=5)
@@ -251,4 +251,27 @@ def test_a_task_woken_late_for_its_turn_waits_again_in_line(
     worst = check_window_bound([r["t"] for r in rows], rate=20, burst=1, period=1.0)
     print(f"\nwoken late every third turn: {again} turns lost, worst windows {worst}")
     assert again >= 5  # the stalls happened, and were caught
+    assert " ERROR" not in text
+
+
+def test_a_task_woken_late_for_its_booked_slot_asks_again(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """Short waits are booked and slept (each wait here is under 0.4 s: 8 processes at
+    20/s); every third process wakes 0.2 s late for the slot it was admitted for: it asks
+    again (its slot is lost) instead of starting late, so the starts keep the window
+    bound."""
+    with worker_nodes(redis_base, ("w1", "w2"), conf={**LINE, "throttle_max_sleep": 5.0},
+                      env={"CT_STALL": "defer.start_slept:0.2:3"}) as nodes:
+        results = [capp.steady.delay(i) for i in range(80)]
+        states = wait_results(results, timeout=60)
+        rows = read_records(records, expect=80, timeout=5)
+        text = logs(nodes)
+    assert states == ["SUCCESS"] * 80
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
+    again = len(re.findall(r"after its slot; asking again", text))
+    worst = check_window_bound([r["t"] for r in rows], rate=20, burst=1, period=1.0)
+    print(f"\nwoken late every third slot: {again} slots asked again, worst windows {worst}")
+    assert again >= 5  # the stalls happened, and were caught
+    assert "in line again" not in text  # (no wait was long enough to go in line)
     assert " ERROR" not in text

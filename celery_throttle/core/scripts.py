@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 
-__all__ = ["joined", "source"]
+__all__ = ["BUCKET", "EPOCH", "joined", "source"]
 
 
 @functools.cache
@@ -30,3 +30,5 @@ def joined(*parts: tuple[str, str]) -> str:
 
 #: The rate bucket's functions (``lua/bucket.lua``), put in front of every script using them.
 BUCKET = (__package__, "bucket.lua")
+#: The prefix's epoch, read or set (``lua/epoch.lua``), likewise.
+EPOCH = (__package__, "epoch.lua")

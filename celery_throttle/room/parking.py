@@ -41,7 +41,7 @@ from redis.commands.core import Script
 from ..core.keys import epoch_key, key_digest, room_key, task_key
 from ..core.limits import Limit
 from ..core.logs import logger
-from ..core.scripts import joined, source
+from ..core.scripts import EPOCH, joined, source
 from ..values import US_PER_SECOND, from_us
 from .envelope import Envelope
 from .queues import Queues, Weights
@@ -99,7 +99,7 @@ class WaitingRoom:
         self.epoch = epoch_key(prefix)
         # redis-py's Script: EVALSHA, reloaded on NOSCRIPT; registering does no I/O.
         self._park = client.register_script(source(__package__, "park.lua"))
-        self._dispatch = client.register_script(source(__package__, "dispatch.lua"))
+        self._dispatch = client.register_script(joined(EPOCH, (__package__, "dispatch.lua")))
         self._arrive = client.register_script(source(__package__, "arrive.lua"))
         # (look.lua: reads with the server's clock)
         self._look = client.register_script(joined((__package__, "record.lua"),

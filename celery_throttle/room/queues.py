@@ -59,7 +59,7 @@ from ..core.keys import (
     split_limit_key,
 )
 from ..core.limits import Limit
-from ..core.scripts import BUCKET, joined
+from ..core.scripts import BUCKET, EPOCH, joined
 from ..values import from_us
 from .envelope import in_line, split_record
 
@@ -177,7 +177,7 @@ class Queues:
         self.live = live_key(prefix)
         turns, record = (__package__, "turns.lua"), (__package__, "record.lua")
         self._enqueue = client.register_script(joined(turns, (__package__, "enqueue.lua")))
-        self._serve = client.register_script(joined(BUCKET, turns, record,
+        self._serve = client.register_script(joined(BUCKET, EPOCH, turns, record,
                                                     (__package__, "serve.lua")))
 
     def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[Limit],

@@ -39,7 +39,7 @@ Two more kinds of state share the script:
   Refunds move only the TAT (a slot is never moved earlier).
 
 KEYS[i]   the bucket of limit i, i = 1..n (all share one hash tag; see keys.py)
-KEYS[n+1] the prefix's epoch: set once (no TTL) when first needed.  A
+KEYS[n+1] the prefix's epoch (epoch.lua): set once (no TTL) when first needed.  A
           reservation carries it; a Redis restart or flush loses it, and a new
           one voids every older booking, which the emptied buckets no longer
           count (honouring them next to fresh starts would double the rate).
@@ -508,12 +508,7 @@ local function decide()
 
   -- Only reservations and claims need the epoch: the hot path never reads it.
   local function epoch()
-    local e = tonumber(redis.call('GET', epoch_key) or 0)
-    if e == 0 then
-      e = now
-      redis.call('SET', epoch_key, us(e))
-    end
-    return e
+    return tonumber(epoch_of(epoch_key, now))
   end
 
   local function claim_valid()

@@ -10,7 +10,7 @@ drops all but the first copy that arrives).
 KEYS[1]  the parked set (score = dispatch time, us)
 KEYS[2]  the messages hash
 KEYS[3]  the claimed set (score = deadline, us)
-KEYS[4]  the prefix's epoch (see gate.lua), set here if absent: a dispatched
+KEYS[4]  the prefix's epoch (epoch.lua, which the loader puts first): a dispatched
          copy carries it, so its arrival can tell a store that lost its data
          (a new epoch) from one where another copy arrived first
 KEYS[5]  the trip estimate (arrive.lua): entries are dispatched this much
@@ -43,12 +43,7 @@ for _, e in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0,
   end
 end
 
-local epoch = redis.call('GET', KEYS[4])
-if not epoch then
-  epoch = string.format('%d', now)
-  redis.call('SET', KEYS[4], epoch)
-end
-local out = { 0, tonumber(epoch) }
+local out = { 0, tonumber(epoch_of(KEYS[4], now)) }
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', horizon, 'LIMIT', 0, batch)
 for i, e in ipairs(due) do
   redis.call('ZREM', KEYS[1], e)

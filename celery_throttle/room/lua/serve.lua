@@ -1,7 +1,8 @@
 --[[
 Serve the limits' queues: dispatch each queue's best waiting task when its
-limits admit it (see room/queues.py).  bucket.lua, turns.lua and record.lua
-come first (the loader joins them): the charge here is the gate's own.
+limits admit it (see room/queues.py).  bucket.lua, epoch.lua, turns.lua and
+record.lua come first (the loader joins them): the charge here is the gate's
+own.
 
 Three operations, ARGV[1]:
 
@@ -123,12 +124,7 @@ for j = 1, (#KEYS - 9) / 3 do
   queue_of[b], turns_of[q], buckets[j] = q, KEYS[9 + 3 * j], b
 end
 local ahead = ahead_of(KEYS[6], ARGV[6])
-local epoch = redis.call('GET', KEYS[5])
-if not epoch then
-  epoch = string.format('%d', now)
-  redis.call('SET', KEYS[5], epoch)
-end
-local out = { 0, tonumber(epoch) }
+local out = { 0, tonumber(epoch_of(KEYS[5], now)) }
 local served = 0
 -- Tasks looked at in this call, dispatched or not (moved, dropped): bounded.
 local steps = 4 * batch

@@ -5,7 +5,10 @@ a script, a notebook) then needs to wait, and a sleep-and-retry loop is the
 thundering herd.  :func:`plan` is that loop done once: it books the
 earliest slot (so N waiters get N distinct, evenly spaced slots), sleeps
 until it, claims it, and gives up with :class:`~celery_throttle.ThrottleTimeout`
-when the wait would pass the timeout, before booking anything.  The drivers
+when the wait would pass the timeout, before booking anything.  A waiter
+admitted for its slot just ahead sleeps until it and then checks it woke in
+time (:func:`late_by`): later than the grace, it claims the slot again rather
+than start late (the gate finds the slot lost and decides afresh).  The drivers
 (:func:`wait`, :func:`await_slot`) only do its I/O, so both behave alike; a
 waiter interrupted while it holds a booking (KeyboardInterrupt, asyncio
 cancellation) gives the booking back, and one interrupted after its
@@ -29,7 +32,8 @@ from ..errors import ThrottleTimeout
 from ..values import LONGEST_WAIT, renew_every
 from .limits import AnyLimit, Concurrency, Decision, Reservation
 
-__all__ = ["Ask", "Sleep", "ahold", "await_slot", "hold", "limited", "plan", "wait"]
+__all__ = ["Ask", "Sleep", "ahold", "await_slot", "hold", "late_by", "limited", "plan",
+           "wait"]
 
 
 class Gate(Protocol):
@@ -59,6 +63,21 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: only by its own scheduling): as the workers' floor.
 DEFAULT_GRACE = 0.05
 _MAX_STEPS = 10_000  # a bound on any plan's rounds (each sleeps, so it is never reached)
+#: Late wake-ups from a sleep to an admitted start that claim the slot again;
+#: after that many in a row the caller's machine cannot do better: it starts.
+MAX_LATE_WAKES = 3
+
+
+def late_by(asked: float, ahead: float, clock: Callable[[], float] = time.monotonic) -> float:
+    """How late a caller that asked at ``asked`` (``clock``'s time) for a start ``ahead``
+    seconds after its answer woke from its sleep (seconds; negative: in time).
+
+    A loaded machine (or a container out of its CPU quota, or a busy event
+    loop) can run a sleeper 100 ms after its timer; starting that late would
+    come closer than an interval to the next start, which keeps its own
+    moment.  Past the claim grace, a caller claims its slot again instead.
+    """
+    return clock() - asked - ahead
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,20 +97,28 @@ class Sleep:
 
 
 def plan(limits: Sequence[AnyLimit], timeout: float | None,
-         clock: Callable[[], float] = time.monotonic) -> Generator[Ask | Sleep, Any, Decision]:
+         clock: Callable[[], float] = time.monotonic, grace: float = DEFAULT_GRACE,
+         ) -> Generator[Ask | Sleep, Any, Decision]:
     """The waiting loop as steps: yields :class:`Ask` and :class:`Sleep`, returns the admission.
 
     Raises ThrottleTimeout, naming the limit and the wait, as soon as the next
     start is further away than the time left (nothing is booked then).
+    ``grace``: as late as a start may come after its slot (the claims' grace).
     """
     deadline = None if timeout is None else clock() + timeout
     claim: Reservation | None = None
+    late_wakes = 0
     for _ in range(_MAX_STEPS):
         left = LONGEST_WAIT if deadline is None else max(0.0, deadline - clock())
+        asked = clock()
         decision: Decision = yield Ask(reserve=left, claim=claim)
         if decision.allowed:
             if decision.retry_after > 0:  # admitted for its slot just ahead
                 yield Sleep(decision.retry_after, decision.reservation)
+                if (claim is not None and late_wakes < MAX_LATE_WAKES
+                        and late_by(asked, decision.retry_after, clock) > grace):
+                    late_wakes += 1
+                    continue  # its claim again: lost, the gate decides afresh
             return decision
         booking = decision.reservation
         if booking is None or decision.retry_after > left:
@@ -110,7 +137,7 @@ def plan(limits: Sequence[AnyLimit], timeout: float | None,
 def wait(gate: Gate, limits: Sequence[AnyLimit], *, timeout: float | None = None,
          holder: str = "", grace: float = DEFAULT_GRACE) -> Decision:
     """Block until ``limits`` admit one start (booked, so waiters never herd); return it."""
-    steps = plan(limits, timeout)
+    steps = plan(limits, timeout, grace=grace)
     reply: Any = None
     booking: Reservation | None = None
     try:
@@ -134,7 +161,7 @@ async def await_slot(gate: AsyncGate, limits: Sequence[AnyLimit], *,
                      timeout: float | None = None, holder: str = "",
                      grace: float = DEFAULT_GRACE) -> Decision:
     """:func:`wait` for asyncio: the same plan, awaiting the gate and ``asyncio.sleep``."""
-    steps = plan(limits, timeout)
+    steps = plan(limits, timeout, grace=grace)
     reply: Any = None
     booking: Reservation | None = None
     try:

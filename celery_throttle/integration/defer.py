@@ -29,6 +29,7 @@ from .. import faults, metrics
 from ..core.gate import AnyLimit, Concurrency, Decision, Limit
 from ..core.keys import waiters_key
 from ..core.logs import logger
+from ..core.waiting import late_by
 from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import queue_of
 from ..room.envelope import capture
@@ -197,8 +198,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     release_leases_of(task)
     new = WaitState(deferrals=state.deferrals + 1, since=state.since, copy=new_copy(),
                     prev=state.copy_id, spacing=spacing_of(limits))
-    if not _park(task, runtime, new, delay_us=to_us(max(seconds, 0.0))):
-        _republish(task, new, min(max(seconds, 0.001), runtime.config.max_countdown))
+    _send_back(task, runtime, new, max(seconds, 0.001), delay_us=to_us(max(seconds, 0.0)))
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
     metrics.deferred(limits[0].name if limits else "(provider)", seconds)
@@ -320,10 +320,11 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         # for a holder that dies without giving its slot back: by then its
         # lease has expired.
         dispatch_at = max(dispatch_at, decision.now + seat_of.lease_us)
-    parked = _park(task, runtime, new, at_us=max(dispatch_at, 1), seat_of=seat_of, was=arrived,
-                   note=wait_note(task, name, decision, new, parked_until=max(dispatch_at, 1)))
+    parked = _send_back(task, runtime, new, countdown, at_us=max(dispatch_at, 1),
+                        seat_of=seat_of, was=arrived,
+                        note=wait_note(task, name, decision, new,
+                                       parked_until=max(dispatch_at, 1)))
     if not parked:  # (a parked task's note was written by the script that parked it)
-        _republish(task, new, min(countdown, config.max_countdown))
         write_note(task, runtime, wait_note(task, name, decision, new), decision.retry_after)
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
@@ -438,18 +439,13 @@ def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
 
 def _slept_to_start(task: Task[Any, Any], asked: float, ahead: float) -> float:
     """Sleep until a start ``ahead`` seconds after the moment this process asked for it
-    (``asked``, its monotonic clock); how late it woke (seconds; a start already past,
-    ``ahead`` < 0, counts too).
-
-    A loaded machine, or a container out of its CPU quota, can run a sleeping
-    process 100 ms after its timer: a start that late would come closer than
-    an interval to the next one, which keeps its own moment.  The caller tells
-    a late start from a timely one by the grace (``_grace``).
-    """
+    (``asked``, its monotonic clock); how late it woke (``waiting.late_by``: seconds; a
+    start already past, ``ahead`` < 0, counts too).  The caller tells a late start from
+    a timely one by the grace (``_grace``)."""
     if ahead > 0:
         time.sleep(ahead)
     faults.at("defer.start_slept", task)
-    return time.monotonic() - asked - ahead
+    return late_by(asked, ahead)
 
 
 def _entry_of(task: Task[Any, Any], copy: str) -> str:
@@ -486,6 +482,21 @@ def _queues_for_slot(task: Task[Any, Any], runtime: Runtime, decision: Decision)
     booking = decision.reservation
     return (isinstance(decision.limit, Concurrency) and booking is not None
             and not booking.booked and _room_open(task, runtime))
+
+
+def _send_back(task: Task[Any, Any], runtime: Runtime, state: WaitState, countdown: float, *,
+               at_us: int = 0, delay_us: int = 0, note: str = "",
+               seat_of: Concurrency | None = None, was: str = "", room: bool = True) -> bool:
+    """The one way a task that must wait leaves the worker (for a busy limit, a provider's
+    pause or the store being down): parked in the waiting room (:func:`_park`: until
+    ``at_us`` or ``delay_us`` from now) where it is open and ``room`` allows (not with the
+    store down), else re-published with ``countdown`` (at most ``throttle_max_countdown``:
+    it comes back then and asks again).  True when it was parked."""
+    if room and _park(task, runtime, state, at_us=at_us, delay_us=delay_us, note=note,
+                      seat_of=seat_of, was=was):
+        return True
+    _republish(task, state, min(countdown, runtime.config.max_countdown))
+    return False
 
 
 def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: int = 0,
@@ -604,7 +615,7 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     # the last copy the pointer knows as its predecessor, which it accepts.
     # (No THROTTLED state here: a result backend on the store's server is down
     # too, and Celery's Redis backend retries a write for about 20 s.)
-    _republish(task, new, backoff)
+    _send_back(task, runtime, new, backoff, room=False)
     logger.info("throttle: task %s[%s] re-scheduled in %.1fs: store unavailable (deferral %d)",
                 task.name, task.request.id, backoff, new.deferrals)
     raise Ignore()

@@ -26,6 +26,7 @@ from celery_throttle import (
     ThrottleTimeout,
     parse_rate,
 )
+from celery_throttle.core.waiting import Ask, Sleep, plan
 
 RATE = Limit("api", parse_rate("20/s"))
 INTERVAL_US = 50_000
@@ -70,6 +71,59 @@ def test_waiters_in_threads_get_distinct_spaced_slots_without_a_herd(sgate: Gate
     _spaced(decisions)
     assert Counting.calls <= 10 * 3  # book, claim (and at most one re-ask): no polling
     assert 0.4 <= span < 2.0
+
+
+def _admitted_ahead(gate: Gate, grace: float) -> tuple[Any, Decision, Decision] | None:
+    """A plan that booked a slot 50 ms ahead, claimed it early and was admitted for it:
+    (the plan, its booking, its admission), or None when this process's sleep overshot
+    so far that the claim came after the slot (the caller tries again)."""
+    gate.acquire_many([RATE])  # the limit's next start is one interval away
+    steps = plan([RATE], timeout=5, grace=grace)
+    ask = next(steps)
+    assert isinstance(ask, Ask)
+    booked = gate.acquire_many([RATE], reserve=ask.reserve, claim=None, grace=grace)
+    assert booked.reservation is not None
+    sleep = steps.send(booked)
+    assert isinstance(sleep, Sleep)
+    time.sleep(max(0.0, sleep.seconds - 0.03))  # claims 30 ms early ...
+    ask = steps.send(None)
+    assert isinstance(ask, Ask)
+    assert ask.claim == booked.reservation
+    admitted = gate.acquire_many([RATE], reserve=ask.reserve, claim=ask.claim, grace=grace)
+    assert admitted.allowed
+    if admitted.retry_after <= 0:
+        steps.close()
+        return None
+    return steps, booked, admitted
+
+
+def test_a_waiter_woken_late_for_its_admitted_slot_claims_it_again(sgate: Gate) -> None:
+    """Admitted for its slot just ahead (it claimed early), a waiter sleeps until it; woken
+    past the grace it does not start then but claims again: the gate finds the slot lost
+    and decides afresh.  Woken in time, it starts."""
+    grace = 0.04
+    for late in (0.2, 0.0):
+        for _ in range(5):  # bounded: a sleep overshooting 30 ms is rare
+            found = _admitted_ahead(sgate, grace)
+            if found is not None:
+                break
+            time.sleep(0.1)
+        assert found is not None, "never admitted ahead of its slot"
+        steps, booked, admitted = found
+        assert 0 < admitted.retry_after <= grace  # ... admitted for its slot ahead
+        sleep = steps.send(admitted)
+        assert isinstance(sleep, Sleep)
+        time.sleep(sleep.seconds + late)  # ... and wakes `late` after it
+        if late:
+            again = steps.send(None)
+            assert isinstance(again, Ask)  # not started: it asks again
+            assert again.claim == booked.reservation
+            steps.close()
+        else:
+            with pytest.raises(StopIteration) as done:
+                steps.send(None)
+            assert done.value.value is admitted
+        time.sleep(0.1)  # (the next round starts on a free limit)
 
 
 def test_async_waiters_get_distinct_spaced_slots(redis_url: str, prefix: str) -> None:

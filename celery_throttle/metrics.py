@@ -35,6 +35,7 @@ class LimitStats:
     deferred: int = 0
     wait_seconds_sum: float = 0.0
     store_errors: int = 0
+    provider_pauses: int = 0
 
 
 class _Prometheus(NamedTuple):
@@ -44,6 +45,7 @@ class _Prometheus(NamedTuple):
     deferred: Any  # Counter
     waits: Any  # Histogram
     store_errors: Any  # Counter
+    provider_pauses: Any  # Counter
 
 
 # This module's state, all of it: the counts, their lock, the Prometheus metrics.
@@ -82,6 +84,11 @@ def deferred(name: str, wait: float) -> None:
 def store_error(names: list[str]) -> None:
     """A decision over ``names`` failed because the store did not answer."""
     _count(names, "store_errors")
+
+
+def provider_paused(names: list[str]) -> None:
+    """A provider refused a call (429): the limits ``names`` were paused on every worker."""
+    _count(names, "provider_pauses")
 
 
 def _count(names: list[str], field: str) -> None:
@@ -128,5 +135,8 @@ def _prometheus() -> _Prometheus | None:
                                     buckets=WAIT_BUCKETS),
                     store_errors=Counter("celery_throttle_store_errors",
                                          "Decisions the store failed", ["limit"]),
+                    provider_pauses=Counter("celery_throttle_provider_pauses",
+                                            "Provider refusals (429) that paused the limit "
+                                            "on every worker", ["limit"]),
                 )
     return _prom if isinstance(_prom, _Prometheus) else None

@@ -185,6 +185,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     state = started[1] if isinstance(started, tuple) else WaitState.from_request(request)
     setattr(request, _STARTED, None)  # this copy's run did not complete
     names = ", ".join(sorted({lim.name for lim in limits}))
+    metrics.provider_paused(sorted({lim.name for lim in limits}))
     store_up = True
     try:
         seconds = max(seconds, runtime.gate.pause(limits, seconds))

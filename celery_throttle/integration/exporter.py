@@ -1,8 +1,8 @@
 """The Prometheus endpoint of a worker node, and the gauges it reads from Redis when scraped.
 
 Imported by the worker only (``throttle_metrics_port``).  Counters are
-``metrics.py``'s; here: each un-keyed limit's fill, next free slot and
-booked-ahead starts, leases held, the waiting room's counts, and each
+``metrics.py``'s; here: each un-keyed limit's fill, next free slot,
+booked-ahead starts and pause left, leases held, the waiting room's counts, and each
 limit's tasks in line with an estimate of when its line drains, read at
 scrape time, so they are the cluster's state, not a process's.
 """
@@ -42,6 +42,9 @@ class FillCollector:
                                    labels=["limit"])
         held = GaugeMetricFamily("celery_throttle_leases_held",
                                  "Concurrency seats held (unexpired leases)", labels=["limit"])
+        paused = GaugeMetricFamily("celery_throttle_paused_seconds",
+                                   "Seconds until the limit's pause ends (a provider's 429 or "
+                                   "throttle pause; 0: not paused)", labels=["limit"])
         runtime = runtime_for(self.app)
         room = runtime.room.state()
         parked = GaugeMetricFamily("celery_throttle_parked",
@@ -71,12 +74,14 @@ class FillCollector:
             if isinstance(lim, Concurrency):
                 leases = gate.inspect_leases(lim)
                 held.add_metric([lim.name], leases.held)
+                paused.add_metric([lim.name], leases.paused)
                 continue
             state = gate.inspect(lim)
+            paused.add_metric([lim.name], state.paused)
             fill.add_metric([lim.name], state.used / lim.burst)
             free.add_metric([lim.name], state.next_free)
             booked.add_metric([lim.name], state.booked_ahead)
-        yield from (fill, free, booked, held, parked, dispatching, in_line, drains)
+        yield from (fill, free, booked, held, paused, parked, dispatching, in_line, drains)
 
 
 def serve(app: Celery, port: int, addr: str = "0.0.0.0") -> None:  # scraped from elsewhere

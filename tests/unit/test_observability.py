@@ -7,10 +7,12 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -30,6 +32,7 @@ from celery_throttle.room.queues import entry_id
 from celery_throttle.testing import free_port
 
 from ..clock import T0, StepClock
+from ..conftest import REQUIRE_SERVERS
 from ..workers import ROOT, PublishRecorder, app_env, throttle_cli
 
 
@@ -269,3 +272,71 @@ def test_command_with_the_store_down_says_so_in_one_line(redis_base: str) -> Non
     assert f"redis://:**@127.0.0.1:{port}/0" in lines[0]
     assert "throttle_redis_url" in lines[0]
     assert "s3cret" not in done.stderr + done.stdout
+
+
+def test_the_grafana_dashboard_reads_only_metrics_the_exporter_serves(app: Celery) -> None:
+    """docs/grafana/celery-throttle.json: every metric its queries read is one a worker's
+    endpoint serves (metrics.py's counters, each counted once here, and the gauges the
+    collector reads from a real Redis at scrape time, in prometheus_client's own text
+    format), and it has a panel for each thing a team watches."""
+    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+
+    from celery_throttle.integration.exporter import FillCollector
+
+    @throttled("5/s", name="dash-rate", concurrency=2)
+    @app.task(shared=False, name="proj.dash")
+    def job() -> None:
+        return None
+
+    for count in (metrics.admitted, metrics.store_error, metrics.provider_paused):
+        count(["dash-rate"])
+    metrics.deferred("dash-rate", 1.5)
+    limit = Limit("dash-rate", parse_rate("5/s"))  # one task in its line
+    runtime = runtime_for(app)
+    runtime.room.queues.enqueue(entry_id("t-dash"), b"\x01m", "t-dash", limits=[limit],
+                                blocking=limit, place_us=1)
+    runtime.gate.pause([limit], 30.0)  # as a provider's 429 does
+    own = CollectorRegistry()
+    own.register(FillCollector(app))
+    text = (generate_latest(REGISTRY) + generate_latest(own)).decode()
+    served = set(re.findall(r"^(celery_throttle_\w+)(?:\{| )", text, flags=re.MULTILINE))
+    pause = re.search(r'^celery_throttle_paused_seconds\{limit="dash-rate"\} (\S+)$', text,
+                      flags=re.MULTILINE)
+    assert pause is not None
+    assert 29 < float(pause.group(1)) <= 30
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "celery-throttle.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    read = {name for expr in exprs for name in re.findall(r"celery_throttle_\w+", expr)}
+    assert read, "no queries found"
+    assert read <= served, f"read but not served: {sorted(read - served)}"
+    titles = {p["title"] for p in dashboard["panels"]}
+    assert {"Starts per second", "Deferrals per second", "Tasks waiting in line",
+            "Provider 429 pauses", "Store errors per second"} <= titles
+    # Every metric the endpoint serves is on a panel (a new one must be added there too).
+    bases = {re.sub(r"_(total|bucket|count|sum|created)$", "", name) for name in served}
+    shown = {re.sub(r"_(total|bucket|count|sum|created)$", "", name) for name in read}
+    assert bases <= shown, f"served but on no panel: {sorted(bases - shown)}"
+
+
+def test_the_grafana_dashboards_queries_parse_as_promql(tmp_path: Path) -> None:
+    """Prometheus's own parser (promtool, Debian's `prometheus` package) reads every query
+    of the dashboard, Grafana's variables given values."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        reason = ("promtool is not installed: `apt-get install prometheus` (as .ci/run does) "
+                  "checks the Grafana dashboard's queries")
+        if REQUIRE_SERVERS:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "celery-throttle.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query{i}",
+         "expr": e.replace("$__rate_interval", "1m").replace("$limit", ".*")}
+        for i, e in enumerate(exprs)]}]}
+    path = tmp_path / "rules.yml"
+    path.write_text(json.dumps(rules))  # (YAML reads JSON)
+    checked = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
+                             text=True, timeout=60, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in checked.stdout

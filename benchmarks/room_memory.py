@@ -119,21 +119,31 @@ def run(n: int, layout: str) -> dict[str, float]:
     return out
 
 
+#: Each layout's column heading.
+_HEADINGS = {"first": "JSON message, note key",
+             "note field": "deflated message, note in the notes hash",
+             "pointer": "the note a pointer to the entry",
+             "now": "now: one record per task, no note"}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=20_000, help="tasks in line")
+    parser.add_argument("--only", choices=sorted(_HEADINGS), default=None,
+                        help="measure this layout alone (a large --n takes minutes per layout)")
     args = parser.parse_args(argv)
-    layouts = ("first", "note field", "pointer", "now")
+    layouts = [args.only] if args.only else list(_HEADINGS)
     runs = [run(args.n, layout) for layout in layouts]
+    only = f" --only {args.only}" if args.only else ""
     print(f"{args.n} tasks of one small task in line for one limit; bytes of Redis per "
-          f"waiting task (`python -m benchmarks.room_memory --n {args.n}`).\n")
-    print("| structure | JSON message, note key | deflated message, note in the notes hash "
-          "| the note a pointer to the entry | now: one record per task, no note |")
-    print("|---|---:|---:|---:|---:|")
+          f"waiting task (`python -m benchmarks.room_memory --n {args.n}{only}`).\n")
+    print("| structure | " + " | ".join(_HEADINGS[layout] for layout in layouts) + " |")
+    print("|---|" + "---:|" * len(layouts))
     for name in ("messages", "entries", "queue", "notes hash", "note keys", "total"):
         print(f"| {name} | " + " | ".join(f"{r[name]:.0f} B" for r in runs) + " |")
-    print("| projected for 1,000,000 waiting tasks | "
+    scale = "for" if args.n == 1_000_000 else "projected for"
+    print(f"| {scale} 1,000,000 waiting tasks | "
           + " | ".join(f"{r['total'] * 1e6 / 2**30:.2f} GiB" for r in runs) + " |")
 
 

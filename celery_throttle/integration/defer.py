@@ -184,8 +184,9 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     started = getattr(request, _STARTED, None)
     state = started[1] if isinstance(started, tuple) else WaitState.from_request(request)
     setattr(request, _STARTED, None)  # this copy's run did not complete
-    names = ", ".join(sorted({lim.name for lim in limits}))
-    metrics.provider_paused(sorted({lim.name for lim in limits}))
+    refused = sorted({lim.name for lim in limits})
+    names = ", ".join(refused)
+    metrics.provider_paused(refused)
     store_up = True
     try:
         seconds = max(seconds, runtime.gate.pause(limits, seconds))

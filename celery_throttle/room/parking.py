@@ -44,7 +44,7 @@ from ..core.logs import logger
 from ..core.scripts import EPOCH, joined, source
 from ..values import US_PER_SECOND, from_us
 from .envelope import Envelope
-from .queues import Queues, Weights
+from .queues import Queues, Weights, entry_id
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 
@@ -233,10 +233,9 @@ class WaitingRoom:
         started, or waits as a countdown: ``integration/notes.py``) or, while the
         task waits here, a field of the notes hash; a task in line is noted as "@" and
         its entry (``Queues.find`` reads it)."""
-        digest = key_digest(task_id)
         sec, usec, raw = self._look(
             keys=[task_key(self.prefix, "wait", task_id), self.notes, self.messages],
-            args=["note", digest, f"{digest}:-"])
+            args=["note", key_digest(task_id), entry_id(task_id)])
         return _micros(sec, usec), _raw(raw)
 
 

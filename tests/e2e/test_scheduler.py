@@ -232,14 +232,13 @@ def test_a_fair_limit_serves_a_later_tenant_in_turn(
     assert " ERROR" not in text
 
 
-def test_a_task_woken_late_for_its_turn_waits_again_in_line(
-    capp: ModuleType, records: redis.Redis, redis_base: str
-) -> None:
-    """Every third turn a process wakes 0.2 s late (4 intervals at 20/s): those tasks wait in
-    line again instead of starting late, so the starts keep the window bound."""
-    # Eight processes hold 0.4 s of the backlog: sleeps of at most 0.1 s put the
-    # rest in line.
-    with worker_nodes(redis_base, ("w1", "w2"), conf={**LINE, "throttle_max_sleep": 0.1},
+def _woken_late(capp: ModuleType, records: redis.Redis, redis_base: str, max_sleep: float,
+                asked_again: str) -> tuple[int, str]:
+    """80 tasks at 20/s on 2 nodes whose processes stall 0.2 s after every third sleep to a
+    start: each runs exactly once, within the window bound.  Returns how many log lines
+    say ``asked_again`` (the stalls caught), and the logs."""
+    with worker_nodes(redis_base, ("w1", "w2"),
+                      conf={**LINE, "throttle_max_sleep": max_sleep},
                       env={"CT_STALL": "defer.start_slept:0.2:3"}) as nodes:
         results = [capp.steady.delay(i) for i in range(80)]
         states = wait_results(results, timeout=60)
@@ -247,11 +246,22 @@ def test_a_task_woken_late_for_its_turn_waits_again_in_line(
         text = logs(nodes)
     assert states == ["SUCCESS"] * 80
     assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
-    again = len(re.findall(r"after its turn; in line again", text))
+    again = len(re.findall(asked_again, text))
     worst = check_window_bound([r["t"] for r in rows], rate=20, burst=1, period=1.0)
-    print(f"\nwoken late every third turn: {again} turns lost, worst windows {worst}")
-    assert again >= 5  # the stalls happened, and were caught
+    print(f"\nwoken late every third sleep: {again} times asked again, worst windows {worst}")
     assert " ERROR" not in text
+    return again, text
+
+
+def test_a_task_woken_late_for_its_turn_waits_again_in_line(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """Every third turn a process wakes 0.2 s late (4 intervals at 20/s): those tasks wait in
+    line again instead of starting late, so the starts keep the window bound."""
+    # Eight processes hold 0.4 s of the backlog: sleeps of at most 0.1 s put the
+    # rest in line.
+    again, _ = _woken_late(capp, records, redis_base, 0.1, r"after its turn; in line again")
+    assert again >= 5  # the stalls happened, and were caught
 
 
 def test_a_task_woken_late_for_its_booked_slot_asks_again(
@@ -261,17 +271,6 @@ def test_a_task_woken_late_for_its_booked_slot_asks_again(
     20/s); every third process wakes 0.2 s late for the slot it was admitted for: it asks
     again (its slot is lost) instead of starting late, so the starts keep the window
     bound."""
-    with worker_nodes(redis_base, ("w1", "w2"), conf={**LINE, "throttle_max_sleep": 5.0},
-                      env={"CT_STALL": "defer.start_slept:0.2:3"}) as nodes:
-        results = [capp.steady.delay(i) for i in range(80)]
-        states = wait_results(results, timeout=60)
-        rows = read_records(records, expect=80, timeout=5)
-        text = logs(nodes)
-    assert states == ["SUCCESS"] * 80
-    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
-    again = len(re.findall(r"after its slot; asking again", text))
-    worst = check_window_bound([r["t"] for r in rows], rate=20, burst=1, period=1.0)
-    print(f"\nwoken late every third slot: {again} slots asked again, worst windows {worst}")
+    again, text = _woken_late(capp, records, redis_base, 5.0, r"after its slot; asking again")
     assert again >= 5  # the stalls happened, and were caught
     assert "in line again" not in text  # (no wait was long enough to go in line)
-    assert " ERROR" not in text

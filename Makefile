@@ -10,11 +10,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,demo,docs,web,langchain]'
+	$(BIN)/python -m pip install -q -e '.[test,demo,docs,web,langchain,http]'
 	touch $@
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,demo,docs,web,langchain,bench]'
+	$(BIN)/python -m pip install -q -e '.[test,demo,docs,web,langchain,http,bench]'
 	touch $@
 
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python

@@ -9,17 +9,22 @@ the same limit name) are counted against one bucket, not one per process as
 
 A ``BaseRateLimiter`` is told when a call starts, never when it ends, so it
 carries rate limits only: calls in flight (``Concurrency``) need
-:meth:`Gate.slot` around the call instead.
+:meth:`Gate.slot` around the call instead.  It is asked once per model call,
+before the model builds its request: it does not see the SDK's own retries
+of that request (the ``openai`` and ``anthropic`` SDKs retry twice by
+default), nor the time between its answer and the request.  A model that
+takes an ``http_client`` (``ChatOpenAI``, ``ChatAnthropic``) is gated on
+every request it sends by ``celery_throttle.transport.gated_client``
+instead.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from langchain_core.rate_limiters import BaseRateLimiter
 
-from .core.async_gate import AsyncGate
+from .core.async_gate import AsyncGate, LoopGates
 from .core.gate import Gate
 from .core.limits import Limit
 from .core.rates import Rate, parse_rate
@@ -46,9 +51,7 @@ class GateRateLimiter(BaseRateLimiter):
         self.url, self.prefix, self.timeout = url, prefix, timeout
         self._gate = gate
         self._async_gate = async_gate
-        # A redis.asyncio client belongs to the loop it first ran on: one per loop
-        # (notebooks and scripts call asyncio.run more than once).
-        self._loop_gates: dict[int, tuple[asyncio.AbstractEventLoop, AsyncGate]] = {}
+        self._loop_gates = LoopGates(url, prefix) if url is not None else None
 
     def acquire(self, *, blocking: bool = True) -> bool:
         """Before a sync call: wait for its start (``blocking``), or say whether it may go."""
@@ -75,9 +78,8 @@ class GateRateLimiter(BaseRateLimiter):
     async def aclose(self) -> None:
         """Close the async client this limiter made for the running loop (call it before the
         loop ends, e.g. at the end of the coroutine ``asyncio.run`` runs)."""
-        held = self._loop_gates.pop(id(asyncio.get_running_loop()), None)
-        if held is not None:
-            await held[1].aclose()
+        if self._loop_gates is not None:
+            await self._loop_gates.aclose()
 
     def _sync_gate(self) -> Gate:
         if self._gate is None:
@@ -89,20 +91,18 @@ class GateRateLimiter(BaseRateLimiter):
     def _gate_for_loop(self) -> AsyncGate:
         if self._async_gate is not None:
             return self._async_gate
-        if self.url is None:
+        if self._loop_gates is None:
             raise ValueError("an async acquire needs url or async_gate")
-        loop = asyncio.get_running_loop()
-        held = self._loop_gates.get(id(loop))
-        if held is None or held[0] is not loop:
-            held = (loop, AsyncGate.from_url(self.url, prefix=self.prefix))
-            self._loop_gates = {k: v for k, v in self._loop_gates.items()
-                                if not v[0].is_closed()}
-            self._loop_gates[id(loop)] = held
-        return held[1]
+        return self._loop_gates.get()
 
     def __repr__(self) -> str:
         limit = self.limits[0]
         return f"GateRateLimiter({limit.rate.text!r}, name={limit.name!r})"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GateRateLimiter:
+        # LangChain deep-copies models (model_copy(deep=True), with_config...):
+        # every copy of a model spends the same quota, so it keeps this limiter.
+        return self
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("GateRateLimiter holds Redis clients: make one per process")

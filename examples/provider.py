@@ -17,13 +17,21 @@ refused request for the demo's table and chart.
     python -m examples.provider --port 8080 --limit 10 --window 1
 
 Endpoints: ``POST /v1/summarize`` (JSON ``{"prompt": ...}``), ``GET /stats``,
-``POST /reset``.
+``POST /reset``; and, for the official SDKs, ``POST /v1/chat/completions``
+(OpenAI's shape and its ``x-ratelimit-*`` headers, ``openai.OpenAI(base_url=
+provider.url + "/v1")``) and ``POST /v1/messages`` (Anthropic's, with its
+``anthropic-ratelimit-*`` headers, ``anthropic.Anthropic(base_url=provider.url)``).
+Every 429 carries the provider's own ``retry-after`` and ``retry-after-ms``;
+``refusals`` records why each was refused: ``"hold"`` (:meth:`MockProvider.hold`,
+the provider's own trouble) or a quota (``"requests"``, ``"inflight"``,
+``"tokens"``), the 429s a client's pacing is to blame for.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import datetime as dt
 import json
 import math
 import threading
@@ -82,6 +90,7 @@ class MockProvider:
         self._held_until = 0.0
         self.accepted: list[float] = []
         self.refused: list[float] = []
+        self.refusals: list[tuple[float, str]] = []  # (when, why): "hold" or the quota
         self.calls: list[tuple[float, float, int]] = []  # accepted: (start, end, tokens)
         self.most_inflight = 0
         self.server = ThreadingHTTPServer((host, port), self._handler())
@@ -112,6 +121,7 @@ class MockProvider:
             self._tokens.clear()
             self.accepted.clear()
             self.refused.clear()
+            self.refusals.clear()
             self.calls.clear()
             self.most_inflight = 0
             self._held_until = 0.0
@@ -123,31 +133,50 @@ class MockProvider:
 
     def admit(self, tokens: int = 0) -> float | None:
         """Count one request: None if accepted, else the seconds until it could be."""
+        return self.decide(tokens)[0]
+
+    def decide(self, tokens: int = 0) -> tuple[float | None, str]:
+        """Count one request: (None, "") if accepted, else (seconds until it could be, why)."""
         with self._lock:
             now = time.time()
             while self._recent and self._recent[0] <= now - self.window:
                 self._recent.popleft()
             while self._tokens and self._tokens[0][0] <= now - self.token_window:
                 self._tokens.popleft()
-            wait = None
+            wait, why = None, ""
             if now < self._held_until:
-                wait = self._held_until - now
+                wait, why = self._held_until - now, "hold"
             elif len(self._recent) >= self.limit:
-                wait = self._recent[0] + self.window - now
+                wait, why = self._recent[0] + self.window - now, "requests"
             elif self.max_inflight is not None and self._inflight >= self.max_inflight:
-                wait = self.latency
+                wait, why = self.latency, "inflight"
             elif self.token_budget is not None and (
                     sum(n for _, n in self._tokens) + tokens > self.token_budget):
                 wait = self._tokens[0][0] + self.token_window - now if self._tokens else 1.0
+                why = "tokens"
             if wait is not None:
                 self.refused.append(now)
-                return wait
+                self.refusals.append((now, why))
+                return wait, why
             self._recent.append(now)
             self._tokens.append((now, tokens))
             self.accepted.append(now)
             self._inflight += 1
             self.most_inflight = max(self.most_inflight, self._inflight)
-            return None
+            return None, ""
+
+    def quota_refusals(self) -> int:
+        """The 429s a client's pacing caused (every refusal but the provider's own holds)."""
+        with self._lock:
+            return sum(1 for _, why in self.refusals if why != "hold")
+
+    def remaining(self) -> tuple[int, float]:
+        """(requests left in the window now, seconds until the oldest one leaves it)."""
+        with self._lock:
+            now = time.time()
+            recent = [t for t in self._recent if t > now - self.window]
+            reset = recent[0] + self.window - now if recent else 0.0
+            return max(0, self.limit - len(recent)), max(0.0, reset)
 
     def done(self, start: float, tokens: int) -> None:
         """An accepted request has been answered."""
@@ -197,16 +226,18 @@ class MockProvider:
                     provider.reset()
                     self._reply(200, {"ok": True})
                     return
-                if self.path != "/v1/summarize":
+                shape = _SHAPES.get(self.path)
+                if shape is None:
                     self._reply(404, {"error": "not found"})
                     return
                 body = json.loads(raw or b"{}")
-                prompt = str(body.get("prompt", ""))
+                prompt = shape.prompt(body)
                 tokens = max(1, len(prompt) // 4)
                 start = time.time()
-                wait = provider.admit(tokens)
+                wait, why = provider.decide(tokens)
                 if wait is not None:
-                    self._reply(429, {"error": "rate limit exceeded"}, {
+                    self._reply(429, shape.refusal(why), {
+                        **shape.headers(provider),
                         "Retry-After": str(max(1, math.ceil(wait))),
                         "Retry-After-Ms": str(max(1, math.ceil(wait * 1000))),
                     })
@@ -218,9 +249,103 @@ class MockProvider:
                     # Out of flight before the answer leaves: a client that
                     # reads it may start its next call at once.
                     provider.done(start, tokens)
-                self._reply(200, {"summary": prompt[:20], "usage": {"total_tokens": tokens}})
+                self._reply(200, shape.answer(prompt, tokens), shape.headers(provider))
 
         return Handler
+
+
+class _Shape:
+    """One endpoint's request and answer: the plain one (``/v1/summarize``)."""
+
+    @staticmethod
+    def prompt(body: dict[str, Any]) -> str:
+        return str(body.get("prompt", ""))
+
+    @staticmethod
+    def answer(prompt: str, tokens: int) -> dict[str, Any]:
+        return {"summary": prompt[:20], "usage": {"total_tokens": tokens}}
+
+    @staticmethod
+    def refusal(why: str) -> dict[str, Any]:
+        return {"error": "rate limit exceeded"}
+
+    @staticmethod
+    def headers(provider: MockProvider) -> dict[str, str]:
+        return {}
+
+
+def _messages_text(body: dict[str, Any]) -> str:
+    parts = []
+    for message in body.get("messages") or []:
+        content = message.get("content", "")
+        if isinstance(content, list):  # content blocks
+            content = " ".join(str(b.get("text", "")) for b in content if isinstance(b, dict))
+        parts.append(str(content))
+    return " ".join(parts)
+
+
+def _openai_duration(seconds: float) -> str:
+    """OpenAI's reset format: ``"6m0s"``, ``"1s"``, ``"293ms"``."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)}m{rest:.0f}s" if minutes else f"{rest:.3g}s"
+
+
+class _OpenAI(_Shape):
+    """``POST /v1/chat/completions`` as OpenAI answers it."""
+
+    prompt = staticmethod(_messages_text)
+
+    @staticmethod
+    def answer(prompt: str, tokens: int) -> dict[str, Any]:
+        return {"id": "chatcmpl-mock", "object": "chat.completion", "created": int(time.time()),
+                "model": "mock", "choices": [{"index": 0, "finish_reason": "stop",
+                                              "message": {"role": "assistant",
+                                                          "content": prompt[:20]}}],
+                "usage": {"prompt_tokens": tokens, "completion_tokens": 1,
+                          "total_tokens": tokens + 1}}
+
+    @staticmethod
+    def refusal(why: str) -> dict[str, Any]:
+        return {"error": {"message": f"Rate limit reached ({why})", "type": why,
+                          "param": None, "code": "rate_limit_exceeded"}}
+
+    @staticmethod
+    def headers(provider: MockProvider) -> dict[str, str]:
+        left, reset = provider.remaining()
+        return {"x-ratelimit-limit-requests": str(provider.limit),
+                "x-ratelimit-remaining-requests": str(left),
+                "x-ratelimit-reset-requests": _openai_duration(reset)}
+
+
+class _Anthropic(_Shape):
+    """``POST /v1/messages`` as Anthropic answers it."""
+
+    prompt = staticmethod(_messages_text)
+
+    @staticmethod
+    def answer(prompt: str, tokens: int) -> dict[str, Any]:
+        return {"id": "msg_mock", "type": "message", "role": "assistant", "model": "mock",
+                "content": [{"type": "text", "text": prompt[:20]}], "stop_reason": "end_turn",
+                "stop_sequence": None, "usage": {"input_tokens": tokens, "output_tokens": 1}}
+
+    @staticmethod
+    def refusal(why: str) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": "rate_limit_error",
+                                           "message": f"rate limit exceeded ({why})"}}
+
+    @staticmethod
+    def headers(provider: MockProvider) -> dict[str, str]:
+        left, reset = provider.remaining()
+        at = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=reset)
+        return {"anthropic-ratelimit-requests-limit": str(provider.limit),
+                "anthropic-ratelimit-requests-remaining": str(left),
+                "anthropic-ratelimit-requests-reset": at.isoformat(timespec="seconds")}
+
+
+_SHAPES: dict[str, type[_Shape]] = {"/v1/summarize": _Shape, "/v1/chat/completions": _OpenAI,
+                                    "/v1/messages": _Anthropic}
 
 
 class RemoteProvider:

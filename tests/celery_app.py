@@ -222,6 +222,33 @@ def llm_call(self: Task[Any, Any], prompt: str, factor: float, work: float) -> i
     return used
 
 
+_sdk_clients: dict[str, Any] = {}
+
+
+def _sdk_client() -> Any:
+    """This process's OpenAI client, every request gated on the task's own limit."""
+    if "openai" not in _sdk_clients:
+        import openai
+
+        from celery_throttle.transport import gated_client
+
+        _sdk_clients["openai"] = openai.OpenAI(
+            base_url=f"{PROVIDER}/v1", api_key="sk-test", http_client=gated_client(
+                "9/s", name="sdk-requests", url=f"{REDIS}/11", prefix=app.conf.throttle_prefix))
+    return _sdk_clients["openai"]
+
+
+@throttled("9/s", name="sdk-requests")
+@app.task(bind=True)
+def sdk_chat(self: Task[Any, Any], i: int) -> str:
+    """A chat completion through the OpenAI SDK (its default retries on), gated twice over:
+    the task's admission, spent by its first request, and every retry by the transport."""
+    record(self)
+    reply = _sdk_client().chat.completions.create(
+        model="mock", messages=[{"role": "user", "content": f"document {i}"}])
+    return str(reply.choices[0].message.content)
+
+
 @throttled(concurrency=1, name="one-slot", lease=LEASE)
 @app.task(bind=True)
 def one_slot(self: Task[Any, Any], seconds: float) -> float:

@@ -9,6 +9,7 @@ handler and the Celery workers beside it spend one quota.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -36,7 +37,7 @@ from .gate import (
 from .packed import AsyncPackedPath
 from .rates import Rate, parse_rate
 
-__all__ = ["AsyncGate"]
+__all__ = ["AsyncGate", "LoopGates"]
 
 
 class AsyncGate(GateCalls):
@@ -162,3 +163,32 @@ class AsyncGate(GateCalls):
     async def _op(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> int:
         keys, args = self._op_call(limits, op, arg, holder)
         return int(await self._script(keys=keys, args=args))
+
+
+class LoopGates:
+    """An :class:`AsyncGate` on ``url`` for each event loop that asks (:meth:`get`).
+
+    A ``redis.asyncio`` client belongs to the loop that first used it, and
+    notebooks and scripts call ``asyncio.run`` more than once: an adapter
+    that is handed a URL keeps one gate per loop, forgetting closed loops'.
+    """
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.url, self.prefix = url, prefix
+        self._gates: dict[int, tuple[asyncio.AbstractEventLoop, AsyncGate]] = {}
+
+    def get(self) -> AsyncGate:
+        """The running loop's gate (made on first use)."""
+        loop = asyncio.get_running_loop()
+        held = self._gates.get(id(loop))
+        if held is None or held[0] is not loop:
+            held = (loop, AsyncGate.from_url(self.url, prefix=self.prefix))
+            self._gates = {k: v for k, v in self._gates.items() if not v[0].is_closed()}
+            self._gates[id(loop)] = held
+        return held[1]
+
+    async def aclose(self) -> None:
+        """Close the running loop's gate, if one was made (call it before the loop ends)."""
+        held = self._gates.pop(id(asyncio.get_running_loop()), None)
+        if held is not None:
+            await held[1].aclose()

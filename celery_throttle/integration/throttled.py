@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
@@ -20,6 +21,7 @@ from celery import _state as celery_state
 from celery.exceptions import Ignore
 from celery.local import PromiseProxy, Proxy
 
+from ..core import credit
 from ..core.gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit
 from ..core.keys import validate_name
 from ..core.logs import logger
@@ -287,6 +289,11 @@ def ensure_gated(task: Task[Any, Any]) -> None:
             admitted = True
         if not admitted:
             _end_run()
+        # The start this run was admitted for: a gated HTTP transport under the
+        # same limit spends it on the run's first request (core/credit.py).
+        now = time.monotonic()
+        unspent = credit.grant({runtime.gate.key_of(lim): credit.Admission(lim, now)
+                                for lim in runtime.live.apply(limits) if isinstance(lim, Limit)})
         try:
             try:
                 return run(*args, **kwargs)
@@ -298,6 +305,7 @@ def ensure_gated(task: Task[Any, Any]) -> None:
             with contextlib.suppress(Ignore):  # raised again, shallow
                 defer_after_start(task, runtime, limited.limits_in(limits), limited.retry_after)
         finally:
+            credit.revoke(unspent)
             release_leases_of(task)  # the run ended, in whatever state
         _end_run()
 

@@ -161,3 +161,36 @@ def test_sigkilled_worker_frees_its_slot_within_the_lease(
     # Expired within the lease; the waiter returns at its paced time (the
     # average run is unknown: 1 s steps), so at most one step later.
     assert recovery <= 3.0 + 1.5
+
+
+def test_sdk_calls_from_workers_keep_the_quota_through_the_sdk_retries(
+        redis_base: str, capp: ModuleType, records: redis.Redis) -> None:
+    """60 tasks on 2 prefork nodes, each a chat completion through the OpenAI SDK (default
+    retries on) on a gated client, 9/s under a quota of 10/s; the provider refuses
+    everything for 0.6 s mid-run.  Every task succeeds once, no request is refused for the
+    quota, and the task's admission is its first request (the pace is 9/s, not half)."""
+    provider = MockProvider(limit=10, window=1.0, latency=0.02).start()
+    try:
+        env = {"CT_PROVIDER": provider.url}
+        with worker_nodes(redis_base, ("w1", "w2"), concurrency=3, env=env):
+            results = [capp.sdk_chat.delay(i) for i in range(60)]
+            read_records(records, expect=15, timeout=30)  # calls are flowing
+            provider.hold(0.6)
+            states = wait_results(results, timeout=90)
+    finally:
+        provider.stop()
+    accepted = sorted(provider.accepted)
+    holds = len(provider.refusals) - provider.quota_refusals()
+    span = accepted[-1] - accepted[0]
+    print(f"\n60 tasks: {len(accepted)} requests accepted, {holds} refused in the hold, "
+          f"{provider.quota_refusals()} for the quota; {(len(accepted) - 1) / span:.2f}/s "
+          f"over {span:.1f} s (the hold included)")
+    assert Counter(states) == {"SUCCESS": 60}
+    assert Counter(r["id"] for r in read_records(records, expect=60, timeout=5)) == Counter(
+        {r.id: 1 for r in results})
+    assert holds >= 1
+    assert provider.quota_refusals() == 0
+    assert len(accepted) == 60
+    # Spending the admission: 59 intervals of 9/s take 6.6 s, plus the hold (0.6 s) and
+    # the retries' slots; a second charge per task would take over 13 s.
+    assert span <= 10.0

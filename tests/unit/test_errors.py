@@ -7,6 +7,10 @@ import datetime as dt
 import email.utils
 import pickle
 
+import anthropic
+import httpx
+import httpx2
+import openai
 import pytest
 
 from celery_throttle import Concurrency, Limit, RateLimited, check_response, parse_rate
@@ -63,11 +67,47 @@ def test_check_response_reads_an_http_date() -> None:
 
 
 
-@pytest.mark.parametrize("bad", [-1, float("nan"), True, [3]])
+@pytest.mark.parametrize("bad", [-1, float("nan"), True])
 def test_rate_limited_rejects_bad_waits(bad: object) -> None:
     """The error names the value."""
     with pytest.raises(ValueError, match="invalid retry_after"):
-        RateLimited(bad)  # type: ignore[arg-type]
+        RateLimited(bad)
+
+
+def _refusals() -> list[object]:
+    """A 429 with retry-after-ms 1372, as each SDK and HTTP package raises or returns it."""
+    headers = {"retry-after-ms": "1372", "retry-after": "2"}
+    req2 = httpx2.Request("POST", "http://127.0.0.1/v1/chat/completions")
+    req1 = httpx.Request("POST", "http://127.0.0.1/v1/chat/completions")
+    return [
+        openai.RateLimitError("rate limited", response=httpx2.Response(
+            429, headers=headers, request=req2), body=None),
+        anthropic.RateLimitError("rate limited", response=httpx2.Response(
+            429, headers=headers, request=req2), body=None),
+        httpx.HTTPStatusError("429", request=req1, response=httpx.Response(
+            429, headers=headers, request=req1)),
+        httpx2.Response(429, headers=headers, request=req2),
+    ]
+
+
+@pytest.mark.parametrize("refusal", _refusals(), ids=lambda r: type(r).__name__)
+def test_check_response_and_rate_limited_read_the_sdks_errors(refusal: object) -> None:
+    """openai's and anthropic's RateLimitError, httpx's HTTPStatusError and an httpx2
+    response: the provider's retry-after-ms is read (1.372 s), not a default."""
+    with pytest.raises(RateLimited) as caught:
+        check_response(refusal)
+    assert caught.value.retry_after == 1.372
+    assert RateLimited(refusal).retry_after == 1.372
+
+
+@pytest.mark.parametrize("unreadable", [ValueError("boom"), object(), [3], {"status": 429}])
+def test_an_unreadable_refusal_is_an_error_naming_its_type(unreadable: object) -> None:
+    """No HTTP status to read: a TypeError naming the type, never a silent 1 s pause."""
+    name = type(unreadable).__name__
+    with pytest.raises(TypeError, match=f"'{name}'"):
+        check_response(unreadable)
+    with pytest.raises(TypeError, match=f"'{name}'"):
+        RateLimited(unreadable)
 
 
 

@@ -107,3 +107,18 @@ def test_non_blocking_acquire_says_whether_a_call_may_go(redis_url: str, prefix:
     assert asyncio.run(from_async_code()) is False
     with pytest.raises(ValueError, match="give url"):
         GateRateLimiter("1/s", name="x")
+
+
+def test_a_deep_copy_of_a_model_keeps_its_limiter(redis_url: str, prefix: str) -> None:
+    """LangChain deep-copies models (model_copy(deep=True), copy.deepcopy): the copy spends
+    the same quota through the same limiter; pickling still says why it cannot."""
+    import copy
+    import pickle
+
+    limiter = GateRateLimiter("1/h", name="copied", url=redis_url, prefix=prefix)
+    model = ProviderChat(url="http://127.0.0.1:9", rate_limiter=limiter)
+    assert copy.deepcopy(model).rate_limiter is limiter
+    assert model.model_copy(deep=True).rate_limiter is limiter
+    with pytest.raises(TypeError, match="one per process"):
+        pickle.dumps(limiter)
+    limiter.close()

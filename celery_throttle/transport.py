@@ -1,0 +1,273 @@
+"""Gate every HTTP request a client sends, its SDK's retries included.
+
+The official ``openai`` and ``anthropic`` SDKs retry a refused or failed
+request themselves (twice by default), sleeping what the provider's
+``retry-after-ms`` says.  A limit applied around the call (``@throttled``,
+``Gate.wait``, LangChain's ``rate_limiter=``) sees the first attempt only:
+the retries of every process that was refused in the same instant reach
+the provider together, and its 429s never reach the limit.  A transport
+sees every attempt, just before it is sent::
+
+    from openai import OpenAI
+    from celery_throttle.transport import gated_client
+
+    client = OpenAI(http_client=gated_client("500/m", name="openai", url=REDIS_URL))
+
+Before each attempt the transport waits for a start of its limits
+(:meth:`Gate.wait`: the slot is booked, so waiters never herd).  A 429
+answer pauses those limits on every worker and web process for the
+provider's ``retry-after-ms`` / ``retry-after`` (as :class:`RateLimited`
+does) and is handed back to the client unchanged: the SDK's retry then
+waits in the transport until the pause ends and its own slot comes.
+
+Inside a Celery task admitted under the same limit (``@throttled`` with the
+same name and key), the task's admission is its first request's start: the
+transport spends it instead of charging the limit again
+(``core/credit.py``), if the request goes out within half an interval of
+the admission (:data:`DEFAULT_GRACE` at most); a later one gives that
+start back and waits for a fresh slot, so a start never comes late.
+
+Works with ``httpx`` and ``httpx2`` (the SDKs' own) clients, sync and async:
+the transport wraps the client's usual one.  Rate limits only: a request's
+end is not its response's, which a client may stream long after.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import metrics
+from .core import credit
+from .core.async_gate import AsyncGate, LoopGates
+from .core.gate import Gate
+from .core.limits import Limit
+from .core.live import LiveLimits
+from .core.rates import Rate, parse_rate
+from .core.waiting import DEFAULT_GRACE
+from .errors import retry_after_of
+
+__all__ = ["AsyncGatedTransport", "GatedTransport", "async_gated_client", "gated_client"]
+
+#: The HTTP packages a transport is made for, in order of preference (the
+#: SDKs send through httpx2).
+HTTP_PACKAGES = ("httpx2", "httpx")
+
+
+def _base(package: str, name: str) -> type:
+    """``package``'s transport base class ``name``, or an empty stand-in if it is absent."""
+    try:
+        found: type = getattr(importlib.import_module(package), name)
+    except ImportError:
+        found = type(f"_No{package.capitalize()}{name}", (), {})
+    return found
+
+
+# A transport is an instance of both packages' base classes, so either
+# package's client takes it (and type-checks it).
+if TYPE_CHECKING:
+    from httpx import AsyncBaseTransport as _HttpxAsyncBase
+    from httpx import BaseTransport as _HttpxBase
+    from httpx2 import AsyncBaseTransport as _Httpx2AsyncBase
+    from httpx2 import BaseTransport as _Httpx2Base
+else:
+    _Httpx2Base, _HttpxBase = _base("httpx2", "BaseTransport"), _base("httpx", "BaseTransport")
+    _Httpx2AsyncBase = _base("httpx2", "AsyncBaseTransport")
+    _HttpxAsyncBase = _base("httpx", "AsyncBaseTransport")
+
+
+def _limits_of(rate: str | Rate | None, name: str | None, burst: int, key: object,
+               limits: Sequence[Limit]) -> list[Limit]:
+    """The transport's limits: ``rate`` under ``name``, and/or ``limits`` (rate limits only)."""
+    chosen = list(limits)
+    if rate is not None:
+        if not name:
+            raise ValueError("a rate needs the limit's name (name=...), the same as the "
+                             "workers' @throttled(name=...) for one shared quota")
+        chosen.insert(0, Limit(name, parse_rate(rate), burst, key))
+    elif name is not None and not limits:
+        raise ValueError(f"limit {name!r} needs a rate")
+    if not chosen:
+        raise ValueError("give a rate (with name=...) or limits=[Limit(...), ...]")
+    for lim in chosen:
+        if not isinstance(lim, Limit):
+            raise TypeError(f"a transport carries rate limits only, not {lim!r}: a request "
+                            "ends when its response is read, which the transport does not see")
+    return chosen
+
+
+def _http_package(module: str | None) -> Any:
+    """The ``httpx2`` or ``httpx`` module (``module`` names it; default: the first installed)."""
+    names = HTTP_PACKAGES if module is None else (module,)
+    if module is not None and module not in HTTP_PACKAGES:
+        raise ValueError(f"module {module!r}: expected one of {list(HTTP_PACKAGES)}")
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(f"{' or '.join(names)} is not installed: pip install "
+                      f"'celery-gcra-throttle[http]' (the openai and anthropic SDKs bring httpx2)")
+
+
+class _Gated:
+    """What both transports share: the limits, the credit rule and the 429 rule."""
+
+    def __init__(self, limits: list[Limit], inner: Any, timeout: float | None,
+                 grace: float) -> None:
+        self.limits = limits
+        self.inner = inner
+        self.timeout = timeout
+        self.grace = grace
+        self.names = sorted({lim.name for lim in limits})
+
+    def _split(self, key_of: Any) -> tuple[list[Limit], list[credit.Admission]]:
+        """(limits to wait for, stale admissions to give back) for the next attempt.
+
+        A limit whose start the running task was admitted for is spent from
+        that admission when it is fresh (half an interval, at most the grace).
+        """
+        keys = {key_of(lim): lim for lim in self.limits}
+        taken = credit.take(keys)
+        if not taken:
+            return self.limits, []
+        now = time.monotonic()
+        fresh = {key for key, adm in taken.items()
+                 if adm.fresh(min(self.grace, adm.limit.rate.interval_us / 2e6), now)}
+        stale = [adm for key, adm in taken.items() if key not in fresh]
+        return [lim for key, lim in keys.items() if key not in fresh], stale
+
+    def _refused(self, response: Any) -> float | None:
+        """Seconds to pause the limits if ``response`` is a 429, else None."""
+        if getattr(response, "status_code", None) != 429:
+            return None
+        metrics.provider_paused(self.names)
+        return retry_after_of(response.headers)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{lim.name}={lim.rate.text}" for lim in self.limits)
+        return f"{type(self).__name__}({shown})"
+
+
+class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
+    """A sync ``httpx``/``httpx2`` transport: every request waits for a start of ``limits``.
+
+    ``gate``: the :class:`Gate` on the throttle's Redis (the workers'
+    ``throttle_redis_url`` and ``throttle_prefix``).  ``transport``: the one
+    that sends (default: the package's ``HTTPTransport()``).  ``timeout``: a
+    wait longer than this raises :class:`~celery_throttle.ThrottleTimeout`
+    (booking nothing; an SDK may wrap it in its connection error).
+    ``live``: apply the rates set with ``celery throttle set`` (default).
+    """
+
+    def __init__(self, limits: Sequence[Limit], *, gate: Gate, transport: Any = None,
+                 module: str | None = None, timeout: float | None = None,
+                 grace: float = DEFAULT_GRACE, live: bool = True) -> None:
+        chosen = _limits_of(None, None, 1, None, limits)
+        inner = transport if transport is not None else _http_package(module).HTTPTransport()
+        super().__init__(chosen, inner, timeout, grace)
+        self.gate = gate
+        self._live = LiveLimits(gate.client, gate.prefix) if live else None
+
+    def handle_request(self, request: Any) -> Any:
+        """Wait for the slot (or spend the task's admission), send, pause the limits on a 429."""
+        limits, stale = self._split(self.gate.key_of)
+        for adm in stale:
+            self.gate.settle(adm.limit, 0)
+        if limits:
+            self.gate.wait(self._live.apply(limits) if self._live else limits,
+                           timeout=self.timeout, grace=self.grace)
+        response = self.inner.handle_request(request)
+        pause = self._refused(response)
+        if pause is not None:
+            self.gate.pause(self.limits, pause)
+        return response
+
+    def close(self) -> None:
+        """Close the transport that sends (the gate is the caller's)."""
+        self.inner.close()
+
+
+class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
+    """:class:`GatedTransport` for async clients (``AsyncOpenAI``, ``AsyncAnthropic``).
+
+    ``gate``: an :class:`AsyncGate`; or ``url`` (and ``prefix``), and one is
+    made for each event loop the client runs on (a ``redis.asyncio`` client
+    belongs to the loop that first used it).
+    """
+
+    def __init__(self, limits: Sequence[Limit], *, gate: AsyncGate | None = None,
+                 url: str | None = None, prefix: str = "throttle", transport: Any = None,
+                 module: str | None = None, timeout: float | None = None,
+                 grace: float = DEFAULT_GRACE) -> None:
+        if gate is None and url is None:
+            raise ValueError("give gate (an AsyncGate) or url (the throttle's Redis)")
+        chosen = _limits_of(None, None, 1, None, limits)
+        inner = (transport if transport is not None
+                 else _http_package(module).AsyncHTTPTransport())
+        super().__init__(chosen, inner, timeout, grace)
+        self.gate = gate
+        self._loop_gates = LoopGates(url, prefix) if url is not None else None
+
+    async def handle_async_request(self, request: Any) -> Any:
+        """Wait for the slot (or spend the task's admission), send, pause the limits on a 429."""
+        gate = self._gate()
+        limits, stale = self._split(gate.key_of)
+        for adm in stale:
+            await gate.settle(adm.limit, 0)
+        if limits:
+            await gate.wait(limits, timeout=self.timeout, grace=self.grace)
+        response = await self.inner.handle_async_request(request)
+        pause = self._refused(response)
+        if pause is not None:
+            await gate.pause(self.limits, pause)
+        return response
+
+    async def aclose(self) -> None:
+        """Close the transport that sends, and the gate made here for the running loop."""
+        await self.inner.aclose()
+        if self._loop_gates is not None:
+            await self._loop_gates.aclose()
+
+    def _gate(self) -> AsyncGate:
+        if self.gate is not None:
+            return self.gate
+        assert self._loop_gates is not None  # (one of the two is required)
+        return self._loop_gates.get()
+
+
+def gated_client(rate: str | Rate | None = None, *, name: str | None = None, burst: int = 1,
+                 key: object = None, limits: Sequence[Limit] = (), url: str | None = None,
+                 gate: Gate | None = None, prefix: str = "throttle", module: str | None = None,
+                 timeout: float | None = None, **client_options: Any) -> Any:
+    """A sync HTTP client whose every request waits for a start of ``rate`` under ``name``.
+
+    For ``OpenAI(http_client=...)`` and ``Anthropic(http_client=...)``.
+    ``limits``: more rate limits (or instead), e.g. per model.  ``url`` and
+    ``prefix``: the throttle's Redis as the workers see it, or ``gate``.
+    ``module``: ``"httpx2"`` (the SDKs', the default when installed) or
+    ``"httpx"``.  ``client_options`` go to the client (``timeout``...).
+    """
+    if gate is None:
+        if url is None:
+            raise ValueError("give url (the throttle's Redis) or gate")
+        gate = Gate.from_url(url, prefix=prefix)
+    http = _http_package(module)
+    transport = GatedTransport(_limits_of(rate, name, burst, key, limits), gate=gate,
+                               transport=http.HTTPTransport(), timeout=timeout)
+    return http.Client(transport=transport, **client_options)
+
+
+def async_gated_client(rate: str | Rate | None = None, *, name: str | None = None,
+                       burst: int = 1, key: object = None, limits: Sequence[Limit] = (),
+                       url: str | None = None, gate: AsyncGate | None = None,
+                       prefix: str = "throttle", module: str | None = None,
+                       timeout: float | None = None, **client_options: Any) -> Any:
+    """:func:`gated_client` for ``AsyncOpenAI`` and ``AsyncAnthropic``."""
+    http = _http_package(module)
+    transport = AsyncGatedTransport(_limits_of(rate, name, burst, key, limits), gate=gate,
+                                    url=url, prefix=prefix, transport=http.AsyncHTTPTransport(),
+                                    timeout=timeout)
+    return http.AsyncClient(transport=transport, **client_options)

@@ -1,0 +1,268 @@
+"""The gated HTTP transport (transport.py) under the real openai and anthropic SDKs.
+
+The SDKs (test extras) send through a client from ``gated_client`` to the
+mock provider (a real HTTP server on 127.0.0.1 answering in their shapes,
+with their rate-limit headers), with their default retries on.  The
+provider refuses everything for a while mid-run (its own trouble, a
+"hold"): every retry of the refused calls must then wait for a slot of the
+limit, so no request is refused for the quota.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import pytest
+
+from celery_throttle import Gate, Limit, parse_rate
+from celery_throttle.core import credit
+from celery_throttle.testing import max_in_window
+from celery_throttle.transport import (
+    AsyncGatedTransport,
+    GatedTransport,
+    async_gated_client,
+    gated_client,
+)
+from examples import provider as mock
+
+#: The provider's quota: 10 requests in any 1 s; the limit below it: 9/s.
+QUOTA, RATE = 10, "9/s"
+HOLD = 0.6  # seconds the provider refuses everything, a second into the run
+
+
+@pytest.fixture
+def provider() -> Iterator[mock.MockProvider]:
+    server = mock.MockProvider(limit=QUOTA, window=1.0, latency=0.02).start()
+    yield server
+    server.stop()
+
+
+def _hold_after(provider: mock.MockProvider, seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, provider.hold, args=(HOLD,))
+    timer.start()
+    return timer
+
+
+def _in_threads(call: Callable[[int], Any], threads: int, each: int) -> list[Any]:
+    """Each call's result, or the exception it raised (an SDK gives up after its retries)."""
+    done: list[Any] = []
+
+    def run(t: int) -> None:
+        for i in range(each):
+            try:
+                done.append(call(t * each + i))
+            except Exception as exc:
+                done.append(exc)
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    return done
+
+
+def _openai(base: str, http_client: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", http_client=http_client)
+
+
+def _anthropic(base: str, http_client: Any) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base, api_key="sk-test", http_client=http_client)
+
+
+def _chat(client: openai.OpenAI, i: int) -> str:
+    reply = client.chat.completions.create(
+        model="mock", messages=[{"role": "user", "content": f"call {i} " + "x" * 40}])
+    return str(reply.choices[0].message.content)
+
+
+def _message(client: anthropic.Anthropic, i: int) -> str:
+    reply = client.messages.create(model="mock", max_tokens=16,
+                                   messages=[{"role": "user", "content": f"call {i}"}])
+    return str(reply.content[0].text)  # type: ignore[union-attr]
+
+
+def _check_no_quota_429(provider: mock.MockProvider, done: list[Any], calls: int) -> None:
+    holds = len(provider.refusals) - provider.quota_refusals()
+    print(f"\n{calls} calls: {len(provider.accepted)} accepted, {holds} refused in the hold, "
+          f"{provider.quota_refusals()} for the quota; worst 1 s window "
+          f"{max_in_window(provider.accepted, 1.0)} of {QUOTA}")
+    assert [d for d in done if isinstance(d, BaseException)] == []
+    assert len(done) == calls
+    assert holds >= 1  # the hold was felt: the SDK retried
+    assert provider.quota_refusals() == 0
+    assert max_in_window(provider.accepted, 1.0) <= QUOTA
+
+
+def test_openai_sdk_retries_wait_for_their_slot(
+        provider: mock.MockProvider, redis_url: str, prefix: str) -> None:
+    """40 chat completions from 8 threads through one OpenAI client (default retries) at 9/s
+    under a quota of 10/s, the provider refusing everything for 0.6 s mid-run: every call
+    succeeds, and no request is refused for the quota."""
+    with Gate.from_url(redis_url, prefix=prefix) as gate:
+        client = _openai(provider.url, gated_client(RATE, name="oai", gate=gate))
+        timer = _hold_after(provider, 1.0)
+        done = _in_threads(lambda i: _chat(client, i), threads=8, each=5)
+        timer.join()
+        client.close()
+    _check_no_quota_429(provider, done, 40)
+
+
+def test_anthropic_sdk_retries_wait_for_their_slot(
+        provider: mock.MockProvider, redis_url: str, prefix: str) -> None:
+    """24 messages from 6 threads through one Anthropic client: the same."""
+    with Gate.from_url(redis_url, prefix=prefix) as gate:
+        client = _anthropic(provider.url, gated_client(RATE, name="claude", gate=gate))
+        timer = _hold_after(provider, 1.0)
+        done = _in_threads(lambda i: _message(client, i), threads=6, each=4)
+        timer.join()
+        client.close()
+    _check_no_quota_429(provider, done, 24)
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_async_sdks_wait_for_their_slot(
+        provider: mock.MockProvider, redis_url: str, prefix: str, sdk: str) -> None:
+    """30 concurrent calls of AsyncOpenAI / AsyncAnthropic through async_gated_client: the
+    same, with the gate made for the client's event loop."""
+
+    async def main() -> list[str]:
+        http = async_gated_client(RATE, name=f"async-{sdk}", url=redis_url, prefix=prefix)
+        transport = http._transport
+        assert isinstance(transport, AsyncGatedTransport)
+        timer = _hold_after(provider, 1.0)
+        try:
+            if sdk == "openai":
+                oai = openai.AsyncOpenAI(base_url=f"{provider.url}/v1", api_key="sk-test",
+                                         http_client=http)
+                replies: list[str] = []
+                for reply in await asyncio.gather(*(oai.chat.completions.create(
+                        model="mock", messages=[{"role": "user", "content": f"call {i}"}])
+                        for i in range(30))):
+                    replies.append(str(reply.choices[0].message.content))
+            else:
+                claude = anthropic.AsyncAnthropic(base_url=provider.url, api_key="sk-test",
+                                                  http_client=http)
+                replies = [str(r.content[0].text) for r in await asyncio.gather(  # type: ignore[union-attr]
+                    *(claude.messages.create(model="mock", max_tokens=16, messages=[
+                        {"role": "user", "content": f"call {i}"}]) for i in range(30)))]
+            return replies
+        finally:
+            await http.aclose()
+            timer.join()
+
+    done = asyncio.run(main())
+    _check_no_quota_429(provider, done, 30)
+
+
+def test_wrapping_the_call_lets_the_sdk_retries_past_the_gate(
+        provider: mock.MockProvider, redis_url: str, prefix: str) -> None:
+    """Negative control: Gate.wait before each SDK call (a plain client) admits 40 calls, but
+    the provider sees more requests than that: the SDK's retries after the hold went
+    through no gate (and a call may fail once its retries are spent)."""
+    limits = [Limit("wrapped", parse_rate(RATE))]
+    with Gate.from_url(redis_url, prefix=prefix) as gate:
+        client = _openai(provider.url, httpx2.Client())
+
+        def call(i: int) -> str:
+            gate.wait(limits, timeout=60)
+            return _chat(client, i)
+
+        timer = _hold_after(provider, 1.0)
+        done = _in_threads(call, threads=8, each=5)
+        timer.join()
+        client.close()
+    sent = len(provider.accepted) + len(provider.refused)
+    failed = [d for d in done if isinstance(d, openai.RateLimitError)]
+    print(f"\n40 admitted by the gate, {sent} requests sent; {provider.quota_refusals()} "
+          f"refused for the quota; {len(failed)} calls failed after the SDK's retries")
+    assert len(done) == 40
+    assert sent > 40
+
+
+def test_a_429_pauses_the_limit_for_the_provider_s_retry_after(
+        provider: mock.MockProvider, redis_url: str, prefix: str) -> None:
+    """One refused request pauses the transport's limit for the retry-after-ms the provider
+    sent (read back from the gate), and the 429 reaches the caller unchanged."""
+    limit = Limit("paused", parse_rate("100/s"))
+    with Gate.from_url(redis_url, prefix=prefix) as gate, httpx2.Client(
+            transport=GatedTransport([limit], gate=gate)) as http:
+        provider.hold(2.0)
+        reply = http.post(f"{provider.url}/v1/chat/completions", json={"messages": []})
+        assert reply.status_code == 429
+        sent = int(reply.headers["retry-after-ms"]) / 1000
+        paused = gate.inspect(limit).paused
+    assert sent - 0.1 <= paused <= sent
+
+
+def test_a_task_s_admission_is_its_first_request_s_start(redis_url: str, prefix: str) -> None:
+    """Under an admission granted for the same bucket, the first request spends it (the
+    bucket is charged nothing more); the second is charged; an admission too old is given
+    back and a fresh start is charged instead (one start in all, not two)."""
+    limit = Limit("credit", parse_rate("10/h"), burst=10)
+    sent: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(str(request.url))
+        return httpx.Response(200)
+
+    with Gate.from_url(redis_url, prefix=prefix) as gate, httpx.Client(
+            transport=GatedTransport([limit], gate=gate, transport=httpx.MockTransport(
+                handler))) as http:
+        gate.acquire_many([limit])  # the task's admission
+        token = credit.grant({gate.key_of(limit): credit.Admission(limit, time.monotonic())})
+        try:
+            http.get("http://127.0.0.1/first")
+            assert round(gate.inspect(limit).used) == 1
+            http.get("http://127.0.0.1/second")
+            assert round(gate.inspect(limit).used) == 2
+        finally:
+            credit.revoke(token)
+        gate.acquire_many([limit])  # another run's admission, spent 1 s late
+        token = credit.grant({gate.key_of(limit): credit.Admission(limit, time.monotonic() - 1)})
+        try:
+            http.get("http://127.0.0.1/late")
+            assert round(gate.inspect(limit).used) == 3
+        finally:
+            credit.revoke(token)
+    assert len(sent) == 3
+
+
+def test_an_admission_of_another_bucket_is_not_spent(redis_url: str, prefix: str) -> None:
+    """An admission for another limit (or another key value of it) leaves the request to
+    be charged."""
+    limit = Limit("mine", parse_rate("10/h"), burst=10, key="a")
+    other = Limit("mine", parse_rate("10/h"), burst=10, key="b")
+    with Gate.from_url(redis_url, prefix=prefix) as gate, httpx.Client(
+            transport=GatedTransport([limit], gate=gate, transport=httpx.MockTransport(
+                lambda request: httpx.Response(200)))) as http:
+        token = credit.grant({gate.key_of(other): credit.Admission(other, time.monotonic())})
+        try:
+            http.get("http://127.0.0.1/")
+        finally:
+            credit.revoke(token)
+        assert round(gate.inspect(limit).used) == 1
+
+
+def test_bad_arguments_name_the_value(redis_url: str) -> None:
+    """A rate without a name, a concurrency limit, an unknown HTTP package: clear errors."""
+    from celery_throttle import Concurrency
+
+    with pytest.raises(ValueError, match="name="):
+        gated_client("5/s", url=redis_url)
+    with pytest.raises(ValueError, match="url"):
+        gated_client("5/s", name="x")
+    with pytest.raises(TypeError, match="rate limits only"):
+        gated_client(limits=[Concurrency("x", 2)], url=redis_url)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="'requests'"):
+        gated_client("5/s", name="x", url=redis_url, module="requests")
+    with pytest.raises(ValueError, match="gate"):
+        AsyncGatedTransport([Limit("x", parse_rate("1/s"))])

@@ -19,7 +19,8 @@ task at the same limit, RATE per second, burst 1:
 Configured from the environment: BENCH_REDIS (server URL; broker db 5,
 store db 6, results db 7, records db 8), BENCH_RATE, BENCH_MAX_SLEEP,
 BENCH_WAITING_ROOM, BENCH_SCHEDULER and BENCH_GC_FREEZE ("0" or "1");
-section 4 (calls in flight): BENCH_PROVIDER, BENCH_CALL_SECONDS, BENCH_LEASE.
+section 4 (calls in flight): BENCH_PROVIDER, BENCH_CALL_SECONDS, BENCH_LEASE; the SDK
+section: BENCH_PROVIDER.
 """
 
 from __future__ import annotations
@@ -282,6 +283,72 @@ def inflight_counter(self: Task[Any, Any], i: int) -> int:
         _store.decr("bench:inflight")
     return i
 
+
+# Section "SDK retries": an OpenAI SDK call per task (default retries on) under a
+# quota of 10/s, the limit at SDK_RATE.  One client per process and contender.
+SDK_RATE = "9/s"
+_sdk: dict[str, Any] = {}
+
+
+def _sdk_client(contender: str, gated: bool) -> Any:
+    if contender not in _sdk:
+        import openai
+
+        from celery_throttle.transport import gated_client
+
+        http = (gated_client(SDK_RATE, name=f"bench-{contender}", url=f"{REDIS}/6")
+                if gated else None)
+        _sdk[contender] = openai.OpenAI(base_url=f"{PROVIDER}/v1", api_key="sk-bench",
+                                        http_client=http)
+    return _sdk[contender]
+
+
+def _chat(task: Task[Any, Any], contender: str, gated: bool) -> None:
+    _sdk_client(contender, gated).chat.completions.create(
+        model="mock", messages=[{"role": "user", "content": f"document {task.request.id}"}])
+    _records.rpush(f"done:{contender}", str(task.request.id))
+
+
+@throttled(SDK_RATE, name="bench-sdk_transport")
+@app.task(bind=True)
+def sdk_transport(self: Task[Any, Any], i: int) -> int:
+    """``@throttled`` and a gated client: every request, SDK retries included, waits."""
+    import openai
+
+    try:
+        _chat(self, "sdk_transport", gated=True)
+    except openai.RateLimitError as exc:
+        raise celery_throttle.RateLimited(exc) from None
+    return i
+
+
+@throttled(SDK_RATE, name="bench-sdk_wrapped")
+@app.task(bind=True)
+def sdk_wrapped(self: Task[Any, Any], i: int) -> int:
+    """``@throttled`` around a plain client (the documented wiring before the transport)."""
+    import openai
+
+    try:
+        _chat(self, "sdk_wrapped", gated=False)
+    except openai.RateLimitError as exc:
+        raise celery_throttle.RateLimited(exc) from None
+    return i
+
+
+@app.task(bind=True, max_retries=None, rate_limit=SDK_RATE)
+def sdk_rate_limit(self: Task[Any, Any], i: int) -> int:
+    """Celery's ``rate_limit`` (per node) and a plain client, retrying after a 429."""
+    import openai
+
+    try:
+        _chat(self, "sdk_rate_limit", gated=False)
+    except openai.RateLimitError as exc:
+        _retry(self, celery_throttle.RateLimited(exc).retry_after)
+    return i
+
+
+SDK_CONTENDERS = {"sdk_transport": sdk_transport, "sdk_wrapped": sdk_wrapped,
+                  "sdk_rate_limit": sdk_rate_limit}
 
 INFLIGHT_CONTENDERS = {"inflight_ours": inflight_ours, "inflight_counter": inflight_counter,
                        "inflight_retry": inflight_retry}

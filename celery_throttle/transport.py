@@ -20,6 +20,14 @@ provider's ``retry-after-ms`` / ``retry-after`` (as :class:`RateLimited`
 does) and is handed back to the client unchanged: the SDK's retry then
 waits in the transport until the pause ends and its own slot comes.
 
+Every other answer's rate-limit headers (OpenAI's ``x-ratelimit-remaining-
+requests``/``-reset-requests``, Anthropic's ``anthropic-ratelimit-requests-
+remaining``/``-reset``) say how much of the provider's quota is left, which
+callers the gate cannot see (another service on the same API key) spend
+too: when that is less than the limit would spend before the provider's
+reset, the limit spends no more (:meth:`Gate.follow`, on every worker at
+once).  A report that cannot bind costs no round trip.
+
 Inside a Celery task admitted under the same limit (``@throttled`` with the
 same name and key), the task's admission is its first request's start: the
 transport spends it instead of charging the limit again
@@ -48,6 +56,7 @@ from .core.live import LiveLimits
 from .core.rates import Rate, parse_rate
 from .core.waiting import DEFAULT_GRACE
 from .errors import retry_after_of
+from .headers import Report, reports_of
 
 __all__ = ["AsyncGatedTransport", "GatedTransport", "async_gated_client", "gated_client"]
 
@@ -116,11 +125,12 @@ class _Gated:
     """What both transports share: the limits, the credit rule and the 429 rule."""
 
     def __init__(self, limits: list[Limit], inner: Any, timeout: float | None,
-                 grace: float) -> None:
+                 grace: float, follow: bool) -> None:
         self.limits = limits
         self.inner = inner
         self.timeout = timeout
         self.grace = grace
+        self.follow = follow
         self.names = sorted({lim.name for lim in limits})
 
     def _split(self, key_of: Any) -> tuple[list[Limit], list[credit.Admission]]:
@@ -146,6 +156,12 @@ class _Gated:
         metrics.provider_paused(self.names)
         return retry_after_of(response.headers)
 
+    def _reported(self, response: Any) -> Report | None:
+        """What an accepted answer's headers say is left of the provider's request quota."""
+        if not self.follow:
+            return None
+        return next((r for r in reports_of(response.headers) if r.kind == "requests"), None)
+
     def __repr__(self) -> str:
         shown = ", ".join(f"{lim.name}={lim.rate.text}" for lim in self.limits)
         return f"{type(self).__name__}({shown})"
@@ -160,14 +176,15 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
     wait longer than this raises :class:`~celery_throttle.ThrottleTimeout`
     (booking nothing; an SDK may wrap it in its connection error).
     ``live``: apply the rates set with ``celery throttle set`` (default).
+    ``follow``: follow the provider's remaining-requests headers (default).
     """
 
     def __init__(self, limits: Sequence[Limit], *, gate: Gate, transport: Any = None,
                  module: str | None = None, timeout: float | None = None,
-                 grace: float = DEFAULT_GRACE, live: bool = True) -> None:
+                 grace: float = DEFAULT_GRACE, live: bool = True, follow: bool = True) -> None:
         chosen = _limits_of(None, None, 1, None, limits)
         inner = transport if transport is not None else _http_package(module).HTTPTransport()
-        super().__init__(chosen, inner, timeout, grace)
+        super().__init__(chosen, inner, timeout, grace, follow)
         self.gate = gate
         self._live = LiveLimits(gate.client, gate.prefix) if live else None
 
@@ -183,6 +200,8 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
         pause = self._refused(response)
         if pause is not None:
             self.gate.pause(self.limits, pause)
+        elif (report := self._reported(response)) is not None:
+            self.gate.follow(self.limits, report.remaining, report.reset)
         return response
 
     def close(self) -> None:
@@ -201,13 +220,13 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
     def __init__(self, limits: Sequence[Limit], *, gate: AsyncGate | None = None,
                  url: str | None = None, prefix: str = "throttle", transport: Any = None,
                  module: str | None = None, timeout: float | None = None,
-                 grace: float = DEFAULT_GRACE) -> None:
+                 grace: float = DEFAULT_GRACE, follow: bool = True) -> None:
         if gate is None and url is None:
             raise ValueError("give gate (an AsyncGate) or url (the throttle's Redis)")
         chosen = _limits_of(None, None, 1, None, limits)
         inner = (transport if transport is not None
                  else _http_package(module).AsyncHTTPTransport())
-        super().__init__(chosen, inner, timeout, grace)
+        super().__init__(chosen, inner, timeout, grace, follow)
         self.gate = gate
         self._loop_gates = LoopGates(url, prefix) if url is not None else None
 
@@ -223,6 +242,8 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
         pause = self._refused(response)
         if pause is not None:
             await gate.pause(self.limits, pause)
+        elif (report := self._reported(response)) is not None:
+            await gate.follow(self.limits, report.remaining, report.reset)
         return response
 
     async def aclose(self) -> None:
@@ -241,14 +262,16 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
 def gated_client(rate: str | Rate | None = None, *, name: str | None = None, burst: int = 1,
                  key: object = None, limits: Sequence[Limit] = (), url: str | None = None,
                  gate: Gate | None = None, prefix: str = "throttle", module: str | None = None,
-                 timeout: float | None = None, **client_options: Any) -> Any:
+                 timeout: float | None = None, follow: bool = True,
+                 **client_options: Any) -> Any:
     """A sync HTTP client whose every request waits for a start of ``rate`` under ``name``.
 
     For ``OpenAI(http_client=...)`` and ``Anthropic(http_client=...)``.
     ``limits``: more rate limits (or instead), e.g. per model.  ``url`` and
     ``prefix``: the throttle's Redis as the workers see it, or ``gate``.
     ``module``: ``"httpx2"`` (the SDKs', the default when installed) or
-    ``"httpx"``.  ``client_options`` go to the client (``timeout``...).
+    ``"httpx"``.  ``follow``: spend no more than the provider's headers say
+    is left (default).  ``client_options`` go to the client (``timeout``...).
     """
     if gate is None:
         if url is None:
@@ -256,7 +279,7 @@ def gated_client(rate: str | Rate | None = None, *, name: str | None = None, bur
         gate = Gate.from_url(url, prefix=prefix)
     http = _http_package(module)
     transport = GatedTransport(_limits_of(rate, name, burst, key, limits), gate=gate,
-                               transport=http.HTTPTransport(), timeout=timeout)
+                               transport=http.HTTPTransport(), timeout=timeout, follow=follow)
     return http.Client(transport=transport, **client_options)
 
 
@@ -264,10 +287,11 @@ def async_gated_client(rate: str | Rate | None = None, *, name: str | None = Non
                        burst: int = 1, key: object = None, limits: Sequence[Limit] = (),
                        url: str | None = None, gate: AsyncGate | None = None,
                        prefix: str = "throttle", module: str | None = None,
-                       timeout: float | None = None, **client_options: Any) -> Any:
+                       timeout: float | None = None, follow: bool = True,
+                       **client_options: Any) -> Any:
     """:func:`gated_client` for ``AsyncOpenAI`` and ``AsyncAnthropic``."""
     http = _http_package(module)
     transport = AsyncGatedTransport(_limits_of(rate, name, burst, key, limits), gate=gate,
                                     url=url, prefix=prefix, transport=http.AsyncHTTPTransport(),
-                                    timeout=timeout)
+                                    timeout=timeout, follow=follow)
     return http.AsyncClient(transport=transport, **client_options)

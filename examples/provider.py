@@ -79,8 +79,16 @@ class MockProvider:
 
     def __init__(self, *, limit: int = 10, window: float = 1.0, latency: float = 0.05,
                  max_inflight: int | None = None, token_budget: int | None = None,
-                 token_window: float = 60.0, host: str = "127.0.0.1", port: int = 0) -> None:
+                 token_window: float = 60.0, bucket: bool = False, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
         self.limit, self.window, self.latency = limit, window, latency
+        # bucket=True: the request quota is a token bucket of `limit` refilled at
+        # limit/window per second (OpenAI's and Anthropic's own model), instead of
+        # a sliding window; the headers report it the same way either way.
+        self.bucket = bucket
+        self._level, self._level_at = float(limit), time.time()
+        self.overflow = 0.0
+        self.log: list[tuple[float, str, bool]] = []  # (when, path, accepted)
         self.max_inflight, self.token_budget, self.token_window = (
             max_inflight, token_budget, token_window)
         self._lock = threading.Lock()
@@ -122,6 +130,9 @@ class MockProvider:
             self.accepted.clear()
             self.refused.clear()
             self.refusals.clear()
+            self.log.clear()
+            self._level, self._level_at = float(self.limit), time.time()
+            self.overflow = 0.0
             self.calls.clear()
             self.most_inflight = 0
             self._held_until = 0.0
@@ -135,7 +146,19 @@ class MockProvider:
         """Count one request: None if accepted, else the seconds until it could be."""
         return self.decide(tokens)[0]
 
-    def decide(self, tokens: int = 0) -> tuple[float | None, str]:
+    def _refill(self, now: float) -> None:
+        rate = self.limit / self.window
+        level = self._level + (now - self._level_at) * rate
+        self.overflow += max(0.0, level - self.limit)
+        self._level, self._level_at = min(float(self.limit), level), now
+
+    def wasted(self) -> float:
+        """bucket=True: requests the quota gave that nobody took (refill past a full bucket)."""
+        with self._lock:
+            self._refill(time.time())
+            return self.overflow
+
+    def decide(self, tokens: int = 0, path: str = "") -> tuple[float | None, str]:
         """Count one request: (None, "") if accepted, else (seconds until it could be, why)."""
         with self._lock:
             now = time.time()
@@ -143,10 +166,13 @@ class MockProvider:
                 self._recent.popleft()
             while self._tokens and self._tokens[0][0] <= now - self.token_window:
                 self._tokens.popleft()
+            self._refill(now)
             wait, why = None, ""
             if now < self._held_until:
                 wait, why = self._held_until - now, "hold"
-            elif len(self._recent) >= self.limit:
+            elif self.bucket and self._level < 1:
+                wait, why = (1 - self._level) * self.window / self.limit, "requests"
+            elif not self.bucket and len(self._recent) >= self.limit:
                 wait, why = self._recent[0] + self.window - now, "requests"
             elif self.max_inflight is not None and self._inflight >= self.max_inflight:
                 wait, why = self.latency, "inflight"
@@ -154,10 +180,12 @@ class MockProvider:
                     sum(n for _, n in self._tokens) + tokens > self.token_budget):
                 wait = self._tokens[0][0] + self.token_window - now if self._tokens else 1.0
                 why = "tokens"
+            self.log.append((now, path, wait is None))
             if wait is not None:
                 self.refused.append(now)
                 self.refusals.append((now, why))
                 return wait, why
+            self._level -= 1
             self._recent.append(now)
             self._tokens.append((now, tokens))
             self.accepted.append(now)
@@ -171,11 +199,14 @@ class MockProvider:
             return sum(1 for _, why in self.refusals if why != "hold")
 
     def remaining(self) -> tuple[int, float]:
-        """(requests left in the window now, seconds until the oldest one leaves it)."""
+        """(requests left now, seconds until the quota is full again), as the headers say."""
         with self._lock:
             now = time.time()
+            if self.bucket:
+                self._refill(now)
+                return int(self._level), (self.limit - self._level) * self.window / self.limit
             recent = [t for t in self._recent if t > now - self.window]
-            reset = recent[0] + self.window - now if recent else 0.0
+            reset = recent[-1] + self.window - now if recent else 0.0
             return max(0, self.limit - len(recent)), max(0.0, reset)
 
     def done(self, start: float, tokens: int) -> None:
@@ -234,7 +265,7 @@ class MockProvider:
                 prompt = shape.prompt(body)
                 tokens = max(1, len(prompt) // 4)
                 start = time.time()
-                wait, why = provider.decide(tokens)
+                wait, why = provider.decide(tokens, self.path)
                 if wait is not None:
                     self._reply(429, shape.refusal(why), {
                         **shape.headers(provider),

@@ -134,6 +134,14 @@ class AsyncGate(GateCalls):
         if call is not None:
             await self._script(keys=call[0], args=call[1])
 
+    async def follow(self, limits: Sequence[AnyLimit], remaining: int, reset: float) -> int:
+        """:meth:`Gate.follow <celery_throttle.Gate.follow>`: spend at most ``remaining`` units
+        before the provider's ``reset``."""
+        call = self._follow_call(limits, remaining, reset)
+        if call is None:
+            return 0
+        return int(await self._script(keys=call[0], args=call[1]))
+
     async def inspect(self, limit: Limit) -> BucketState:
         """Read ``limit``'s bucket without charging it (see :meth:`Gate.inspect`)."""
         keys, args = self._inspect_call(limit)

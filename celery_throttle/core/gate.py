@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar, cast
 import redis
 from redis.cluster import RedisCluster
 
-from ..values import US_PER_SECOND, from_us, to_us, units
+from ..values import US_PER_SECOND, from_us, seconds, to_us, units
 from . import waiting
 from .connect import connect
 from .keys import (
@@ -173,6 +173,28 @@ class GateCalls:
                 str(limit.rate.interval_us).encode(), str(limit.burst).encode(),
                 str(diff).encode()]
         return self._keys([limit]), args
+
+    def _follow_call(self, limits: Sequence[AnyLimit], remaining: int,
+                     reset: float) -> Call | None:
+        """The "follow" call for the rate limits among ``limits`` that the report can
+        bind, or None (decided here, without a round trip).
+
+        A report binds a limit only if its own pace could spend more than
+        ``remaining`` before ``reset``: (remaining + 1 - burst) intervals
+        end before it.  Otherwise the script would leave the bucket alone
+        (slots booked in it only make that more certain).
+        """
+        left = units("remaining", remaining)
+        reset_us = to_us(seconds("reset", reset))
+        bound = [lim for lim in limits if isinstance(lim, Limit)
+                 and (left + 1 - lim.burst) * lim.rate.interval_us < reset_us]
+        if not bound:
+            return None
+        args = [*_head_args(now=self._now_us(), op=b"follow", op_arg=reset_us)]
+        for lim in bound:
+            args += [str(lim.rate.interval_us).encode(), str(lim.burst).encode(),
+                     str(left).encode()]
+        return self._keys(bound), args
 
     def _inspect_call(self, limit: AnyLimit) -> Call:
         args = [*_head_args(now=self._now_us(), op=b"inspect"), *self._limit_args([limit])]
@@ -380,6 +402,23 @@ class Gate(GateCalls):
         call = self._settle_call(limit, actual, charged)
         if call is not None:
             self._script(keys=call[0], args=call[1])
+
+    def follow(self, limits: Sequence[AnyLimit], remaining: int, reset: float) -> int:
+        """The provider says ``remaining`` units are left until its limit is full again,
+        ``reset`` seconds from now (its rate-limit headers): spend at most that many before.
+
+        Callers the gate cannot see (another service on the same API key)
+        spend the provider's quota too; this is how the gate learns it.  A
+        limit whose own pace would spend more before ``reset`` moves on (on
+        every worker at once, as a settlement's charge: booked slots move
+        with it); after ``reset`` the limit's own rate applies again.  A
+        report that cannot bind any of ``limits`` costs no round trip.
+        Returns how many limits moved.
+        """
+        call = self._follow_call(limits, remaining, reset)
+        if call is None:
+            return 0
+        return int(self._script(keys=call[0], args=call[1]))
 
     def inspect(self, limit: Limit) -> BucketState:
         """Read ``limit``'s bucket without charging it (for status commands and metrics).

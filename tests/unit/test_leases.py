@@ -7,6 +7,7 @@ explicitly, so lease expiry and pauses are exact without sleeping.
 from __future__ import annotations
 
 import pytest
+import redis
 
 from celery_throttle import (
     Concurrency,
@@ -271,3 +272,73 @@ def test_no_refund_while_slots_are_booked_past_the_burst(cgate: Gate, clock: Ste
     assert cgate.acquire_many([rate]).allowed
     cgate.settle(rate, 0)
     assert cgate.acquire_many([rate]).allowed  # the refunded unit
+
+
+def _starts_before(cgate: Gate, clock: StepClock, limits: list[Limit], until_us: int,
+                   step_us: int = 10_000) -> list[int]:
+    """Every start the gate admits while the clock steps from now to ``until_us`` (exclusive)."""
+    starts = []
+    while clock.us < until_us:
+        if cgate.acquire_many(limits).allowed:
+            starts.append(clock.us - T0)
+        clock.us += step_us
+    return starts
+
+
+def test_a_provider_report_caps_the_starts_until_its_reset(cgate: Gate, clock: StepClock
+                                                            ) -> None:
+    """10/s, burst 1; the provider says 2 requests are left until it is full in 1 s: 2 starts
+    before the reset (the last two intervals before it), the next one at the reset, then the
+    limit's own pace again."""
+    rate = Limit("api", parse_rate("10/s"))
+    assert cgate.follow([rate], remaining=2, reset=1.0) == 1
+    assert _starts_before(cgate, clock, [rate], T0 + 1_000_000) == [800_000, 900_000]
+    assert cgate.acquire_many([rate]).allowed  # at the reset
+    assert _starts_before(cgate, clock, [rate], T0 + 1_500_000) == [
+        1_100_000, 1_200_000, 1_300_000, 1_400_000]
+
+
+def test_a_report_of_plenty_changes_nothing_and_costs_no_call(
+        cgate: Gate, client: redis.Redis, clock: StepClock) -> None:
+    """With more left than the limit would spend before the reset, the bucket is left alone,
+    decided without asking the store (no key written); nothing left pauses until the reset."""
+    rate = Limit("plenty", parse_rate("10/s"), burst=5)
+    assert cgate.follow([rate], remaining=20, reset=1.0) == 0
+    assert client.exists(cgate.key_of(rate)) == 0
+    assert [cgate.acquire_many([rate]).allowed for _ in range(6)] == [True] * 5 + [False]
+    assert _starts_before(cgate, clock, [rate], T0 + 500_000) == [
+        100_000, 200_000, 300_000, 400_000]  # after the burst, the limit's pace
+    assert cgate.follow([rate], remaining=0, reset=2.0) == 1
+    # Nothing left until 2.5 s; a burst of 5 then holds 1 start at the reset, the next
+    # ones at the limit's pace.
+    assert _starts_before(cgate, clock, [rate], T0 + 2_500_000) == []
+    assert _starts_before(cgate, clock, [rate], T0 + 2_800_000) == [
+        2_500_000, 2_600_000, 2_700_000]
+
+
+def test_a_report_moves_the_slots_booked_before_it(cgate: Gate, clock: StepClock) -> None:
+    """A booked slot is a start the provider has not seen: 1 left until 1 s, and one start
+    booked 0.1 s out, so the booked start moves to the last interval before the reset and
+    nothing else starts before it."""
+    rate = Limit("booked", parse_rate("10/s"))
+    assert cgate.acquire_many([rate]).allowed
+    booked = cgate.acquire_many([rate], reserve=10).reservation
+    assert booked is not None
+    assert booked.slot == T0 + 100_000
+    assert cgate.follow([rate], remaining=1, reset=1.0) == 1
+    clock.us = booked.slot
+    early = cgate.acquire_many([rate], claim=booked, grace=0.02, reserve=10)
+    assert early.early
+    assert early.retry_after == pytest.approx(0.8)  # at 0.9 s, the last start before 1 s
+    clock.us = T0 + 900_000
+    assert cgate.acquire_many([rate], claim=booked, grace=0.02, reserve=10).allowed
+    assert not cgate.acquire_many([rate]).allowed
+
+
+@pytest.mark.parametrize(("remaining", "reset"), [(-1, 1.0), (1.5, 1.0), (1, -1.0),
+                                                  (1, float("nan"))])
+def test_a_report_rejects_bad_values(cgate: Gate, remaining: object, reset: object) -> None:
+    """Negative or fractional units, negative or NaN seconds: a ValueError naming the value."""
+    with pytest.raises(ValueError, match="invalid"):
+        cgate.follow([Limit("x", parse_rate("1/s"))], remaining=remaining,  # type: ignore[arg-type]
+                     reset=reset)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ limit, so no request is refused for the quota.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -266,3 +267,69 @@ def test_bad_arguments_name_the_value(redis_url: str) -> None:
         gated_client("5/s", name="x", url=redis_url, module="requests")
     with pytest.raises(ValueError, match="gate"):
         AsyncGatedTransport([Limit("x", parse_rate("1/s"))])
+
+
+def _share(follow: bool, redis_url: str, prefix: str) -> dict[str, float]:
+    """48 calls from 6 threads (OpenAI SDK, gated client at 9/s) beside a consumer the gate
+    cannot see spending 5/s of the same quota (a token bucket of 10 refilled at 10/s, as the
+    providers keep it); what each got and was refused while the calls ran, and the share of
+    what the other consumer left that ours used."""
+    provider = mock.MockProvider(limit=QUOTA, window=1.0, latency=0.02, bucket=True).start()
+    stop = threading.Event()
+
+    def other() -> None:
+        for _ in range(600):  # bounded: 5 per second for at most 2 minutes
+            if stop.wait(0.2):
+                return
+            with contextlib.suppress(mock.RateLimited):
+                mock.summarize(provider.url, "the other service")
+
+    try:
+        with Gate.from_url(redis_url, prefix=prefix) as gate:
+            client = _openai(provider.url, gated_client(RATE, name="shared", gate=gate,
+                                                        follow=follow))
+            spender = threading.Thread(target=other)
+            spender.start()
+            time.sleep(1.0)  # the other consumer alone first: its pace is in the bucket
+            began, wasted = time.time(), provider.wasted()
+            done = _in_threads(lambda i: _chat(client, i), threads=6, each=8)
+            ended, wasted = time.time(), provider.wasted() - wasted
+            stop.set()
+            spender.join(10)
+            client.close()
+    finally:
+        provider.stop()
+    span = ended - began
+    seen = [(path, ok) for t, path, ok in provider.log if began <= t <= ended]
+    ours = [ok for path, ok in seen if path == "/v1/chat/completions"]
+    theirs = [ok for path, ok in seen if path == "/v1/summarize"]
+    # What the other consumer left: ours, and what nobody took (the refill past a full
+    # bucket).  What the bucket held at the start and at the end (at most 10 each) is
+    # left out; the rate left, 10/s less theirs, is printed beside it.
+    return {"failed": sum(1 for d in done if isinstance(d, BaseException)),
+            "ours_refused": len(ours) - sum(ours), "theirs_refused": len(theirs) - sum(theirs),
+            "used": round(sum(ours) / (sum(ours) + wasted), 3),
+            "per_s_of_rate_left": round(sum(ours) / (QUOTA * span - sum(theirs)), 3),
+            "span": round(span, 2)}
+
+
+def test_a_consumer_the_gate_cannot_see_is_followed_from_the_headers(
+        redis_url: str, prefix: str) -> None:
+    """Another service spends half the provider's quota outside the gate.  Reading the
+    answers' x-ratelimit-remaining/-reset headers, the gated calls are refused 0 times,
+    refuse the other service nothing either, and use at least 0.9 of what it leaves."""
+    got = _share(True, redis_url, prefix)
+    print(f"\nfollowed: {got}")
+    assert got["failed"] == 0
+    assert got["ours_refused"] == 0
+    assert got["theirs_refused"] == 0
+    assert got["used"] >= 0.9
+
+
+def test_without_the_headers_the_hidden_consumer_s_share_is_refused(
+        redis_url: str, prefix: str) -> None:
+    """Negative control: the same run with follow=False spends the limit's own 9/s, and
+    the provider refuses the difference to one side or the other."""
+    got = _share(False, redis_url, prefix)
+    print(f"\nnot followed: {got}")
+    assert got["ours_refused"] + got["theirs_refused"] >= 5

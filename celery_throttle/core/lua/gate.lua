@@ -81,14 +81,17 @@ ARGV[8]   op: "a" decide (the reply below); "q" decide in line: while a
           limit has tasks in its queue, a fresh start (no claim) is not
           admitted ahead of them but told to join the queue (status 4);
           "release", "extend", "pause",
-          "resume" (a pause ends now), "settle", "cancel" (a booking given
+          "resume" (a pause ends now), "settle", "follow" (a provider's
+          report of what is left: the cost field carries the units
+          remaining, op_arg the us until its limit is full), "cancel" (a booking given
           back: the claim fields name it), "inspect" (one function each, near
           the end of the script)
 ARGV[9]   op argument (microseconds): release: how long the holder ran;
-          pause: for how long; otherwise 0.  release, extend, pause, resume
-          and settle reply with a count: leases released, leases lost
-          (extend), limits that were paused (resume), limits settled, or for
-          pause the longest pause now in force (us);
+          pause: for how long; follow: until the provider's reset; otherwise
+          0.  release, extend, pause, resume, settle and follow reply with a
+          count: leases released, leases lost (extend), limits that were
+          paused (resume), limits settled or moved (follow), or for pause
+          the longest pause now in force (us);
           cancel: the limits whose booking was given back.
           inspect reads its one limit without writing anything and replies
             a rate limit:  { exists, tat_ahead_us, next_free_us, pttl_ms, now, paused_us }
@@ -99,7 +102,8 @@ ARGV[10]  claim shift: the sum of the booked limits' shifts when the claimed
 ARGV[8+3i .. 10+3i] for limit i = 1..n (ARGV[11], ARGV[12], ARGV[13] for i = 1):
           a rate limit: interval T (microseconds >= 1), burst B (>= 1), cost c
           (1 <= c <= B; checked by the caller); for "settle", c is the
-          correction in units (actual - charged, may be negative).
+          correction in units (actual - charged, may be negative); for
+          "follow", the units the provider says remain (>= 0).
           A concurrency limit: 0, slots N (>= 1), lease (microseconds >= 1).
 
 Reply: 1 when simply allowed (charged now); otherwise
@@ -407,6 +411,35 @@ local function settle()
   return count
 end
 
+-- The provider reported `remaining` units (the cost field) left until its
+-- limit is full again, op_arg us from now: its own count, which callers the
+-- gate cannot see spend too.  Spend at most that many before then, the
+-- slots booked here included (the provider has not seen them): the TAT
+-- moves to where unit remaining + 1 is admitted at the reset at the
+-- earliest, plus the booked units.  Booked are the units past a full
+-- burst (starts never go past it; bookings do), rounded up.  The move is a
+-- settlement's charge (booked slots shift with it, keeping their order
+-- before the new ones); a bucket already that strict is left alone.
+-- Returns the limits moved.
+local function follow()
+  local count = 0
+  for i = 1, n do
+    local lim = L[i]
+    if not lim.concurrent then
+      local tat, paused, shift = read_rate(lim.key)
+      local base = math.max(tat, now)
+      local booked = math.max(0, tat - now - lim.burst * lim.interval)
+      booked = math.ceil(booked / lim.interval) * lim.interval
+      local target = now + op_arg - (lim.cost + 1 - lim.burst) * lim.interval + booked
+      if target > base then
+        write_rate(lim.key, target, paused, shift + target - base)
+        count = count + 1
+      end
+    end
+  end
+  return count
+end
+
 -- Give back a booking its holder will not use (a waiter cancelled before its
 -- slot): the claim fields name it.  Only the last booking of a bucket can be
 -- given back, its TAT moved back to the slot; a bucket that moved on since
@@ -661,7 +694,8 @@ end
 -- ---------------------------------------------------------------------------
 -- Dispatch: once, here.
 local OPS = { a = decide, q = decide, release = release, extend = extend, pause = pause,
-              resume = resume, settle = settle, cancel = cancel, inspect = inspect }
+              resume = resume, settle = settle, follow = follow, cancel = cancel,
+              inspect = inspect }
 local run = OPS[op]
 if not run then
   return redis.error_reply('celery_throttle gate.lua: unknown op ' .. tostring(op))

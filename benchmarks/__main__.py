@@ -46,6 +46,14 @@ _KEYS_DISPATCH = (
     "limit must keep serving its values in turn.\n")
 
 
+_SDK_HEADER = (
+    "## 5. The SDKs' own retries\n\n"
+    "`python -m benchmarks.sdk_retries`. The OpenAI SDK retries a refused request itself "
+    "(twice by default); a limit around the call does not see those retries. Used: accepted "
+    "requests per second from the first to the last, against the limit of 9/s (the 0.5 s the "
+    "provider refuses everything is inside that span).\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run every section, print the document and write BENCHMARKS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -136,6 +144,12 @@ def main(argv: list[str] | None = None) -> None:
                                "24" if args.quick else "48"],
                               capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
     doc.append(inflight.stdout)
+    print("section 5: SDK retries", file=sys.stderr, flush=True)
+    doc.append(_SDK_HEADER)
+    sdk = subprocess.run([sys.executable, "-m", "benchmarks.sdk_retries", "--n",
+                          "40" if args.quick else "120", "--runs", "1" if args.quick else "5"],
+                         capture_output=True, text=True, timeout=1800, cwd=ROOT, check=True)
+    doc.append(sdk.stdout)
     doc.append(f"\n_Whole run: {time.monotonic() - began:.0f} s._\n")
     text = "\n".join(doc)
     (ROOT / "BENCHMARKS.md").write_text(text)

@@ -43,11 +43,13 @@ end is not its response's, which a client may stream long after.
 from __future__ import annotations
 
 import importlib
+import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from . import metrics
+from . import metrics, usage
 from .core import credit
 from .core.async_gate import AsyncGate, LoopGates
 from .core.gate import Gate
@@ -56,7 +58,7 @@ from .core.live import LiveLimits
 from .core.rates import Rate, parse_rate
 from .core.waiting import DEFAULT_GRACE
 from .errors import retry_after_of
-from .headers import Report, reports_of
+from .headers import reports_of
 
 __all__ = ["AsyncGatedTransport", "GatedTransport", "async_gated_client", "gated_client"]
 
@@ -121,87 +123,145 @@ def _http_package(module: str | None) -> Any:
                       f"'celery-gcra-throttle[http]' (the openai and anthropic SDKs bring httpx2)")
 
 
-class _Gated:
-    """What both transports share: the limits, the credit rule and the 429 rule."""
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    """What one attempt waits for, and what it charged the token limit (to settle)."""
 
-    def __init__(self, limits: list[Limit], inner: Any, timeout: float | None,
-                 grace: float, follow: bool) -> None:
+    wait: list[Limit]
+    stale: list[credit.Admission]  # the task's admissions too old to spend: give back
+    tokens: tuple[Limit, int] | None  # the token limit as charged, and the charge
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """A call on the gate after the answer: ``op`` is the gate's method's name."""
+
+    op: str  # "pause" | "follow" | "settle"
+    args: tuple[Any, ...]
+
+
+class _Gated:
+    """What both transports share: before an attempt, and after its answer (no I/O here)."""
+
+    def __init__(self, limits: list[Limit], tokens: Limit | None, inner: Any,
+                 timeout: float | None, grace: float, follow: bool) -> None:
         self.limits = limits
+        self.tokens = tokens
         self.inner = inner
         self.timeout = timeout
         self.grace = grace
         self.follow = follow
-        self.names = sorted({lim.name for lim in limits})
+        self.names = sorted({lim.name for lim in [*limits, *([tokens] if tokens else [])]})
 
-    def _split(self, key_of: Any) -> tuple[list[Limit], list[credit.Admission]]:
-        """(limits to wait for, stale admissions to give back) for the next attempt.
+    def _before(self, request: Any, key_of: Any) -> _Attempt:
+        """The limits to wait for (the token limit charged the request's estimate), the stale
+        admissions to give back, and the token charge.
 
         A limit whose start the running task was admitted for is spent from
         that admission when it is fresh (half an interval, at most the grace).
         """
-        keys = {key_of(lim): lim for lim in self.limits}
+        mine = [*self.limits, *([self.tokens] if self.tokens else [])]
+        keys = {key_of(lim): lim for lim in mine}
         taken = credit.take(keys)
-        if not taken:
-            return self.limits, []
         now = time.monotonic()
-        fresh = {key for key, adm in taken.items()
+        fresh = {key: adm for key, adm in taken.items()
                  if adm.fresh(min(self.grace, adm.limit.rate.interval_us / 2e6), now)}
         stale = [adm for key, adm in taken.items() if key not in fresh]
-        return [lim for key, lim in keys.items() if key not in fresh], stale
+        wait = [lim for key, lim in keys.items() if key not in fresh and lim is not self.tokens]
+        charged: tuple[Limit, int] | None = None
+        if self.tokens is not None:
+            spent = fresh.get(key_of(self.tokens))
+            if spent is not None:  # the task was charged its own estimate: settle that
+                charged = (spent.limit, spent.limit.cost)
+            else:
+                cost = min(self.tokens.burst, usage.estimate(_body(request)))
+                charged = (replace(self.tokens, cost=cost), cost)
+                wait.append(charged[0])
+        return _Attempt(wait, stale, charged)
 
-    def _refused(self, response: Any) -> float | None:
-        """Seconds to pause the limits if ``response`` is a 429, else None."""
-        if getattr(response, "status_code", None) != 429:
-            return None
-        metrics.provider_paused(self.names)
-        return retry_after_of(response.headers)
+    def _needs_body(self, response: Any, attempt: _Attempt) -> bool:
+        """Whether the answer must be read here to settle its tokens (JSON, not a stream)."""
+        kind = str(response.headers.get("content-type", ""))
+        return (attempt.tokens is not None and 200 <= response.status_code < 300
+                and kind.startswith("application/json"))
 
-    def _reported(self, response: Any) -> Report | None:
-        """What an accepted answer's headers say is left of the provider's request quota."""
-        if not self.follow:
-            return None
-        return next((r for r in reports_of(response.headers) if r.kind == "requests"), None)
+    def _after(self, response: Any, attempt: _Attempt, body: bytes | None) -> list[_Step]:
+        """The gate calls an answer asks for: a 429 pauses the limits (and its tokens were not
+        spent); the headers' reports are followed; the tokens used are settled."""
+        steps: list[_Step] = []
+        if response.status_code == 429:
+            metrics.provider_paused(self.names)
+            mine = [*self.limits, *([self.tokens] if self.tokens else [])]
+            steps.append(_Step("pause", (mine, retry_after_of(response.headers))))
+            if attempt.tokens is not None:
+                steps.append(_Step("settle", (attempt.tokens[0], 0)))
+            return steps
+        if self.follow:
+            for report in reports_of(response.headers):
+                if report.kind == "requests":
+                    steps.append(_Step("follow", (self.limits, report.remaining, report.reset)))
+                elif report.kind == "tokens" and self.tokens is not None:
+                    steps.append(_Step("follow", ([self.tokens], report.remaining,
+                                                  report.reset)))
+        if body is not None and attempt.tokens is not None:
+            actual = usage.used(body)
+            if actual is not None:
+                steps.append(_Step("settle", (attempt.tokens[0], actual)))
+        return steps
 
     def __repr__(self) -> str:
-        shown = ", ".join(f"{lim.name}={lim.rate.text}" for lim in self.limits)
+        shown = ", ".join(f"{lim.name}={lim.rate.text}"
+                          for lim in [*self.limits, *([self.tokens] if self.tokens else [])])
         return f"{type(self).__name__}({shown})"
+
+
+def _body(request: Any) -> bytes:
+    """The request's body, if it is in memory (the SDKs' JSON is); else nothing."""
+    try:
+        return bytes(request.content)
+    except Exception:  # a streamed upload: not read here (httpx's RequestNotRead)
+        return b""
 
 
 class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
     """A sync ``httpx``/``httpx2`` transport: every request waits for a start of ``limits``.
 
     ``gate``: the :class:`Gate` on the throttle's Redis (the workers'
-    ``throttle_redis_url`` and ``throttle_prefix``).  ``transport``: the one
-    that sends (default: the package's ``HTTPTransport()``).  ``timeout``: a
-    wait longer than this raises :class:`~celery_throttle.ThrottleTimeout`
-    (booking nothing; an SDK may wrap it in its connection error).
-    ``live``: apply the rates set with ``celery throttle set`` (default).
-    ``follow``: follow the provider's remaining-requests headers (default).
+    ``throttle_redis_url`` and ``throttle_prefix``).  ``tokens``: a token
+    limit (its cost is ignored): each request is charged its estimate
+    (``usage.estimate``: prompt characters / 4 + ``max_tokens``) and
+    settled from the answer's ``usage`` (JSON answers; a stream keeps the
+    estimate).  ``transport``: the one that sends (default: the package's
+    ``HTTPTransport()``).  ``timeout``: a wait longer than this raises
+    :class:`~celery_throttle.ThrottleTimeout` (booking nothing; an SDK may
+    wrap it in its connection error).  ``live``: apply the rates set with
+    ``celery throttle set`` (default).  ``follow``: follow the provider's
+    remaining-requests (and -tokens) headers (default).
     """
 
-    def __init__(self, limits: Sequence[Limit], *, gate: Gate, transport: Any = None,
-                 module: str | None = None, timeout: float | None = None,
-                 grace: float = DEFAULT_GRACE, live: bool = True, follow: bool = True) -> None:
+    def __init__(self, limits: Sequence[Limit], *, gate: Gate, tokens: Limit | None = None,
+                 transport: Any = None, module: str | None = None,
+                 timeout: float | None = None, grace: float = DEFAULT_GRACE, live: bool = True,
+                 follow: bool = True) -> None:
         chosen = _limits_of(None, None, 1, None, limits)
         inner = transport if transport is not None else _http_package(module).HTTPTransport()
-        super().__init__(chosen, inner, timeout, grace, follow)
+        super().__init__(chosen, tokens, inner, timeout, grace, follow)
         self.gate = gate
         self._live = LiveLimits(gate.client, gate.prefix) if live else None
 
     def handle_request(self, request: Any) -> Any:
-        """Wait for the slot (or spend the task's admission), send, pause the limits on a 429."""
-        limits, stale = self._split(self.gate.key_of)
-        for adm in stale:
+        """Wait for the slot (or spend the task's admission), send, and tell the gate what the
+        answer says (a 429's pause, the quota left, the tokens used)."""
+        attempt = self._before(request, self.gate.key_of)
+        for adm in attempt.stale:
             self.gate.settle(adm.limit, 0)
-        if limits:
-            self.gate.wait(self._live.apply(limits) if self._live else limits,
+        if attempt.wait:
+            self.gate.wait(self._live.apply(attempt.wait) if self._live else attempt.wait,
                            timeout=self.timeout, grace=self.grace)
         response = self.inner.handle_request(request)
-        pause = self._refused(response)
-        if pause is not None:
-            self.gate.pause(self.limits, pause)
-        elif (report := self._reported(response)) is not None:
-            self.gate.follow(self.limits, report.remaining, report.reset)
+        body = response.read() if self._needs_body(response, attempt) else None
+        for step in self._after(response, attempt, body):
+            getattr(self.gate, step.op)(*step.args)
         return response
 
     def close(self) -> None:
@@ -218,32 +278,31 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
     """
 
     def __init__(self, limits: Sequence[Limit], *, gate: AsyncGate | None = None,
-                 url: str | None = None, prefix: str = "throttle", transport: Any = None,
-                 module: str | None = None, timeout: float | None = None,
-                 grace: float = DEFAULT_GRACE, follow: bool = True) -> None:
+                 url: str | None = None, prefix: str = "throttle", tokens: Limit | None = None,
+                 transport: Any = None, module: str | None = None,
+                 timeout: float | None = None, grace: float = DEFAULT_GRACE,
+                 follow: bool = True) -> None:
         if gate is None and url is None:
             raise ValueError("give gate (an AsyncGate) or url (the throttle's Redis)")
         chosen = _limits_of(None, None, 1, None, limits)
         inner = (transport if transport is not None
                  else _http_package(module).AsyncHTTPTransport())
-        super().__init__(chosen, inner, timeout, grace, follow)
+        super().__init__(chosen, tokens, inner, timeout, grace, follow)
         self.gate = gate
         self._loop_gates = LoopGates(url, prefix) if url is not None else None
 
     async def handle_async_request(self, request: Any) -> Any:
-        """Wait for the slot (or spend the task's admission), send, pause the limits on a 429."""
+        """:meth:`GatedTransport.handle_request`, awaiting the gate."""
         gate = self._gate()
-        limits, stale = self._split(gate.key_of)
-        for adm in stale:
+        attempt = self._before(request, gate.key_of)
+        for adm in attempt.stale:
             await gate.settle(adm.limit, 0)
-        if limits:
-            await gate.wait(limits, timeout=self.timeout, grace=self.grace)
+        if attempt.wait:
+            await gate.wait(attempt.wait, timeout=self.timeout, grace=self.grace)
         response = await self.inner.handle_async_request(request)
-        pause = self._refused(response)
-        if pause is not None:
-            await gate.pause(self.limits, pause)
-        elif (report := self._reported(response)) is not None:
-            await gate.follow(self.limits, report.remaining, report.reset)
+        body = await response.aread() if self._needs_body(response, attempt) else None
+        for step in self._after(response, attempt, body):
+            await getattr(gate, step.op)(*step.args)
         return response
 
     async def aclose(self) -> None:
@@ -259,15 +318,34 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
         return self._loop_gates.get()
 
 
+def _token_limit(tokens: str | Rate | None, name: str | None, burst: int | None,
+                 tokens_name: str | None) -> Limit | None:
+    """The token limit ``gated_client(tokens=...)`` declares: ``<name>-tokens`` by default,
+    its burst a whole period's tokens (a request may cost thousands)."""
+    if tokens is None:
+        return None
+    rate = parse_rate(tokens)
+    chosen = tokens_name or (f"{name}-tokens" if name else None)
+    if not chosen:
+        raise ValueError("a token limit needs a name: tokens_name=... (or name=...)")
+    return Limit(chosen, rate, burst if burst is not None else max(1, math.ceil(rate.count)))
+
+
 def gated_client(rate: str | Rate | None = None, *, name: str | None = None, burst: int = 1,
-                 key: object = None, limits: Sequence[Limit] = (), url: str | None = None,
+                 key: object = None, limits: Sequence[Limit] = (),
+                 tokens: str | Rate | None = None, tokens_name: str | None = None,
+                 tokens_burst: int | None = None, url: str | None = None,
                  gate: Gate | None = None, prefix: str = "throttle", module: str | None = None,
                  timeout: float | None = None, follow: bool = True,
                  **client_options: Any) -> Any:
     """A sync HTTP client whose every request waits for a start of ``rate`` under ``name``.
 
     For ``OpenAI(http_client=...)`` and ``Anthropic(http_client=...)``.
-    ``limits``: more rate limits (or instead), e.g. per model.  ``url`` and
+    ``limits``: more rate limits (or instead), e.g. per model.  ``tokens``:
+    the provider's token quota (``"200000/m"``), the limit ``tokens_name``
+    (default ``<name>-tokens``) with a burst of ``tokens_burst`` (default: a
+    whole period's tokens); each request is charged its estimate and
+    settled from the answer's ``usage``.  ``url`` and
     ``prefix``: the throttle's Redis as the workers see it, or ``gate``.
     ``module``: ``"httpx2"`` (the SDKs', the default when installed) or
     ``"httpx"``.  ``follow``: spend no more than the provider's headers say
@@ -279,12 +357,15 @@ def gated_client(rate: str | Rate | None = None, *, name: str | None = None, bur
         gate = Gate.from_url(url, prefix=prefix)
     http = _http_package(module)
     transport = GatedTransport(_limits_of(rate, name, burst, key, limits), gate=gate,
+                               tokens=_token_limit(tokens, name, tokens_burst, tokens_name),
                                transport=http.HTTPTransport(), timeout=timeout, follow=follow)
     return http.Client(transport=transport, **client_options)
 
 
 def async_gated_client(rate: str | Rate | None = None, *, name: str | None = None,
                        burst: int = 1, key: object = None, limits: Sequence[Limit] = (),
+                       tokens: str | Rate | None = None, tokens_name: str | None = None,
+                       tokens_burst: int | None = None,
                        url: str | None = None, gate: AsyncGate | None = None,
                        prefix: str = "throttle", module: str | None = None,
                        timeout: float | None = None, follow: bool = True,
@@ -292,6 +373,8 @@ def async_gated_client(rate: str | Rate | None = None, *, name: str | None = Non
     """:func:`gated_client` for ``AsyncOpenAI`` and ``AsyncAnthropic``."""
     http = _http_package(module)
     transport = AsyncGatedTransport(_limits_of(rate, name, burst, key, limits), gate=gate,
-                                    url=url, prefix=prefix, transport=http.AsyncHTTPTransport(),
-                                    timeout=timeout, follow=follow)
+                                    url=url, prefix=prefix,
+                                    tokens=_token_limit(tokens, name, tokens_burst, tokens_name),
+                                    transport=http.AsyncHTTPTransport(), timeout=timeout,
+                                    follow=follow)
     return http.AsyncClient(transport=transport, **client_options)

@@ -199,14 +199,20 @@ class MockProvider:
             return sum(1 for _, why in self.refusals if why != "hold")
 
     def remaining(self) -> tuple[int, float]:
-        """(requests left now, seconds until the quota is full again), as the headers say."""
+        """(requests left now, seconds until the reset), as the headers say.
+
+        bucket=True (the providers' own model): the reset is when the bucket is
+        full again.  A sliding window frees one request as each one leaves it:
+        its reset is when the oldest leaves (a window's "full again" would claim
+        the requests freed before it were not there).
+        """
         with self._lock:
             now = time.time()
             if self.bucket:
                 self._refill(now)
                 return int(self._level), (self.limit - self._level) * self.window / self.limit
             recent = [t for t in self._recent if t > now - self.window]
-            reset = recent[-1] + self.window - now if recent else 0.0
+            reset = recent[0] + self.window - now if recent else 0.0
             return max(0, self.limit - len(recent)), max(0.0, reset)
 
     def done(self, start: float, tokens: int) -> None:

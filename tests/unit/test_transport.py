@@ -333,3 +333,78 @@ def test_without_the_headers_the_hidden_consumer_s_share_is_refused(
     got = _share(False, redis_url, prefix)
     print(f"\nnot followed: {got}")
     assert got["ours_refused"] + got["theirs_refused"] >= 5
+
+
+def _answering(status: int, body: dict[str, Any],
+               headers: dict[str, str] | None = None) -> httpx.MockTransport:
+    return httpx.MockTransport(lambda request: httpx.Response(status, json=body,
+                                                              headers=headers or {}))
+
+
+def test_tokens_are_charged_the_estimate_then_settled_from_usage(
+        redis_url: str, prefix: str) -> None:
+    """A request of 80 prompt characters and max_tokens 10 is charged 20 + 10 tokens before
+    it is sent; the answer's usage (7) is what the bucket keeps.  A 429's tokens were
+    never spent: given back, and the limits paused."""
+    tokens = Limit("tok", parse_rate("1000/h"), burst=1000)
+    request = {"model": "m", "max_tokens": 10, "messages": [{"role": "user",
+                                                             "content": "x" * 80}]}
+    seen: list[float] = []
+    with Gate.from_url(redis_url, prefix=prefix) as gate:
+
+        def during(request: httpx.Request) -> httpx.Response:
+            seen.append(gate.inspect(tokens).used)
+            return httpx.Response(200, json={"usage": {"total_tokens": 7}})
+
+        transport = GatedTransport([Limit("req", parse_rate("100/s"), burst=10)], gate=gate,
+                                   tokens=tokens, transport=httpx.MockTransport(during))
+        with httpx.Client(transport=transport) as http:
+            http.post("http://127.0.0.1/v1/chat/completions", json=request)
+        assert [round(u) for u in seen] == [30]
+        assert round(gate.inspect(tokens).used) == 7
+        refused = GatedTransport([Limit("req", parse_rate("100/s"), burst=10)], gate=gate,
+                                 tokens=tokens, transport=_answering(
+                                     429, {"error": {}}, {"retry-after-ms": "2000"}))
+        with httpx.Client(transport=refused) as http:
+            http.post("http://127.0.0.1/v1/chat/completions", json=request)
+        assert round(gate.inspect(tokens).used) == 7
+        assert gate.inspect(tokens).paused > 1.5
+
+
+def _token_run(tokens: str | None, redis_url: str, prefix: str) -> dict[str, Any]:
+    """12 chat completions of about 40 prompt tokens (max_tokens 20) from 6 threads, against
+    a provider allowing 300 tokens in any 2 s (requests are not the limit)."""
+    provider = mock.MockProvider(limit=100, window=1.0, latency=0.02, token_budget=300,
+                                 token_window=2.0).start()
+    try:
+        with Gate.from_url(redis_url, prefix=prefix) as gate:
+            client = _openai(provider.url, gated_client(
+                "50/s", name="tokq", tokens=tokens, tokens_burst=100, gate=gate))
+
+            def call(i: int) -> str:
+                reply = client.chat.completions.create(
+                    model="mock", max_tokens=20,
+                    messages=[{"role": "user", "content": f"{i:03d} " + "y" * 156}])
+                return str(reply.choices[0].message.content)
+
+            done = _in_threads(call, threads=6, each=2)
+            client.close()
+    finally:
+        provider.stop()
+    spent = sorted(provider.calls)
+    span = spent[-1][0] - spent[0][0] if len(spent) > 1 else 0.0
+    return {"failed": sum(1 for d in done if isinstance(d, BaseException)),
+            "refused": len(provider.refusals), "span": round(span, 2),
+            "tokens": sum(n for _, _, n in spent)}
+
+
+def test_a_token_quota_is_kept_with_estimates_settled(redis_url: str, prefix: str) -> None:
+    """tokens="100/s" (burst 100: at most 300 in any 2 s) charged 60 per call (40 + 20),
+    settled to the 40 the provider counts: 0 refused; without the token limit the same
+    calls are refused for tokens."""
+    got = _token_run("100/s", redis_url, f"{prefix}-a")
+    bare = _token_run(None, redis_url, f"{prefix}-b")
+    print(f"\nwith tokens=: {got}; without: {bare}")
+    assert got["failed"] == 0
+    assert got["refused"] == 0
+    assert bare["refused"] >= 1

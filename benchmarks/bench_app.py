@@ -292,20 +292,35 @@ _sdk: dict[str, Any] = {}
 
 def _sdk_client(contender: str, gated: bool) -> Any:
     if contender not in _sdk:
+        import anthropic
         import openai
 
         from celery_throttle.transport import gated_client
 
         http = (gated_client(SDK_RATE, name=f"bench-{contender}", url=f"{REDIS}/6")
                 if gated else None)
-        _sdk[contender] = openai.OpenAI(base_url=f"{PROVIDER}/v1", api_key="sk-bench",
-                                        http_client=http)
+        _sdk[contender] = (
+            anthropic.Anthropic(base_url=PROVIDER, api_key="sk-bench", http_client=http)
+            if "anthropic" in contender else
+            openai.OpenAI(base_url=f"{PROVIDER}/v1", api_key="sk-bench", http_client=http))
     return _sdk[contender]
 
 
 def _chat(task: Task[Any, Any], contender: str, gated: bool) -> None:
-    _sdk_client(contender, gated).chat.completions.create(
-        model="mock", messages=[{"role": "user", "content": f"document {task.request.id}"}])
+    """One SDK call; a refusal the SDK's retries could not get past re-schedules the task
+    (the documented wiring: RateLimited reads the SDK error's retry-after)."""
+    import anthropic
+    import openai
+
+    client = _sdk_client(contender, gated)
+    prompt = [{"role": "user", "content": f"document {task.request.id}"}]
+    try:
+        if "anthropic" in contender:
+            client.messages.create(model="mock", max_tokens=16, messages=prompt)
+        else:
+            client.chat.completions.create(model="mock", messages=prompt)
+    except (openai.RateLimitError, anthropic.RateLimitError) as exc:
+        raise celery_throttle.RateLimited(exc) from None
     _records.rpush(f"done:{contender}", str(task.request.id))
 
 
@@ -313,12 +328,15 @@ def _chat(task: Task[Any, Any], contender: str, gated: bool) -> None:
 @app.task(bind=True)
 def sdk_transport(self: Task[Any, Any], i: int) -> int:
     """``@throttled`` and a gated client: every request, SDK retries included, waits."""
-    import openai
+    _chat(self, "sdk_transport", gated=True)
+    return i
 
-    try:
-        _chat(self, "sdk_transport", gated=True)
-    except openai.RateLimitError as exc:
-        raise celery_throttle.RateLimited(exc) from None
+
+@throttled(SDK_RATE, name="bench-sdk_anthropic")
+@app.task(bind=True)
+def sdk_anthropic(self: Task[Any, Any], i: int) -> int:
+    """``@throttled`` and a gated client, through the Anthropic SDK."""
+    _chat(self, "sdk_anthropic", gated=True)
     return i
 
 
@@ -326,29 +344,22 @@ def sdk_transport(self: Task[Any, Any], i: int) -> int:
 @app.task(bind=True)
 def sdk_wrapped(self: Task[Any, Any], i: int) -> int:
     """``@throttled`` around a plain client (the documented wiring before the transport)."""
-    import openai
-
-    try:
-        _chat(self, "sdk_wrapped", gated=False)
-    except openai.RateLimitError as exc:
-        raise celery_throttle.RateLimited(exc) from None
+    _chat(self, "sdk_wrapped", gated=False)
     return i
 
 
 @app.task(bind=True, max_retries=None, rate_limit=SDK_RATE)
 def sdk_rate_limit(self: Task[Any, Any], i: int) -> int:
     """Celery's ``rate_limit`` (per node) and a plain client, retrying after a 429."""
-    import openai
-
     try:
         _chat(self, "sdk_rate_limit", gated=False)
-    except openai.RateLimitError as exc:
-        _retry(self, celery_throttle.RateLimited(exc).retry_after)
+    except celery_throttle.RateLimited as exc:  # the SDK's RateLimitError, read
+        _retry(self, exc.retry_after)
     return i
 
 
-SDK_CONTENDERS = {"sdk_transport": sdk_transport, "sdk_wrapped": sdk_wrapped,
-                  "sdk_rate_limit": sdk_rate_limit}
+SDK_CONTENDERS = {"sdk_transport": sdk_transport, "sdk_anthropic": sdk_anthropic,
+                  "sdk_wrapped": sdk_wrapped, "sdk_rate_limit": sdk_rate_limit}
 
 INFLIGHT_CONTENDERS = {"inflight_ours": inflight_ours, "inflight_counter": inflight_counter,
                        "inflight_retry": inflight_retry}

@@ -5,12 +5,13 @@
 Each run: ``--n`` tasks on fresh workers (2 prefork nodes x 4 processes),
 each one chat completion through the real ``openai`` SDK with its default
 retries (2) to the mock provider (examples.provider: 10 requests in any
-1 s, 429 with OpenAI's headers).  Once a quarter of the calls are done, the
+1 s, 429 with the provider's headers).  Once a quarter of the calls are done, the
 provider refuses everything for 0.5 s (its own trouble, as a provider under
 load does): every call in that moment is refused and retried by the SDK.  Contenders
 (benchmarks/bench_app.py), each at 9/s:
 
 * ``@throttled`` + ``gated_client`` (every request, retries included, gated);
+  the same through the ``anthropic`` SDK (``messages.create``);
 * ``@throttled`` around a plain client (the documented wiring before the
   transport: a ``RateLimitError`` after the SDK's retries re-schedules the task);
 * Celery's ``rate_limit="9/s"`` (per node) around a plain client, retrying
@@ -38,6 +39,7 @@ from examples.provider import MockProvider
 ROOT = Path(__file__).resolve().parent.parent
 HOLD_FOR = 0.5
 LABELS = {"sdk_transport": "`@throttled` + `gated_client` (every request gated)",
+          "sdk_anthropic": "the same through the Anthropic SDK",
           "sdk_wrapped": "`@throttled` around a plain client",
           "sdk_rate_limit": "Celery `rate_limit=\"9/s\"`, plain client"}
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
                     rows[name].append(_run(url, name, args.n, provider))
     finally:
         provider.stop()
-    print(f"{args.n} tasks, one OpenAI SDK call each (default retries), 2 nodes x 4 "
+    print(f"{args.n} tasks, one SDK call each (default retries), 2 nodes x 4 "
           f"processes; quota 10 requests/s, limit 9/s; the provider refuses everything for "
           f"{HOLD_FOR:g} s once a quarter of the calls are done; {args.runs} runs each, "
           f"interleaved (ranges over the runs).\n")

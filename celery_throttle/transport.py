@@ -125,11 +125,11 @@ def _http_package(module: str | None) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class _Attempt:
-    """What one attempt waits for, and what it charged the token limit (to settle)."""
+    """What one attempt waits for, and what it charged each token limit (to settle)."""
 
     wait: list[Limit]
     stale: list[credit.Admission]  # the task's admissions too old to spend: give back
-    tokens: tuple[Limit, int] | None  # the token limit as charged, and the charge
+    charged: list[tuple[str, Limit]]  # (part, the token limit as charged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,48 +141,53 @@ class _Step:
 
 
 class _Gated:
-    """What both transports share: before an attempt, and after its answer (no I/O here)."""
+    """What both transports share: before an attempt, and after its answer (no I/O here).
 
-    def __init__(self, limits: list[Limit], tokens: Limit | None, inner: Any,
+    ``meters``: the token limits by what they count (``usage.PARTS``).
+    """
+
+    def __init__(self, limits: list[Limit], meters: dict[str, Limit], inner: Any,
                  timeout: float | None, grace: float, follow: bool) -> None:
         self.limits = limits
-        self.tokens = tokens
+        self.meters = meters
         self.inner = inner
         self.timeout = timeout
         self.grace = grace
         self.follow = follow
-        self.names = sorted({lim.name for lim in [*limits, *([tokens] if tokens else [])]})
+        self.every = [*limits, *meters.values()]
+        self.names = sorted({lim.name for lim in self.every})
 
     def _before(self, request: Any, key_of: Any) -> _Attempt:
-        """The limits to wait for (the token limit charged the request's estimate), the stale
-        admissions to give back, and the token charge.
+        """The limits to wait for (each token limit charged the request's estimate), the
+        stale admissions to give back, and the token charges.
 
         A limit whose start the running task was admitted for is spent from
-        that admission when it is fresh (half an interval, at most the grace).
+        that admission when it is fresh (half an interval, at most the grace):
+        a token limit's then stands for the request's estimate, and is settled.
         """
-        mine = [*self.limits, *([self.tokens] if self.tokens else [])]
-        keys = {key_of(lim): lim for lim in mine}
+        keys = {key_of(lim): lim for lim in self.every}
         taken = credit.take(keys)
         now = time.monotonic()
         fresh = {key: adm for key, adm in taken.items()
                  if adm.fresh(min(self.grace, adm.limit.rate.interval_us / 2e6), now)}
         stale = [adm for key, adm in taken.items() if key not in fresh]
-        wait = [lim for key, lim in keys.items() if key not in fresh and lim is not self.tokens]
-        charged: tuple[Limit, int] | None = None
-        if self.tokens is not None:
-            spent = fresh.get(key_of(self.tokens))
+        wait = [lim for key, lim in keys.items() if key not in fresh]
+        charged: list[tuple[str, Limit]] = []
+        body = _body(request) if self.meters else b""
+        for part, meter in self.meters.items():
+            spent = fresh.get(key_of(meter))
             if spent is not None:  # the task was charged its own estimate: settle that
-                charged = (spent.limit, spent.limit.cost)
+                charged.append((part, spent.limit))
             else:
-                cost = min(self.tokens.burst, usage.estimate(_body(request)))
-                charged = (replace(self.tokens, cost=cost), cost)
-                wait.append(charged[0])
+                cost = min(meter.burst, usage.estimate(body, part))
+                charged.append((part, replace(meter, cost=cost)))
+                wait[wait.index(meter)] = charged[-1][1]
         return _Attempt(wait, stale, charged)
 
     def _needs_body(self, response: Any, attempt: _Attempt) -> bool:
         """Whether the answer must be read here to settle its tokens (JSON, not a stream)."""
         kind = str(response.headers.get("content-type", ""))
-        return (attempt.tokens is not None and 200 <= response.status_code < 300
+        return (bool(attempt.charged) and 200 <= response.status_code < 300
                 and kind.startswith("application/json"))
 
     def _after(self, response: Any, attempt: _Attempt, body: bytes | None) -> list[_Step]:
@@ -191,27 +196,24 @@ class _Gated:
         steps: list[_Step] = []
         if response.status_code == 429:
             metrics.provider_paused(self.names)
-            mine = [*self.limits, *([self.tokens] if self.tokens else [])]
-            steps.append(_Step("pause", (mine, retry_after_of(response.headers))))
-            if attempt.tokens is not None:
-                steps.append(_Step("settle", (attempt.tokens[0], 0)))
+            steps.append(_Step("pause", (self.every, retry_after_of(response.headers))))
+            steps += [_Step("settle", (limit, 0)) for _, limit in attempt.charged]
             return steps
         if self.follow:
             for report in reports_of(response.headers):
-                if report.kind == "requests":
-                    steps.append(_Step("follow", (self.limits, report.remaining, report.reset)))
-                elif report.kind == "tokens" and self.tokens is not None:
-                    steps.append(_Step("follow", ([self.tokens], report.remaining,
-                                                  report.reset)))
-        if body is not None and attempt.tokens is not None:
-            actual = usage.used(body)
-            if actual is not None:
-                steps.append(_Step("settle", (attempt.tokens[0], actual)))
+                which = self.limits if report.kind == "requests" else (
+                    [self.meters[report.kind]] if report.kind in self.meters else [])
+                if which:
+                    steps.append(_Step("follow", (which, report.remaining, report.reset)))
+        if body is not None:
+            for part, limit in attempt.charged:
+                actual = usage.used(body, part)
+                if actual is not None:
+                    steps.append(_Step("settle", (limit, actual)))
         return steps
 
     def __repr__(self) -> str:
-        shown = ", ".join(f"{lim.name}={lim.rate.text}"
-                          for lim in [*self.limits, *([self.tokens] if self.tokens else [])])
+        shown = ", ".join(f"{lim.name}={lim.rate.text}" for lim in self.every)
         return f"{type(self).__name__}({shown})"
 
 
@@ -231,7 +233,9 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
     limit (its cost is ignored): each request is charged its estimate
     (``usage.estimate``: prompt characters / 4 + ``max_tokens``) and
     settled from the answer's ``usage`` (JSON answers; a stream keeps the
-    estimate).  ``transport``: the one that sends (default: the package's
+    estimate); ``input_tokens`` and ``output_tokens``: the same for a
+    provider's separate quotas (prompt characters / 4; ``max_tokens``).
+    ``transport``: the one that sends (default: the package's
     ``HTTPTransport()``).  ``timeout``: a wait longer than this raises
     :class:`~celery_throttle.ThrottleTimeout` (booking nothing; an SDK may
     wrap it in its connection error).  ``live``: apply the rates set with
@@ -240,12 +244,14 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
     """
 
     def __init__(self, limits: Sequence[Limit], *, gate: Gate, tokens: Limit | None = None,
+                 input_tokens: Limit | None = None, output_tokens: Limit | None = None,
                  transport: Any = None, module: str | None = None,
                  timeout: float | None = None, grace: float = DEFAULT_GRACE, live: bool = True,
                  follow: bool = True) -> None:
         chosen = _limits_of(None, None, 1, None, limits)
         inner = transport if transport is not None else _http_package(module).HTTPTransport()
-        super().__init__(chosen, tokens, inner, timeout, grace, follow)
+        super().__init__(chosen, _meters(tokens, input_tokens, output_tokens), inner, timeout,
+                         grace, follow)
         self.gate = gate
         self._live = LiveLimits(gate.client, gate.prefix) if live else None
 
@@ -274,11 +280,13 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
 
     ``gate``: an :class:`AsyncGate`; or ``url`` (and ``prefix``), and one is
     made for each event loop the client runs on (a ``redis.asyncio`` client
-    belongs to the loop that first used it).
+    belongs to the loop that first used it).  The rates set with ``celery
+    throttle set`` apply, as in the sync transport.
     """
 
     def __init__(self, limits: Sequence[Limit], *, gate: AsyncGate | None = None,
                  url: str | None = None, prefix: str = "throttle", tokens: Limit | None = None,
+                 input_tokens: Limit | None = None, output_tokens: Limit | None = None,
                  transport: Any = None, module: str | None = None,
                  timeout: float | None = None, grace: float = DEFAULT_GRACE,
                  follow: bool = True) -> None:
@@ -287,9 +295,11 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
         chosen = _limits_of(None, None, 1, None, limits)
         inner = (transport if transport is not None
                  else _http_package(module).AsyncHTTPTransport())
-        super().__init__(chosen, tokens, inner, timeout, grace, follow)
+        super().__init__(chosen, _meters(tokens, input_tokens, output_tokens), inner, timeout,
+                         grace, follow)
         self.gate = gate
         self._loop_gates = LoopGates(url, prefix) if url is not None else None
+        self._live = LiveLimits(None, gate.prefix if gate is not None else prefix)
 
     async def handle_async_request(self, request: Any) -> Any:
         """:meth:`GatedTransport.handle_request`, awaiting the gate."""
@@ -298,7 +308,8 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
         for adm in attempt.stale:
             await gate.settle(adm.limit, 0)
         if attempt.wait:
-            await gate.wait(attempt.wait, timeout=self.timeout, grace=self.grace)
+            await gate.wait(await self._live.aapply(gate.client, attempt.wait),
+                            timeout=self.timeout, grace=self.grace)
         response = await self.inner.handle_async_request(request)
         body = await response.aread() if self._needs_body(response, attempt) else None
         for step in self._after(response, attempt, body):
@@ -318,23 +329,33 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
         return self._loop_gates.get()
 
 
-def _token_limit(tokens: str | Rate | None, name: str | None, burst: int | None,
-                 tokens_name: str | None) -> Limit | None:
-    """The token limit ``gated_client(tokens=...)`` declares: ``<name>-tokens`` by default,
-    its burst a whole period's tokens (a request may cost thousands)."""
-    if tokens is None:
-        return None
-    rate = parse_rate(tokens)
-    chosen = tokens_name or (f"{name}-tokens" if name else None)
-    if not chosen:
-        raise ValueError("a token limit needs a name: tokens_name=... (or name=...)")
-    return Limit(chosen, rate, burst if burst is not None else max(1, math.ceil(rate.count)))
+def _meters(tokens: Limit | None, input_tokens: Limit | None,
+            output_tokens: Limit | None) -> dict[str, Limit]:
+    given = dict(zip(usage.PARTS, (tokens, input_tokens, output_tokens), strict=True))
+    return {part: lim for part, lim in given.items() if lim is not None}
+
+
+def _token_limit(given: str | Rate | Limit | None, name: str | None, part: str
+                 ) -> Limit | None:
+    """A token limit ``gated_client`` declares: a :class:`Limit` as given, or a rate under
+    ``<name>-<part>`` with a whole period's tokens as its burst (a request may cost
+    thousands)."""
+    if given is None or isinstance(given, Limit):
+        return given
+    if not name:
+        raise ValueError(f"a {part} rate needs name=... (the limit is '<name>-{part}'), "
+                         f"or give a Limit")
+    rate = parse_rate(given)
+    return Limit(f"{name}-{part}", rate, max(1, math.ceil(rate.count)))
+
+
+TokenQuota = str | Rate | Limit | None
 
 
 def gated_client(rate: str | Rate | None = None, *, name: str | None = None, burst: int = 1,
-                 key: object = None, limits: Sequence[Limit] = (),
-                 tokens: str | Rate | None = None, tokens_name: str | None = None,
-                 tokens_burst: int | None = None, url: str | None = None,
+                 key: object = None, limits: Sequence[Limit] = (), tokens: TokenQuota = None,
+                 input_tokens: TokenQuota = None, output_tokens: TokenQuota = None,
+                 url: str | None = None,
                  gate: Gate | None = None, prefix: str = "throttle", module: str | None = None,
                  timeout: float | None = None, follow: bool = True,
                  **client_options: Any) -> Any:
@@ -342,10 +363,11 @@ def gated_client(rate: str | Rate | None = None, *, name: str | None = None, bur
 
     For ``OpenAI(http_client=...)`` and ``Anthropic(http_client=...)``.
     ``limits``: more rate limits (or instead), e.g. per model.  ``tokens``:
-    the provider's token quota (``"200000/m"``), the limit ``tokens_name``
-    (default ``<name>-tokens``) with a burst of ``tokens_burst`` (default: a
-    whole period's tokens); each request is charged its estimate and
-    settled from the answer's ``usage``.  ``url`` and
+    the provider's token quota (``"200000/m"``: the limit ``<name>-tokens``
+    with a whole period's tokens as its burst; or a :class:`Limit`); each
+    request is charged its estimate and settled from the answer's
+    ``usage``.  ``input_tokens`` / ``output_tokens``: a provider's separate
+    quotas, the same way (``<name>-input-tokens``...).  ``url`` and
     ``prefix``: the throttle's Redis as the workers see it, or ``gate``.
     ``module``: ``"httpx2"`` (the SDKs', the default when installed) or
     ``"httpx"``.  ``follow``: spend no more than the provider's headers say
@@ -357,15 +379,17 @@ def gated_client(rate: str | Rate | None = None, *, name: str | None = None, bur
         gate = Gate.from_url(url, prefix=prefix)
     http = _http_package(module)
     transport = GatedTransport(_limits_of(rate, name, burst, key, limits), gate=gate,
-                               tokens=_token_limit(tokens, name, tokens_burst, tokens_name),
+                               tokens=_token_limit(tokens, name, "tokens"),
+                               input_tokens=_token_limit(input_tokens, name, "input-tokens"),
+                               output_tokens=_token_limit(output_tokens, name, "output-tokens"),
                                transport=http.HTTPTransport(), timeout=timeout, follow=follow)
     return http.Client(transport=transport, **client_options)
 
 
 def async_gated_client(rate: str | Rate | None = None, *, name: str | None = None,
                        burst: int = 1, key: object = None, limits: Sequence[Limit] = (),
-                       tokens: str | Rate | None = None, tokens_name: str | None = None,
-                       tokens_burst: int | None = None,
+                       tokens: TokenQuota = None, input_tokens: TokenQuota = None,
+                       output_tokens: TokenQuota = None,
                        url: str | None = None, gate: AsyncGate | None = None,
                        prefix: str = "throttle", module: str | None = None,
                        timeout: float | None = None, follow: bool = True,
@@ -374,7 +398,11 @@ def async_gated_client(rate: str | Rate | None = None, *, name: str | None = Non
     http = _http_package(module)
     transport = AsyncGatedTransport(_limits_of(rate, name, burst, key, limits), gate=gate,
                                     url=url, prefix=prefix,
-                                    tokens=_token_limit(tokens, name, tokens_burst, tokens_name),
+                                    tokens=_token_limit(tokens, name, "tokens"),
+                                    input_tokens=_token_limit(input_tokens, name,
+                                                              "input-tokens"),
+                                    output_tokens=_token_limit(output_tokens, name,
+                                                               "output-tokens"),
                                     transport=http.AsyncHTTPTransport(), timeout=timeout,
                                     follow=follow)
     return http.AsyncClient(transport=transport, **client_options)

@@ -19,7 +19,8 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
@@ -36,11 +37,19 @@ REFRESH = 1.0
 
 
 class LiveLimits:
-    """The overrides of one key prefix, on one Redis client, with a cached copy."""
+    """The overrides of one key prefix, on one Redis client, with a cached copy.
 
-    def __init__(self, client: redis.Redis | RedisCluster, prefix: str, *,
-                 refresh: float = REFRESH) -> None:
+    ``client``: the sync client :meth:`set`, :meth:`unset`, :meth:`read`
+    and :meth:`apply` use; None for asyncio code, which refreshes the copy
+    through its own client with :meth:`aapply`.  ``clock``: seconds, for
+    the copy's age (tests step it).
+    """
+
+    def __init__(self, client: redis.Redis | RedisCluster | None, prefix: str, *,
+                 refresh: float = REFRESH,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
+        self.clock = clock  # how old the copy is: this process's monotonic clock
         self.key = live_key(prefix)
         self.refresh = refresh
         self._copy: dict[str, tuple[Rate, int]] = {}
@@ -52,25 +61,27 @@ class LiveLimits:
         validate_name(name)
         parsed = parse_rate(rate)
         positive_int("burst", burst)
-        self.client.hset(self.key, name, f"{parsed.interval_us} {burst} {parsed}")
+        self._sync().hset(self.key, name, f"{parsed.interval_us} {burst} {parsed}")
         return parsed
 
     def unset(self, name: str) -> bool:
         """Back to the code's rate for ``name``; False if it had no override."""
-        return bool(self.client.hdel(self.key, name))
+        return bool(self._sync().hdel(self.key, name))
 
     def read(self) -> dict[str, tuple[Rate, int]]:
         """Every override now: name -> (rate, burst); one unreadable is left out."""
-        found: dict[str, tuple[Rate, int]] = {}
-        raw = self.client.hgetall(self.key)
-        for name, value in raw.items():
-            parts = (value.decode() if isinstance(value, bytes) else str(value)).split(" ", 2)
-            try:
-                found[name.decode() if isinstance(name, bytes) else str(name)] = (
-                    parse_rate(parts[2]), positive_int("burst", int(parts[1])))
-            except (IndexError, ValueError):
-                continue
-        return found
+        return _parsed(self._sync().hgetall(self.key))
+
+    async def aapply(self, client: Any, limits: Sequence[AnyLimit]) -> list[AnyLimit]:
+        """:meth:`apply` for asyncio code: the copy is read through ``client`` (a
+        ``redis.asyncio`` client of the same server) when it is older than :attr:`refresh`."""
+        now = self.clock()
+        if now - self._read_at >= self.refresh:
+            self._read_at = now
+            # Store down: the decision itself reports it; the last copy stays.
+            with contextlib.suppress(redis.RedisError):
+                self._copy = _parsed(await client.hgetall(self.key))
+        return _applied(limits, self._copy)
 
     def apply(self, limits: Sequence[AnyLimit]) -> list[AnyLimit]:
         """``limits`` with the overrides in force (a copy at most :attr:`refresh` s old).
@@ -78,23 +89,16 @@ class LiveLimits:
         A cost above an overridden burst could never pass: it is capped at the
         burst.  With the store down the last copy read is used.
         """
-        overrides = self._current()
-        if not overrides:
-            return list(limits)
-        out: list[AnyLimit] = []
-        for lim in limits:
-            found = overrides.get(lim.name) if isinstance(lim, Limit) else None
-            if found is None or not isinstance(lim, Limit):
-                out.append(lim)
-                continue
-            rate, burst = found
-            out.append(dataclasses.replace(lim, rate=rate, burst=burst,
-                                           cost=min(lim.cost, burst)))
-        return out
+        return _applied(limits, self._current())
+
+    def _sync(self) -> redis.Redis | RedisCluster:
+        if self.client is None:
+            raise ValueError("these LiveLimits have no sync client: asyncio code uses aapply()")
+        return self.client
 
     def _current(self) -> dict[str, tuple[Rate, int]]:
-        now = time.monotonic()
-        if now - self._read_at < self.refresh:
+        now = self.clock()
+        if now - self._read_at < self.refresh or self.client is None:
             return self._copy
         with self._lock:
             if now - self._read_at >= self.refresh:
@@ -103,3 +107,33 @@ class LiveLimits:
                     self._copy = self.read()
                 self._read_at = now
         return self._copy
+
+
+def _parsed(raw: dict[Any, Any]) -> dict[str, tuple[Rate, int]]:
+    """The overrides hash as read: name -> (rate, burst); one unreadable is left out."""
+    found: dict[str, tuple[Rate, int]] = {}
+    for name, value in raw.items():
+        parts = (value.decode() if isinstance(value, bytes) else str(value)).split(" ", 2)
+        try:
+            found[name.decode() if isinstance(name, bytes) else str(name)] = (
+                parse_rate(parts[2]), positive_int("burst", int(parts[1])))
+        except (IndexError, ValueError):
+            continue
+    return found
+
+
+def _applied(limits: Sequence[AnyLimit], overrides: dict[str, tuple[Rate, int]]
+             ) -> list[AnyLimit]:
+    """``limits`` with ``overrides`` (a cost above an overridden burst is capped at it)."""
+    if not overrides:
+        return list(limits)
+    out: list[AnyLimit] = []
+    for lim in limits:
+        found = overrides.get(lim.name) if isinstance(lim, Limit) else None
+        if found is None or not isinstance(lim, Limit):
+            out.append(lim)
+            continue
+        rate, burst = found
+        out.append(dataclasses.replace(lim, rate=rate, burst=burst,
+                                       cost=min(lim.cost, burst)))
+    return out

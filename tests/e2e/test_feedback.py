@@ -194,3 +194,89 @@ def test_sdk_calls_from_workers_keep_the_quota_through_the_sdk_retries(
     # Spending the admission: 59 intervals of 9/s take 6.6 s, plus the hold (0.6 s) and
     # the retries' slots; a second charge per task would take over 13 s.
     assert span <= 10.0
+
+
+def test_tasks_a_web_handler_and_a_langchain_model_share_one_quota_through_the_transport(
+        redis_base: str, capp: ModuleType, records: redis.Redis) -> None:
+    """One limit (9/s, quota 10/s) spent at once by 30 worker tasks (OpenAI SDK), a Starlette
+    handler served by uvicorn (AsyncOpenAI) called 15 times, and a LangChain ChatOpenAI
+    invoked 15 times from 3 threads, each through a gated client: all 60 done, 0 refused,
+    the combined pace near the limit."""
+    import asyncio
+    import concurrent.futures
+    import threading
+    import urllib.request
+
+    import openai
+    import uvicorn
+    from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from celery_throttle.testing import free_port
+    from celery_throttle.transport import async_gated_client, gated_client
+
+    provider = MockProvider(limit=10, window=1.0, latency=0.02).start()
+    store, prefix = f"{redis_base}/11", capp.app.conf.throttle_prefix
+    shared = {"rate": "9/s", "name": "sdk-requests", "url": store, "prefix": prefix}
+
+    async def summarize(request: Request) -> JSONResponse:
+        client = request.app.state.openai
+        reply = await client.chat.completions.create(
+            model="mock", messages=[{"role": "user", "content": "a web request"}])
+        return JSONResponse({"text": reply.choices[0].message.content})
+
+    web = Starlette(routes=[Route("/summarize", summarize, methods=["POST"])])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(web, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+
+    def serve() -> None:
+        async def main() -> None:
+            web.state.openai = openai.AsyncOpenAI(
+                base_url=f"{provider.url}/v1", api_key="sk-test",
+                http_client=async_gated_client(**shared))
+            await server.serve()
+        asyncio.run(main())
+
+    def post(i: int) -> int:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/summarize", data=b"{}",
+                                         method="POST")
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return int(response.status)
+
+    model = ChatOpenAI(model="mock", base_url=f"{provider.url}/v1",
+                       api_key=SecretStr("sk-test"), http_client=gated_client(**shared))
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with worker_nodes(redis_base, ("w1", "w2"), concurrency=3,
+                          env={"CT_PROVIDER": provider.url}), \
+                concurrent.futures.ThreadPoolExecutor(max_workers=18) as pool:
+            results = [capp.sdk_chat.delay(i) for i in range(30)]
+            web_calls = [pool.submit(post, i) for i in range(15)]
+            chats = [pool.submit(model.invoke, f"chat {i}") for i in range(15)]
+            states = wait_results(results, timeout=90)
+            statuses = [f.result(timeout=90) for f in web_calls]
+            answers = [f.result(timeout=90) for f in chats]
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        provider.stop()
+    accepted = sorted(provider.accepted)
+    span = accepted[-1] - accepted[0]
+    print(f"\n60 calls from 3 kinds of callers: {len(accepted)} accepted, "
+          f"{len(provider.refused)} refused; {(len(accepted) - 1) / span:.2f}/s over "
+          f"{span:.1f} s; worst 1 s window {max_in_window(accepted, 1.0)}")
+    assert Counter(states) == {"SUCCESS": 30}
+    assert statuses == [200] * 15
+    assert len(answers) == 15
+    assert provider.refused == []
+    assert len(accepted) == 60
+    assert (len(accepted) - 1) / span >= 0.8 * 9

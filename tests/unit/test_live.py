@@ -11,6 +11,8 @@ from celery_throttle import Concurrency, Gate, Limit, parse_rate
 from celery_throttle.core.live import LiveLimits
 from celery_throttle.room.queues import Queues, Served
 
+from ..clock import StepClock
+
 
 def test_set_applies_to_every_key_value_and_unset_restores_the_code(
         client: redis.Redis, prefix: str) -> None:
@@ -33,12 +35,14 @@ def test_set_applies_to_every_key_value_and_unset_restores_the_code(
 
 def test_a_process_sees_a_change_within_its_refresh(client: redis.Redis, prefix: str) -> None:
     """The copy is read at most once per refresh: a change shows after it, not before."""
-    live = LiveLimits(client, prefix, refresh=0.3)
+    clock = StepClock()
+    live = LiveLimits(client, prefix, refresh=0.3, clock=clock)
     limit = Limit("api", parse_rate("2/s"))
     assert live.apply([limit]) == [limit]
     LiveLimits(client, prefix).set("api", "10/s")
+    clock.us += 299_000
     assert live.apply([limit]) == [limit]  # the copy is fresh
-    time.sleep(0.35)
+    clock.us += 10_000
     assert live.apply([limit]) == [Limit("api", parse_rate("10/s"))]
 
 

@@ -371,6 +371,34 @@ def test_tokens_are_charged_the_estimate_then_settled_from_usage(
         assert gate.inspect(tokens).paused > 1.5
 
 
+def test_separate_input_and_output_quotas_are_charged_and_settled_apart(
+        redis_url: str, prefix: str) -> None:
+    """Anthropic's two token quotas: the input limit is charged the prompt's 20, the output
+    limit the answer's cap of 10; each keeps what usage says of its own part (input 20 + 3
+    read from the cache, output 5)."""
+    parts = {"in": Limit("in", parse_rate("1000/h"), burst=1000),
+             "out": Limit("out", parse_rate("1000/h"), burst=1000)}
+    seen: list[tuple[int, int]] = []
+    with Gate.from_url(redis_url, prefix=prefix) as gate:
+
+        def during(request: httpx.Request) -> httpx.Response:
+            seen.append((round(gate.inspect(parts["in"]).used),
+                         round(gate.inspect(parts["out"]).used)))
+            return httpx.Response(200, json={"usage": {
+                "input_tokens": 20, "cache_read_input_tokens": 3, "output_tokens": 5}})
+
+        transport = GatedTransport([Limit("req", parse_rate("100/s"), burst=10)], gate=gate,
+                                   input_tokens=parts["in"], output_tokens=parts["out"],
+                                   transport=httpx.MockTransport(during))
+        with httpx.Client(transport=transport) as http:
+            http.post("http://127.0.0.1/v1/messages", json={
+                "model": "m", "max_tokens": 10, "messages": [{"role": "user",
+                                                              "content": "z" * 80}]})
+        assert seen == [(20, 10)]
+        assert (round(gate.inspect(parts["in"]).used),
+                round(gate.inspect(parts["out"]).used)) == (23, 5)
+
+
 def _token_run(tokens: str | None, redis_url: str, prefix: str) -> dict[str, Any]:
     """12 chat completions of about 40 prompt tokens (max_tokens 20) from 6 threads, against
     a provider allowing 300 tokens in any 2 s (requests are not the limit)."""
@@ -378,8 +406,10 @@ def _token_run(tokens: str | None, redis_url: str, prefix: str) -> dict[str, Any
                                  token_window=2.0).start()
     try:
         with Gate.from_url(redis_url, prefix=prefix) as gate:
-            client = _openai(provider.url, gated_client(
-                "50/s", name="tokq", tokens=tokens, tokens_burst=100, gate=gate))
+            quota = None if tokens is None else Limit("tokq-tokens", parse_rate(tokens),
+                                                      burst=100)
+            client = _openai(provider.url, gated_client("50/s", name="tokq", tokens=quota,
+                                                        gate=gate))
 
             def call(i: int) -> str:
                 reply = client.chat.completions.create(
@@ -408,3 +438,38 @@ def test_a_token_quota_is_kept_with_estimates_settled(redis_url: str, prefix: st
     assert got["failed"] == 0
     assert got["refused"] == 0
     assert bare["refused"] >= 1
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_live_rate_applies_to_both_transports(redis_url: str, prefix: str, kind: str) -> None:
+    """`celery throttle set live 1/h` over the code's 100/s: the second request would wait an
+    hour, so it times out (booking nothing) in the sync and the async transport alike."""
+    from celery_throttle import AsyncGate, ThrottleTimeout
+    from celery_throttle.core.live import LiveLimits
+
+    limits = [Limit("live", parse_rate("100/s"))]
+    with Gate.from_url(redis_url, prefix=prefix) as gate:
+        LiveLimits(gate.client, prefix).set("live", "1/h")
+
+        def ok(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(200)
+
+        if kind == "sync":
+            with httpx.Client(transport=GatedTransport(
+                    limits, gate=gate, timeout=0.5, transport=httpx.MockTransport(ok))) as http:
+                assert http.get("http://127.0.0.1/").status_code == 200
+                with pytest.raises(ThrottleTimeout, match="'live'"):
+                    http.get("http://127.0.0.1/")
+            return
+
+    async def main() -> None:
+        agate = AsyncGate.from_url(redis_url, prefix=prefix)
+        transport = AsyncGatedTransport(limits, gate=agate, timeout=0.5,
+                                        transport=httpx.MockTransport(ok))
+        async with httpx.AsyncClient(transport=transport) as http:
+            assert (await http.get("http://127.0.0.1/")).status_code == 200
+            with pytest.raises(ThrottleTimeout, match="'live'"):
+                await http.get("http://127.0.0.1/")
+        await agate.aclose()
+
+    asyncio.run(main())

@@ -240,19 +240,21 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
     :class:`~celery_throttle.ThrottleTimeout` (booking nothing; an SDK may
     wrap it in its connection error).  ``live``: apply the rates set with
     ``celery throttle set`` (default).  ``follow``: follow the provider's
-    remaining-requests (and -tokens) headers (default).
+    remaining-requests (and -tokens) headers (default).  ``own_gate``:
+    :meth:`close` closes ``gate`` too.
     """
 
     def __init__(self, limits: Sequence[Limit], *, gate: Gate, tokens: Limit | None = None,
                  input_tokens: Limit | None = None, output_tokens: Limit | None = None,
                  transport: Any = None, module: str | None = None,
                  timeout: float | None = None, grace: float = DEFAULT_GRACE, live: bool = True,
-                 follow: bool = True) -> None:
+                 follow: bool = True, own_gate: bool = False) -> None:
         chosen = _limits_of(None, None, 1, None, limits)
         inner = transport if transport is not None else _http_package(module).HTTPTransport()
         super().__init__(chosen, _meters(tokens, input_tokens, output_tokens), inner, timeout,
                          grace, follow)
         self.gate = gate
+        self.own_gate = own_gate
         self._live = LiveLimits(gate.client, gate.prefix) if live else None
 
     def handle_request(self, request: Any) -> Any:
@@ -271,8 +273,11 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
         return response
 
     def close(self) -> None:
-        """Close the transport that sends (the gate is the caller's)."""
+        """Close the transport that sends, and the gate if it is this transport's own
+        (``own_gate``: made for it, as ``gated_client(url=...)`` does)."""
         self.inner.close()
+        if self.own_gate:
+            self.gate.close()
 
 
 class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
@@ -368,21 +373,26 @@ def gated_client(rate: str | Rate | None = None, *, name: str | None = None, bur
     request is charged its estimate and settled from the answer's
     ``usage``.  ``input_tokens`` / ``output_tokens``: a provider's separate
     quotas, the same way (``<name>-input-tokens``...).  ``url`` and
-    ``prefix``: the throttle's Redis as the workers see it, or ``gate``.
+    ``prefix``: the throttle's Redis as the workers see it (the client's
+    ``close()`` closes the gate made for it), or ``gate`` (the caller's).
     ``module``: ``"httpx2"`` (the SDKs', the default when installed) or
     ``"httpx"``.  ``follow``: spend no more than the provider's headers say
     is left (default).  ``client_options`` go to the client (``timeout``...).
     """
+    chosen = _limits_of(rate, name, burst, key, limits)  # (bad input: before any client)
+    meters = {part: _token_limit(given, name, part) for part, given in
+              zip(usage.PARTS, (tokens, input_tokens, output_tokens), strict=True)}
+    http = _http_package(module)
+    own = gate is None
     if gate is None:
         if url is None:
             raise ValueError("give url (the throttle's Redis) or gate")
         gate = Gate.from_url(url, prefix=prefix)
-    http = _http_package(module)
-    transport = GatedTransport(_limits_of(rate, name, burst, key, limits), gate=gate,
-                               tokens=_token_limit(tokens, name, "tokens"),
-                               input_tokens=_token_limit(input_tokens, name, "input-tokens"),
-                               output_tokens=_token_limit(output_tokens, name, "output-tokens"),
-                               transport=http.HTTPTransport(), timeout=timeout, follow=follow)
+    transport = GatedTransport(chosen, gate=gate, tokens=meters["tokens"],
+                               input_tokens=meters["input-tokens"],
+                               output_tokens=meters["output-tokens"],
+                               transport=http.HTTPTransport(), timeout=timeout, follow=follow,
+                               own_gate=own)
     return http.Client(transport=transport, **client_options)
 
 

@@ -239,7 +239,10 @@ def test_tasks_a_web_handler_and_a_langchain_model_share_one_quota_through_the_t
             web.state.openai = openai.AsyncOpenAI(
                 base_url=f"{provider.url}/v1", api_key="sk-test",
                 http_client=async_gated_client(**shared))
-            await server.serve()
+            try:
+                await server.serve()
+            finally:  # its connections, and the gate made for this loop
+                await web.state.openai.close()
         asyncio.run(main())
 
     def post(i: int) -> int:
@@ -248,8 +251,9 @@ def test_tasks_a_web_handler_and_a_langchain_model_share_one_quota_through_the_t
         with urllib.request.urlopen(request, timeout=60) as response:
             return int(response.status)
 
+    http = gated_client(**shared)
     model = ChatOpenAI(model="mock", base_url=f"{provider.url}/v1",
-                       api_key=SecretStr("sk-test"), http_client=gated_client(**shared))
+                       api_key=SecretStr("sk-test"), http_client=http)
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
@@ -268,6 +272,7 @@ def test_tasks_a_web_handler_and_a_langchain_model_share_one_quota_through_the_t
     finally:
         server.should_exit = True
         thread.join(15)
+        http.close()  # its connections, and the gate gated_client made
         provider.stop()
     accepted = sorted(provider.accepted)
     span = accepted[-1] - accepted[0]

@@ -28,6 +28,10 @@ too: when that is less than the limit would spend before the provider's
 reset, the limit spends no more (:meth:`Gate.follow`, on every worker at
 once).  A report that cannot bind costs no round trip.
 
+Token quotas (``tokens=``; Anthropic's ``input_tokens=`` and
+``output_tokens=``) charge each request what it may cost at most, read from
+its JSON body, and settle it from the answer's ``usage`` (``usage.py``).
+
 Inside a Celery task admitted under the same limit (``@throttled`` with the
 same name and key), the task's admission is its first request's start: the
 transport spends it instead of charging the limit again

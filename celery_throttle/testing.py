@@ -168,10 +168,16 @@ class WorkerProcess:
             time.sleep(0.1)
         raise RuntimeError(f"worker {self.name} not ready:\n{self.log_text()[-4000:]}")
 
+    def terminate(self) -> None:
+        """Begin a warm shutdown (SIGTERM) without waiting for it."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
     def stop(self, timeout: float = 15.0) -> None:
         """Warm shutdown (SIGTERM), then SIGKILL whatever is left of the process group."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout)
         self.kill()
@@ -199,6 +205,8 @@ def workers(app: str, names: Iterable[str] = ("w1", "w2"), **options: object
             w.wait_ready()
         yield started
     finally:
+        for w in started:  # the nodes shut down side by side
+            w.terminate()
         for w in started:
             w.stop()
         for w in started:

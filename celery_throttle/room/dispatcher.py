@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from celery import Celery
 from kombu import Queue
 
 from .. import faults
+from ..core.keys import room_key
 from ..core.logs import Every, logger
 from ..values import to_us
 from .envelope import Envelope
@@ -101,6 +103,9 @@ class Dispatcher:
         self.client = connect(socket_timeout=IDLE + 5, socket_connect_timeout=2,
                               health_check_interval=30)
         self.room = WaitingRoom(self.client, prefix)
+        # The node's own list beside the shared wake list: stop() rings it, so a
+        # warm shutdown does not wait out a blocking pop of up to IDLE seconds.
+        self._bell = room_key(prefix, f"bell:{uuid.uuid4().hex}")
         self.dispatched = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="celery-throttle-dispatcher",
@@ -113,6 +118,12 @@ class Dispatcher:
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the thread (it finishes the batch it is publishing) and close the client."""
         self._stop.set()
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                # Expires on its own if the thread was not asleep to pop it.
+                pipe.rpush(self._bell, 1).pexpire(self._bell, int(IDLE * 2000)).execute()
+        except redis.RedisError:
+            pass  # the store is down: the pop fails on its own, or the join times out
         self._thread.join(timeout)
         self.client.close()
 
@@ -162,7 +173,8 @@ class Dispatcher:
                     # slept here, where it is precise.
                     self._stop.wait(wait)
                 else:
-                    self.room.sleep(IDLE if wait is None else min(wait - _FINE / 2, IDLE))
+                    self.room.sleep(IDLE if wait is None else min(wait - _FINE / 2, IDLE),
+                                    self._bell)
             except Exception as exc:  # a store or broker error: entries stay claimed
                 if self._stop.is_set():
                     break

@@ -190,11 +190,13 @@ class WaitingRoom:
                                  args=[entry, token, marker_ttl_ms, epoch,
                                        key_digest(task_id) if task_id else "", note_ttl_ms]))
 
-    def sleep(self, seconds: float) -> bool:
-        """Wait up to ``seconds`` for a wake token (a new earliest entry); True if woken."""
+    def sleep(self, seconds: float, bell: str | None = None) -> bool:
+        """Wait up to ``seconds`` for a wake token (a new earliest entry), or for anything
+        pushed to ``bell`` (a list of the sleeper's own); True if woken."""
         # BLPOP takes a float timeout (Redis >= 6); 0 would block forever.
         timeout = max(0.001, math.ceil(seconds * 1000) / 1000)
-        return self.client.blpop([self.wake], timeout=timeout) is not None
+        keys = [self.wake] if bell is None else [self.wake, bell]
+        return self.client.blpop(keys, timeout=timeout) is not None
 
     def next_parked(self, count: int) -> list[Waiting]:
         """The ``count`` parked tasks dispatched next, with their messages and notes."""

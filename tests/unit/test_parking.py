@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import redis
 from redis.cluster import RedisCluster
@@ -311,3 +312,32 @@ def test_prometheus_collector_reports_each_limits_line(redis_url: str, prefix: s
     app.close()
     assert values == {("celery_throttle_in_line", "queue:slow"): 4,
                       ("celery_throttle_drain_seconds", "queue:slow"): 2.0}
+
+
+def test_an_idle_dispatcher_stops_at_once_and_leaves_no_key(redis_url: str, client: redis.Redis,
+                                                            prefix: str) -> None:
+    """A node's warm shutdown does not wait out the dispatcher's blocking pop (IDLE seconds):
+    stop() wakes it through a list of its own, which is gone afterwards."""
+    from celery import Celery
+
+    from celery_throttle.room.dispatcher import IDLE, Dispatcher
+
+    app = Celery("idle", broker="memory://", set_as_current=False)
+    dispatcher = Dispatcher(app, lambda **o: redis.Redis.from_url(redis_url, **o), prefix,
+                            timeout=60)
+    dispatcher.start()
+    deadline = time.monotonic() + 5
+    # Asleep: its connection is blocked in BLPOP (CLIENT LIST names the command).
+    def asleep() -> bool:
+        return any(c.get("cmd") == "blpop" for c in client.client_list())
+
+    while time.monotonic() < deadline and not asleep():
+        time.sleep(0.02)
+    assert asleep()
+    began = time.monotonic()
+    dispatcher.stop()
+    took = time.monotonic() - began
+    assert not dispatcher._thread.is_alive()
+    assert took < IDLE / 5, f"stop took {took:.2f}s"
+    assert client.keys(f"{{{prefix}}}:room:bell:*") == []
+    app.close()

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                 "next to steindamm's Redis token bucket and llmratelimiter (what an AI team "
                 "would pick instead), one after the other on the same server. See the module's "
                 "docstring for the measures.\n",
-                waiters.table(url, (8,) if args.quick else (8, 32)) + "\n"]
+                waiters.table(url, (4,) if args.quick else (4, 8, 32)) + "\n"]
     print("section 3: scale", file=sys.stderr, flush=True)
     doc.append("## 3. Scale\n")
     for n, rate, measure in ((("2000", "5", "40"), ("2000", "50", "40")) if args.quick

@@ -33,10 +33,12 @@ class Model:
     def decide(
         self, now: int, limits: list[ModelLimit], horizon: int = -1,
         claim: tuple[int, frozenset[int], int] | None = None, grace: int = 0,
+        near: int = 0,
     ) -> tuple[str, int, int, frozenset[int]]:
         """Return (status, wait_us, slot_us, booked limit indexes).
 
-        ``claim``: (slot, booked indexes, the shift it was booked at).
+        ``claim``: (slot, booked indexes, the shift it was booked at); ``near``: a slot
+        booked this close in every limit is allowed for itself.
         """
         starts = [self.earliest(now, lim) for lim in limits]
         if claim is not None:
@@ -70,6 +72,8 @@ class Model:
             booked = frozenset(i for i, (s, lim) in enumerate(zip(starts, limits, strict=True))
                                if start - s <= lim.cost * lim.interval)
             self._charge(start, [limits[i] for i in sorted(booked)])
+            if wait <= near and len(booked) == len(limits):
+                return ("allowed", wait, start, booked)
             return ("reserved", wait, start, booked)
         return ("denied", wait, 0, frozenset())
 

@@ -75,14 +75,15 @@ class AsyncGate(GateCalls):
 
     async def acquire_many(self, limits: Sequence[AnyLimit], *, reserve: float | None = None,
                            claim: Reservation | None = None, grace: float = 0.0,
-                           holder: str = "", in_line: bool = False) -> Decision:
+                           holder: str = "", in_line: bool = False,
+                           near: float = 0.0) -> Decision:
         """Pass every limit at once, or none of them (see :meth:`Gate.acquire_many`)."""
-        plain = self._plain(limits, reserve, grace, claim, holder, in_line)
+        plain = self._plain(limits, reserve, grace, claim, holder, in_line, near)
         if plain is not None:
             reply = await cast(AsyncPackedPath, self._packed).send(plain)
             if reply is not None:
                 return self._decision(limits, reply)
-        keys, args = self._decide_call(limits, reserve, claim, grace, holder, in_line)
+        keys, args = self._decide_call(limits, reserve, claim, grace, holder, in_line, near)
         return self._decision(limits, await self._script(keys=keys, args=args))
 
     async def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,

@@ -101,22 +101,23 @@ class GateCalls:
         return limits
 
     def _plain(self, limits: Sequence[AnyLimit], reserve: float | None, grace: float,
-               claim: Reservation | None, holder: str, in_line: bool = False) -> Plain | None:
+               claim: Reservation | None, holder: str, in_line: bool = False,
+               near: float = 0.0) -> Plain | None:
         """A plain decision's cache key and its packed command (or, the first time, its KEYS
         and ARGV, validated before any I/O); None: not a plain decision, the full path."""
         if self._packed is None or claim is not None or holder or self.clock != "server":
             return None
-        key = (tuple(limits), reserve, grace, in_line)
+        key = (tuple(limits), reserve, grace, in_line, near)
         try:
             packed = self._packed.cached(key)  # the one hash of the key
         except TypeError:  # an unhashable key value (bytearray): the full path
             return None
         return key, packed if packed is not None else self._decide_call(
-            limits, reserve, None, grace, "", in_line)
+            limits, reserve, None, grace, "", in_line, near)
 
     def _decide_call(self, limits: Sequence[AnyLimit], reserve: float | None,
                      claim: Reservation | None, grace: float, holder: str,
-                     in_line: bool = False) -> Call:
+                     in_line: bool = False, near: float = 0.0) -> Call:
         if not limits or len(limits) > _MAX_LIMITS:
             raise ValueError(f"acquire_many takes 1 to {_MAX_LIMITS} limits, got {len(limits)}")
         if not holder and any(lim.leased for lim in limits):
@@ -129,7 +130,7 @@ class GateCalls:
         args = list(_head_args(now=self._now_us(),
                                horizon=_NEVER if reserve is None else to_us(reserve),
                                claim=claim, grace=to_us(grace), holder=holder,
-                               op=b"q" if in_line else b"a"))
+                               op=b"q" if in_line else b"a", op_arg=to_us(near)))
         return keys, args + self._limit_args(limits)
 
     @staticmethod
@@ -281,7 +282,7 @@ class Gate(GateCalls):
 
     def acquire_many(self, limits: Sequence[AnyLimit], *, reserve: float | None = None,
                      claim: Reservation | None = None, grace: float = 0.0,
-                     holder: str = "", in_line: bool = False) -> Decision:
+                     holder: str = "", in_line: bool = False, near: float = 0.0) -> Decision:
         """Pass every limit in ``limits`` at once, or none of them.
 
         ``reserve``: when denied and the wait is at most this many seconds, book
@@ -300,13 +301,17 @@ class Gate(GateCalls):
         ``in_line`` (rate limits only, no claim): while a limit has tasks
         waiting in its queue (``room/queues.py``), do not start ahead of them;
         the decision is ``queued``, naming that limit, with the estimated wait.
+        ``near`` (with ``reserve``): a slot booked at most this many seconds
+        ahead in every limit is ``allowed`` at once for itself, with
+        ``retry_after`` until it (sleep, then start: one call, no claim); a
+        pause or settlement written meanwhile does not reach that start.
         """
-        plain = self._plain(limits, reserve, grace, claim, holder, in_line)
+        plain = self._plain(limits, reserve, grace, claim, holder, in_line, near)
         if plain is not None:
             reply = cast(PackedPath, self._packed).send(plain)
             if reply is not None:
                 return self._decision(limits, reply)
-        keys, args = self._decide_call(limits, reserve, claim, grace, holder, in_line)
+        keys, args = self._decide_call(limits, reserve, claim, grace, holder, in_line, near)
         return self._decision(limits, self._script(keys=keys, args=args))
 
     def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
@@ -460,7 +465,7 @@ def _head_args(*, now: int = 0, horizon: int = _NEVER, claim: Reservation | None
                op_arg: int = 0) -> tuple[bytes, ...]:
     """ARGV[1..10] of gate.lua (its header names them), microseconds throughout."""
     if now == 0 and claim is None and not holder and op in (b"a", b"q"):
-        return _plain_head(horizon, grace, op)  # most calls: cache the few distinct ones
+        return _plain_head(horizon, grace, op, op_arg)  # most calls: the few distinct ones
     slot, mask, epoch, shift = ((claim.slot, claim.booked, claim.epoch, claim.shift)
                                 if claim is not None else (0, 0, 0, 0))
     return (*(str(v).encode() for v in (now, horizon, slot, grace, mask, epoch)),
@@ -468,9 +473,9 @@ def _head_args(*, now: int = 0, horizon: int = _NEVER, claim: Reservation | None
 
 
 @functools.lru_cache(maxsize=256)
-def _plain_head(horizon: int, grace: int, op: bytes) -> tuple[bytes, ...]:
+def _plain_head(horizon: int, grace: int, op: bytes, op_arg: int) -> tuple[bytes, ...]:
     return (b"0", str(horizon).encode(), b"0", str(grace).encode(), b"0", b"0", b"", op,
-            b"0", b"0")
+            str(op_arg).encode(), b"0")
 
 
 @functools.lru_cache(maxsize=64)

@@ -169,9 +169,11 @@ class Decision:
     """The gate's answer.
 
     ``allowed``: start now, or, for a claim admitted for its slot just ahead of
-    it, after ``retry_after`` seconds (at most the claim grace; the slot is
-    the start's, so start then, not earlier).  Otherwise ``retry_after`` seconds is the exact
-    wait, ``limit`` the limit that forced it and, when the call asked for a
+    it (or a slot booked within ``near``), after ``retry_after`` seconds (the
+    slot is the start's, so start then, not earlier; ``reservation`` names
+    it, to claim again if the caller wakes too late for it).  Otherwise
+    ``retry_after`` seconds is the exact wait, ``limit`` the limit that
+    forced it and, when the call asked for a
     reservation and got one (or claimed one too early), ``reservation`` is the
     booked start to hand back as ``claim=`` when the job returns.  ``now`` is
     the decision's clock (microseconds), 0 on a plain "allowed" (kept off the

@@ -4,7 +4,8 @@
 a script, a notebook) then needs to wait, and a sleep-and-retry loop is the
 thundering herd.  :func:`plan` is that loop done once: it books the
 earliest slot (so N waiters get N distinct, evenly spaced slots), sleeps
-until it, claims it, and gives up with :class:`~celery_throttle.ThrottleTimeout`
+until it, claims it (a slot within :data:`NEAR` is admitted as it is
+booked: one script call per start), and gives up with :class:`~celery_throttle.ThrottleTimeout`
 when the wait would pass the timeout, before booking anything.  A waiter
 admitted for its slot just ahead sleeps until it and then checks it woke in
 time (:func:`late_by`): later than the grace, it claims the slot again rather
@@ -32,7 +33,7 @@ from ..errors import ThrottleTimeout
 from ..values import LONGEST_WAIT, renew_every
 from .limits import AnyLimit, Concurrency, Decision, Reservation
 
-__all__ = ["Ask", "Sleep", "ahold", "await_slot", "hold", "late_by", "limited", "plan",
+__all__ = ["NEAR", "Ask", "Sleep", "ahold", "await_slot", "hold", "late_by", "limited", "plan",
            "wait"]
 
 
@@ -41,7 +42,7 @@ class Gate(Protocol):
 
     def acquire_many(self, limits: Sequence[AnyLimit], *, reserve: float | None = ...,
                      claim: Reservation | None = ..., grace: float = ...,
-                     holder: str = ...) -> Decision: ...
+                     holder: str = ..., near: float = ...) -> Decision: ...
     def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int: ...
     def extend(self, limits: Sequence[AnyLimit], holder: str) -> int: ...
     def release(self, limits: Sequence[AnyLimit], holder: str, ran_for: float = ...) -> int: ...
@@ -52,7 +53,7 @@ class AsyncGate(Protocol):
 
     async def acquire_many(self, limits: Sequence[AnyLimit], *, reserve: float | None = ...,
                            claim: Reservation | None = ..., grace: float = ...,
-                           holder: str = ...) -> Decision: ...
+                           holder: str = ..., near: float = ...) -> Decision: ...
     async def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int: ...
     async def extend(self, limits: Sequence[AnyLimit], holder: str) -> int: ...
     async def release(self, limits: Sequence[AnyLimit], holder: str,
@@ -66,6 +67,12 @@ _MAX_STEPS = 10_000  # a bound on any plan's rounds (each sleeps, so it is never
 #: Late wake-ups from a sleep to an admitted start that claim the slot again;
 #: after that many in a row the caller's machine cannot do better: it starts.
 MAX_LATE_WAKES = 3
+#: A slot at most this far ahead is admitted in the call that books it (one
+#: script call per start; further ones are booked, then claimed).  A pause (a
+#: provider's 429) or a settlement written before the slot does not reach
+#: such a start, as it does not reach a request already sent: a provider's
+#: calls stay in flight for a second or more, so a quarter second adds few.
+NEAR = 0.25
 
 
 def late_by(asked: float, ahead: float, clock: Callable[[], float] = time.monotonic) -> float:
@@ -86,6 +93,7 @@ class Ask:
 
     reserve: float
     claim: Reservation | None
+    near: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +106,13 @@ class Sleep:
 
 def plan(limits: Sequence[AnyLimit], timeout: float | None,
          clock: Callable[[], float] = time.monotonic, grace: float = DEFAULT_GRACE,
-         ) -> Generator[Ask | Sleep, Any, Decision]:
+         near: float = NEAR) -> Generator[Ask | Sleep, Any, Decision]:
     """The waiting loop as steps: yields :class:`Ask` and :class:`Sleep`, returns the admission.
 
     Raises ThrottleTimeout, naming the limit and the wait, as soon as the next
     start is further away than the time left (nothing is booked then).
-    ``grace``: as late as a start may come after its slot (the claims' grace).
+    ``grace``: as late as a start may come after its slot (the claims' grace);
+    ``near``: a slot this close is admitted as it is booked (:data:`NEAR`).
     """
     deadline = None if timeout is None else clock() + timeout
     claim: Reservation | None = None
@@ -111,13 +120,14 @@ def plan(limits: Sequence[AnyLimit], timeout: float | None,
     for _ in range(_MAX_STEPS):
         left = LONGEST_WAIT if deadline is None else max(0.0, deadline - clock())
         asked = clock()
-        decision: Decision = yield Ask(reserve=left, claim=claim)
+        decision: Decision = yield Ask(reserve=left, claim=claim, near=near)
         if decision.allowed:
             if decision.retry_after > 0:  # admitted for its slot just ahead
                 yield Sleep(decision.retry_after, decision.reservation)
-                if (claim is not None and late_wakes < MAX_LATE_WAKES
+                if (decision.reservation is not None and late_wakes < MAX_LATE_WAKES
                         and late_by(asked, decision.retry_after, clock) > grace):
                     late_wakes += 1
+                    claim = decision.reservation
                     continue  # its claim again: lost, the gate decides afresh
             return decision
         booking = decision.reservation
@@ -145,7 +155,7 @@ def wait(gate: Gate, limits: Sequence[AnyLimit], *, timeout: float | None = None
             step = steps.send(reply)
             if isinstance(step, Ask):
                 reply = gate.acquire_many(limits, reserve=step.reserve, claim=step.claim,
-                                          grace=grace, holder=holder)
+                                          grace=grace, holder=holder, near=step.near)
             else:
                 booking = step.booking
                 time.sleep(step.seconds)
@@ -169,7 +179,7 @@ async def await_slot(gate: AsyncGate, limits: Sequence[AnyLimit], *,
             step = steps.send(reply)
             if isinstance(step, Ask):
                 reply = await gate.acquire_many(limits, reserve=step.reserve, claim=step.claim,
-                                                grace=grace, holder=holder)
+                                                grace=grace, holder=holder, near=step.near)
             else:
                 booking = step.booking
                 await asyncio.sleep(step.seconds)

@@ -288,6 +288,7 @@ step_st = st.tuples(
     st.lists(limit_st, min_size=1, max_size=3, unique_by=lambda m: m[0]),
     st.sampled_from([-1, 0, 100_000, 10_000_000]),  # reservation horizon, -1 = none
     st.booleans(),  # claim the last reservation (when the limits match), or not
+    st.sampled_from([0, 0, 100_000, 1_000_000]),  # near: admitted as booked within it
 )
 
 
@@ -316,16 +317,18 @@ def _keep_keys(g: Gate, client: redis.Redis) -> None:
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(step_st, min_size=1, max_size=25))
 def test_lua_matches_reference_model(
-    client: redis.Redis, steps: list[tuple[int, list[tuple[int, str, int, int]], int, bool]]
+    client: redis.Redis,
+    steps: list[tuple[int, list[tuple[int, str, int, int]], int, bool, int]],
 ) -> None:
-    """Over random arrivals, limits, costs, bursts, horizons and claims, Lua equals the model."""
+    """Over random arrivals, limits, costs, bursts, horizons, claims and near slots admitted as
+    booked, Lua equals the model."""
     clock = StepClock()
     g = Gate(client, prefix=f"p-{uuid.uuid4().hex[:10]}", clock=clock)
     _keep_keys(g, client)
     model = Model()
     shape: dict[int, tuple[str, int]] = {}  # a bucket keeps one rate and burst within a run
     last: tuple[list[tuple[int, int]], Reservation] | None = None
-    for gap, picks, horizon, use_claim in steps:
+    for gap, picks, horizon, use_claim, near in steps:
         clock.us += gap
         limits, mlimits, ident = [], [], []
         for k, rate, burst, cost in picks:
@@ -338,17 +341,17 @@ def test_lua_matches_reference_model(
         mclaim = None if claim is None else (
             claim.slot, frozenset(i for i in range(len(limits)) if claim.booked >> i & 1),
             claim.shift)
-        expected = model.decide(clock.us, mlimits, horizon, mclaim, grace=20_000)
+        expected = model.decide(clock.us, mlimits, horizon, mclaim, grace=20_000, near=near)
         d = g.acquire_many(limits, reserve=None if horizon < 0 else horizon / 1_000_000,
-                           claim=claim, grace=0.02)
+                           claim=claim, grace=0.02, near=near / 1_000_000)
         status = ("allowed" if d.allowed else "early" if d.early
                   else "reserved" if d.reserved else "denied")
         booked = frozenset() if d.reservation is None else frozenset(
             i for i in range(len(limits)) if d.reservation.booked >> i & 1)
         got = (status, round(d.retry_after * 1_000_000), d.slot or 0, booked)
         assert got == expected
-        if d.reserved:
-            last = (ident, d.reservation)  # type: ignore[assignment]
+        if d.reservation is not None and (d.reserved or d.retry_after > 0):
+            last = (ident, d.reservation)  # a near admission may be claimed again too
 
 
 # One caller's move: (gap before it, us; what it does; how far from its slot it claims, us).

@@ -26,7 +26,7 @@ from celery_throttle import (
     ThrottleTimeout,
     parse_rate,
 )
-from celery_throttle.core.waiting import Ask, Sleep, plan
+from celery_throttle.core.waiting import NEAR, Ask, Sleep, plan
 
 RATE = Limit("api", parse_rate("20/s"))
 INTERVAL_US = 50_000
@@ -124,6 +124,55 @@ def test_a_waiter_woken_late_for_its_admitted_slot_claims_it_again(sgate: Gate) 
                 steps.send(None)
             assert done.value.value is admitted
         time.sleep(0.1)  # (the next round starts on a free limit)
+
+
+def test_a_near_slot_costs_one_script_call_and_a_far_one_two(sgate: Gate) -> None:
+    """Slots within NEAR are admitted in the call that books them (the waiter sleeps and
+    starts); a slot further away is booked, then claimed.  (A wide grace: a late wake-up
+    would claim again, a third call, which is not what this counts.)"""
+    assert NEAR >= 2 * INTERVAL_US / 1e6
+    starts = []
+    for _ in range(3):  # now, then 50 and 100 ms ahead of each call's answer
+        d = sgate.wait([RATE], timeout=5, grace=0.5)
+        assert d.allowed
+        starts.append(time.monotonic())
+    assert Counting.calls == 3
+    assert all(b - a >= 0.045 for a, b in itertools.pairwise(starts))
+    slow = Limit("slow-far", parse_rate("2/s"))  # 500 ms apart: past NEAR
+    assert sgate.acquire_many([slow]).allowed
+    Counting.calls = 0
+    d = sgate.wait([slow], timeout=5, grace=0.5)
+    assert d.allowed
+    assert Counting.calls == 2
+
+
+def test_a_near_admission_woken_late_claims_its_slot_again(sgate: Gate) -> None:
+    """Admitted for a near slot as it was booked, a waiter woken past the grace does not
+    start then: it claims that slot again, which the gate finds lost and decides afresh."""
+    assert sgate.acquire_many([RATE]).allowed  # the next start is 50 ms away
+    steps = plan([RATE], timeout=5, grace=0.02)
+    ask = next(steps)
+    assert isinstance(ask, Ask)
+    assert ask.claim is None
+    assert ask.near == NEAR
+    admitted = sgate.acquire_many([RATE], reserve=ask.reserve, near=ask.near, grace=0.02)
+    assert admitted.allowed
+    assert 0 < admitted.retry_after <= 0.05
+    assert admitted.reservation is not None
+    assert admitted.reservation.booked == 1
+    sleep = steps.send(admitted)
+    assert isinstance(sleep, Sleep)
+    assert sleep.booking == admitted.reservation
+    time.sleep(sleep.seconds + 0.2)  # woken 200 ms late
+    again = steps.send(None)
+    assert isinstance(again, Ask)
+    assert again.claim == admitted.reservation
+    fresh = sgate.acquire_many([RATE], reserve=again.reserve, claim=again.claim, grace=0.02)
+    assert fresh.allowed
+    assert fresh.retry_after == 0
+    with pytest.raises(StopIteration) as done:
+        steps.send(fresh)
+    assert done.value.value is fresh
 
 
 def test_async_waiters_get_distinct_spaced_slots(redis_url: str, prefix: str) -> None:

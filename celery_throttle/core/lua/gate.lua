@@ -87,8 +87,11 @@ ARGV[8]   op: "a" decide (the reply below); "q" decide in line: while a
           back: the claim fields name it), "inspect" (one function each, near
           the end of the script)
 ARGV[9]   op argument (microseconds): release: how long the holder ran;
-          pause: for how long; follow: until the provider's reset; otherwise
-          0.  release, extend, pause, resume, settle and follow reply with a
+          pause: for how long; follow: until the provider's reset; a
+          decision ("a", "q"): near, a slot booked at most this far ahead in
+          every limit is admitted for itself (status 1 with wait_us: the
+          caller sleeps and starts without claiming, one call per start;
+          0 = always claim); otherwise 0.  release, extend, pause, resume, settle and follow reply with a
           count: leases released, leases lost (extend), limits that were
           paused (resume), limits settled or moved (follow), or for pause
           the longest pause now in force (us);
@@ -109,7 +112,8 @@ ARGV[8+3i .. 10+3i] for limit i = 1..n (ARGV[11], ARGV[12], ARGV[13] for i = 1):
 Reply: 1 when simply allowed (charged now); otherwise
        { status, wait_us, blocking, slot_us, now_us, mask, epoch, shift } (integers only)
   status   1 allowed (charged now, or a claim honoured: at once, or after
-           wait_us when admitted for its slot ahead of it), 0 denied (nothing
+           wait_us when admitted for its slot ahead of it; or a slot booked
+           within `near`, after wait_us), 0 denied (nothing
            written), 2 reserved (slot booked, start at slot_us; with mask 0,
            nothing booked: a full concurrency limit's paced return time), 3 early (a
            claim for a slot still ahead, or one whose unbooked limits free up
@@ -686,7 +690,11 @@ local function decide()
         booked = booked + 2 ^ (i - 1)
       end
     end
-    return { 2, wait, blocking, now + wait, now, booked, epoch(), shift_of(booked) }
+    -- Near, booked in every limit: admitted for the slot itself.  A pause or
+    -- a settlement written before it no longer reaches this start, as it
+    -- would not reach a request already sent; the caller's `near` bounds that.
+    local status = (wait <= op_arg and all_booked(booked)) and 1 or 2
+    return { status, wait, blocking, now + wait, now, booked, epoch(), shift_of(booked) }
   end
   return { 0, wait, blocking, 0, now, 0, 0, 0 }
 end

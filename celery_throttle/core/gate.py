@@ -195,20 +195,24 @@ class GateCalls:
         for lim in bound:
             args += [str(lim.rate.interval_us).encode(), str(lim.burst).encode(),
                      str(left).encode()]
-        return self._keys(bound), args
+        return self._keys(bound) + [lim.held_in(self.prefix) for lim in bound], args
 
     def _inspect_call(self, limit: AnyLimit) -> Call:
         args = [*_head_args(now=self._now_us(), op=b"inspect"), *self._limit_args([limit])]
-        return self._keys([limit]), args
+        held = [limit.held_in(self.prefix)] if isinstance(limit, Limit) else []
+        return self._keys([limit]) + held, args
 
     @staticmethod
     def _bucket_state(limit: Limit, reply: Any) -> BucketState:
-        exists, ahead, next_free, pttl, now, paused = (int(v) for v in reply)
+        exists, ahead, next_free, pttl, now, paused, held, left, at = (int(v) for v in reply)
         used = ahead / limit.rate.interval_us  # the bucket's content, in starts
         booked = max(0, math.ceil(used - 1e-9) - limit.burst)
         return BucketState(limit=limit, exists=bool(exists), used=used,
                            next_free=from_us(next_free), booked_ahead=booked,
-                           ttl=max(0, pttl) / 1000, now=now, paused=from_us(paused))
+                           ttl=max(0, pttl) / 1000, now=now, paused=from_us(paused),
+                           held=from_us(held) if left >= 0 else 0.0,
+                           held_remaining=left if left >= 0 else None,
+                           held_since=from_us(now - at) if left >= 0 else 0.0)
 
     @staticmethod
     def _lease_state(limit: Concurrency, reply: Any) -> LeaseState:
@@ -217,7 +221,8 @@ class GateCalls:
                           average_run=from_us(run))
 
     def _reset_keys(self, limit: AnyLimit) -> list[bytes]:
-        return [limit.key_in(self.prefix), *limit.side_keys(self.prefix)]
+        held = [limit.held_in(self.prefix)] if isinstance(limit, Limit) else []
+        return [limit.key_in(self.prefix), *limit.side_keys(self.prefix), *held]
 
     def _keys(self, limits: Sequence[AnyLimit]) -> list[bytes]:
         """KEYS of gate.lua (its header names them): each limit's key, the epoch, then each

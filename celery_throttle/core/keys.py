@@ -2,7 +2,8 @@
 
 A limit's keys: ``{<prefix>}:<kind>:<digest>:<name>``, where ``kind`` is
 ``b`` (a rate bucket), ``q`` (its queue of waiting tasks), ``t`` (the
-turns of a fair queue), ``l`` (a concurrency limit's leases), ``m`` (its meta
+turns of a fair queue), ``h`` (why a provider's report holds it back),
+``l`` (a concurrency limit's leases), ``m`` (its meta
 hash) or ``w`` (its waiters list), and ``digest`` is the hashed key
 value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
 one.  The name comes last, after two parts of fixed form, so a limit name
@@ -34,7 +35,8 @@ import base64
 import hashlib
 import uuid
 
-__all__ = ["bucket_key", "copy_key", "epoch_key", "key_digest", "leases_key", "live_key",
+__all__ = ["bucket_key", "copy_key", "epoch_key", "held_key", "key_digest", "leases_key",
+           "live_key",
            "meta_key", "queue_key", "room_key", "sibling_key", "split_limit_key", "task_key",
            "turns_key", "validate_name", "validate_prefix", "waiters_key"]
 
@@ -115,6 +117,12 @@ def sibling_key(key: str, kind: str) -> str:
     return f"{key[:tag + 1]}{kind}{key[tag + 2:]}"
 
 
+def held_key(prefix: str, name: str, key: object = None) -> str:
+    """Why a rate limit is held back by a provider's report (``Gate.follow``): a string
+    "remaining reset_us reported_us" that expires at the provider's reset."""
+    return _limit_key("h", prefix, name, key)
+
+
 def turns_key(prefix: str, name: str, key: object = None) -> str:
     """The turns of a fair queue (``room/queues.py``): a hash, key value digest -> last turn."""
     return _limit_key("t", prefix, name, key)
@@ -146,7 +154,8 @@ def copy_key(prefix: str, task_id: str, retries: int) -> str:
 
 
 def room_key(prefix: str, part: str) -> str:
-    """A waiting-room key: ``parked``, ``messages``, ``claimed`` or ``wake``."""
+    """A waiting-room key: ``parked``, ``messages``, ``claimed``, ``wake``, or a
+    dispatcher's own ``bell:<id>``."""
     return f"{{{prefix}}}:room:{part}"
 
 

@@ -15,6 +15,7 @@ from typing import ClassVar
 from ..values import check_cost, positive_int, seconds, to_us
 from .keys import (
     bucket_key,
+    held_key,
     key_digest,
     leases_key,
     meta_key,
@@ -82,6 +83,10 @@ class Limit:
     def queue_in(self, prefix: str) -> bytes:
         """The queue of tasks waiting for this limit (``room/queues.py``)."""
         return _key_bytes(queue_key, prefix, self.name, self.key)
+
+    def held_in(self, prefix: str) -> bytes:
+        """Why a provider's report holds this limit back, while it does (``Gate.follow``)."""
+        return _key_bytes(held_key, prefix, self.name, self.key)
 
     def turns_in(self, prefix: str) -> bytes:
         """The turns of its fair queue (``room/queues.py``)."""
@@ -215,7 +220,10 @@ class BucketState:
     waiting beyond the horizon, are not counted).  ``ttl``: seconds until the
     key expires (the bucket is full again then), 0 when absent.  ``paused``:
     seconds until a pause set by :meth:`Gate.pause` ends (``next_free``
-    includes it).
+    includes it).  ``held``: seconds until the provider's reset while its
+    report holds the limit below its rate (:meth:`Gate.follow` moved it;
+    ``next_free`` includes that), with ``held_remaining`` the units the
+    provider said were left and ``held_since`` how long ago (seconds).
     """
 
     limit: Limit
@@ -226,6 +234,9 @@ class BucketState:
     ttl: float
     now: int  # the clock the state was read at (microseconds)
     paused: float = 0.0  # seconds until a provider's pause ends (0: not paused)
+    held: float = 0.0
+    held_remaining: int | None = None
+    held_since: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

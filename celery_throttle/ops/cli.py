@@ -4,7 +4,8 @@ Registered as a Celery extension command (the ``celery.commands`` entry point
 in ``pyproject.toml``), so it runs with the app and settings of ``-A proj``:
 
 * ``status [NAME ...] [--key K] [--json]``: each known limit with its rate,
-  burst, fill, next free slot and the starts booked ahead (tasks waiting);
+  burst, fill, next free slot (and why, when paused or held back by a
+  provider's rate-limit headers) and the starts booked ahead (tasks waiting);
 * ``why TASK_ID [--json]``: the limit a deferred task waits for, its booked
   slot and deferral count (recorded at each deferral, kept until the slot);
 * ``reset NAME [--key K]``: forget a bucket (it is full again);
@@ -109,6 +110,10 @@ def _row(known: KnownLimit, state: BucketState | None, key_given: bool) -> dict[
     row.update(used=round(state.used, 3), fill=round(min(state.used, lim.burst) / lim.burst, 3),
                next_free_s=round(state.next_free, 3), booked_ahead=state.booked_ahead,
                ttl_s=round(state.ttl, 3), paused_s=round(state.paused, 3))
+    if state.held_remaining is not None:  # the provider's own count holds it back
+        row["held_by_provider"] = {"remaining": state.held_remaining,
+                                   "until_reset_s": round(state.held, 3),
+                                   "reported_s_ago": round(state.held_since, 3)}
     return row
 
 
@@ -130,6 +135,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
         if "fill" in r:
             fill, free = f"{r['fill']:.0%}", "now" if r["next_free_s"] == 0 else \
                 f"in {r['next_free_s']:.3f}s" + (" (paused)" if r["paused_s"] else "")
+            if held := r.get("held_by_provider"):
+                free += (f" (held: the provider reported {held['remaining']} left until its "
+                         f"reset in {held['until_reset_s']:.1f}s)")
             waiting = str(r["booked_ahead"])
         else:
             fill, free, waiting = "-", r["note"] or "-", "-"

@@ -335,6 +335,26 @@ def test_a_report_moves_the_slots_booked_before_it(cgate: Gate, clock: StepClock
     assert not cgate.acquire_many([rate]).allowed
 
 
+def test_a_limit_held_by_a_report_says_so_until_the_reset(cgate: Gate, clock: StepClock
+                                                          ) -> None:
+    """inspect() tells a limit the provider's report holds back (what was left, until when,
+    reported how long ago); a report that binds nothing leaves no note; after the reset,
+    none."""
+    rate = Limit("held", parse_rate("10/s"))
+    assert cgate.follow([rate], remaining=20, reset=1.0) == 0  # cannot bind: no note
+    assert cgate.inspect(rate).held_remaining is None
+    assert cgate.follow([rate], remaining=2, reset=1.0) == 1
+    clock.us += 300_000
+    state = cgate.inspect(rate)
+    assert state.held_remaining == 2
+    assert state.held == pytest.approx(0.7)
+    assert state.held_since == pytest.approx(0.3)
+    assert state.next_free == pytest.approx(0.5)  # its 2 starts: at 0.8 s and 0.9 s
+    clock.us = T0 + 1_000_000
+    after = cgate.inspect(rate)
+    assert (after.held_remaining, after.held, after.held_since) == (None, 0.0, 0.0)
+
+
 @pytest.mark.parametrize(("remaining", "reset"), [(-1, 1.0), (1.5, 1.0), (1, -1.0),
                                                   (1, float("nan"))])
 def test_a_report_rejects_bad_values(cgate: Gate, remaining: object, reset: object) -> None:

@@ -257,6 +257,34 @@ def test_command_shows_and_resets_concurrency_leases(
     gate.client.close()
 
 
+def test_command_shows_a_limit_held_back_by_the_provider_s_headers(
+    capp: ModuleType, redis_base: str
+) -> None:
+    """`status` says when a provider's report holds a limit below its rate, and why: what the
+    provider said was left, and until when."""
+    gate = Gate.from_url(f"{redis_base}/11")  # the test app's store and default prefix
+    sdk = Limit("sdk-requests", parse_rate("9/s"))
+    gate.reset(sdk)
+    try:
+        assert gate.follow([sdk], remaining=3, reset=30.0) == 1
+        status = throttle_cli(["status", "--json", "sdk-requests"], redis_base)
+        table = throttle_cli(["status", "sdk-requests"], redis_base)
+        for done in (status, table):
+            assert done.returncode == 0, done.stderr
+        (row,) = json.loads(status.stdout)["limits"]
+        held = row["held_by_provider"]
+        assert held["remaining"] == 3
+        assert 25 <= held["until_reset_s"] <= 30
+        assert 0 <= held["reported_s_ago"] < 5
+        assert 25 <= row["next_free_s"] <= 30
+        assert re.search(r"^sdk-requests\s+9/s\s+1\s+\d+%\s+in \d+\.\d{3}s \(held: the provider "
+                         r"reported 3 left until its reset in \d+\.\ds\)", table.stdout,
+                         flags=re.MULTILINE), table.stdout
+    finally:
+        gate.reset(sdk)
+        gate.client.close()
+
+
 def test_command_with_the_store_down_says_so_in_one_line(redis_base: str) -> None:
     """No traceback: one line naming the store (password masked) and the setting; exit 1."""
     port = free_port()  # nothing listens there

@@ -51,6 +51,9 @@ KEYS[n+2+2m], KEYS[n+3+2m], KEYS[n+4+2m] the waiting room's parked set,
           messages hash and wake list (room/parking.py)
 With op "q" only (rate limits only, m = 0):
 KEYS[n+1+i] limit i's queue of waiting tasks (room/queues.py), i = 1..n
+With op "follow" and "inspect" (rate limits only):
+KEYS[n+1+i] limit i's hold note (keys.py "h"): why a provider's report holds
+          it back, "remaining reset_us reported_us", expiring at the reset
 
 ARGV[1]   now, microseconds; 0 = use this server's TIME
 ARGV[2]   reservation horizon, microseconds; -1 = never reserve.
@@ -97,7 +100,8 @@ ARGV[9]   op argument (microseconds): release: how long the holder ran;
           the longest pause now in force (us);
           cancel: the limits whose booking was given back.
           inspect reads its one limit without writing anything and replies
-            a rate limit:  { exists, tat_ahead_us, next_free_us, pttl_ms, now, paused_us }
+            a rate limit:  { exists, tat_ahead_us, next_free_us, pttl_ms, now, paused_us,
+                             held_us, held_remaining (-1: not held), held_at_us }
             a concurrency limit: { held, paused_us, average_run_us, now }
           (next_free_us by the same test as a decision: one copy of it)
 ARGV[10]  claim shift: the sum of the booked limits' shifts when the claimed
@@ -438,6 +442,9 @@ local function follow()
       if target > base then
         write_rate(lim.key, target, paused, shift + target - base)
         count = count + 1
+        -- Why, for `status`: gone when the provider's window resets.
+        redis.call('SET', KEYS[n + 1 + i], lim.cost .. ' ' .. us(now + op_arg) .. ' '
+                   .. us(now), 'PX', math.max(1, math.ceil(op_arg / 1000)))
       end
     end
   end
@@ -477,8 +484,16 @@ local function inspect()
   end
   local tat, paused, _, exists = read_rate(lim.key)
   tat = math.max(tat, now)
+  local left, reset, at = -1, now, 0
+  local note = KEYS[n + 2] and redis.call('GET', KEYS[n + 2])
+  if note then
+    local a, b, c = string.match(note, '^(%d+) (%d+) (%d+)$')
+    if a and tonumber(b) > now then
+      left, reset, at = tonumber(a), tonumber(b), tonumber(c)
+    end
+  end
   return { exists and 1 or 0, tat - now, math.max(0, rate_wait(lim, tat, paused)),
-           redis.call('PTTL', lim.key), now, math.max(0, paused - now) }
+           redis.call('PTTL', lim.key), now, math.max(0, paused - now), reset - now, left, at }
 end
 
 -- ---------------------------------------------------------------------------

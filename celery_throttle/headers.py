@@ -12,7 +12,9 @@ and when it is full again (both refill continuously, as a token bucket):
 
 :func:`reports_of` reads them all into :class:`Report` values; a header
 that cannot be read is left out (a provider's format change must not fail
-the call that carried it).
+the call that carried it), and so is one that says nothing: a negative
+count or limit, or a reset that is not ahead (Azure OpenAI's ``-1`` and
+``0``), is unknown, never "nothing left".
 """
 
 from __future__ import annotations
@@ -68,13 +70,17 @@ def reports_of(headers: Any) -> list[Report]:
     headers match names in any case, a plain dict needs them in lower case)."""
     found: list[Report] = []
     for kind in KINDS:
-        for remaining_name, reset_name, read in (
-                (f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}", duration),
-                (f"anthropic-ratelimit-{kind}-remaining", f"anthropic-ratelimit-{kind}-reset",
-                 _until)):
-            left, reset = headers.get(remaining_name), headers.get(reset_name)
+        for prefix, suffix, read in (("x-ratelimit-", f"-{kind}", duration),
+                                     (f"anthropic-ratelimit-{kind}-", "", _until)):
+            left, reset = headers.get(f"{prefix}remaining{suffix}"), \
+                headers.get(f"{prefix}reset{suffix}")
             if left is None or reset is None:
                 continue
             with contextlib.suppress(TypeError, ValueError):
-                found.append(Report(kind, max(0, int(float(left))), read(str(reset))))
+                remaining, seconds = int(float(left)), read(str(reset))
+                limit = headers.get(f"{prefix}limit{suffix}")
+                # Unknown is not zero: Azure OpenAI answers -1 for the limit and
+                # what remains, and 0 for the reset, when it does not say.
+                if remaining >= 0 and seconds > 0 and (limit is None or float(limit) >= 0):
+                    found.append(Report(kind, remaining, seconds))
     return found

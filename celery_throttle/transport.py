@@ -51,7 +51,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from . import metrics, usage
 from .core import credit
@@ -361,6 +361,20 @@ def _token_limit(given: str | Rate | Limit | None, name: str | None, part: str
 TokenQuota = str | Rate | Limit | None
 
 
+class _Meters(TypedDict):
+    tokens: Limit | None
+    input_tokens: Limit | None
+    output_tokens: Limit | None
+
+
+def _token_limits(name: str | None, tokens: TokenQuota, input_tokens: TokenQuota,
+                  output_tokens: TokenQuota) -> _Meters:
+    """The transports' token keyword arguments, from what a ``gated_client`` was given."""
+    return {"tokens": _token_limit(tokens, name, "tokens"),
+            "input_tokens": _token_limit(input_tokens, name, "input-tokens"),
+            "output_tokens": _token_limit(output_tokens, name, "output-tokens")}
+
+
 def gated_client(rate: str | Rate | None = None, *, name: str | None = None, burst: int = 1,
                  key: object = None, limits: Sequence[Limit] = (), tokens: TokenQuota = None,
                  input_tokens: TokenQuota = None, output_tokens: TokenQuota = None,
@@ -384,19 +398,15 @@ def gated_client(rate: str | Rate | None = None, *, name: str | None = None, bur
     is left (default).  ``client_options`` go to the client (``timeout``...).
     """
     chosen = _limits_of(rate, name, burst, key, limits)  # (bad input: before any client)
-    meters = {part: _token_limit(given, name, part) for part, given in
-              zip(usage.PARTS, (tokens, input_tokens, output_tokens), strict=True)}
+    meters = _token_limits(name, tokens, input_tokens, output_tokens)
     http = _http_package(module)
     own = gate is None
     if gate is None:
         if url is None:
             raise ValueError("give url (the throttle's Redis) or gate")
         gate = Gate.from_url(url, prefix=prefix)
-    transport = GatedTransport(chosen, gate=gate, tokens=meters["tokens"],
-                               input_tokens=meters["input-tokens"],
-                               output_tokens=meters["output-tokens"],
-                               transport=http.HTTPTransport(), timeout=timeout, follow=follow,
-                               own_gate=own)
+    transport = GatedTransport(chosen, gate=gate, **meters, transport=http.HTTPTransport(),
+                               timeout=timeout, follow=follow, own_gate=own)
     return http.Client(transport=transport, **client_options)
 
 
@@ -409,14 +419,10 @@ def async_gated_client(rate: str | Rate | None = None, *, name: str | None = Non
                        timeout: float | None = None, follow: bool = True,
                        **client_options: Any) -> Any:
     """:func:`gated_client` for ``AsyncOpenAI`` and ``AsyncAnthropic``."""
+    chosen = _limits_of(rate, name, burst, key, limits)
+    meters = _token_limits(name, tokens, input_tokens, output_tokens)
     http = _http_package(module)
-    transport = AsyncGatedTransport(_limits_of(rate, name, burst, key, limits), gate=gate,
-                                    url=url, prefix=prefix,
-                                    tokens=_token_limit(tokens, name, "tokens"),
-                                    input_tokens=_token_limit(input_tokens, name,
-                                                              "input-tokens"),
-                                    output_tokens=_token_limit(output_tokens, name,
-                                                               "output-tokens"),
+    transport = AsyncGatedTransport(chosen, gate=gate, url=url, prefix=prefix, **meters,
                                     transport=http.AsyncHTTPTransport(), timeout=timeout,
                                     follow=follow)
     return http.AsyncClient(transport=transport, **client_options)

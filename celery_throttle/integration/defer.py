@@ -42,13 +42,25 @@ from .notes import NOTE_AFTER_MS, wait_note, write_note
 from .runtime import INSTALLED, Runtime
 from .visible import announce
 
-__all__ = ["admit", "defer_after_start", "release_leases_of", "run_ended"]
+__all__ = ["admit", "admitted_late", "defer_after_start", "release_leases_of", "run_ended"]
 
 
 _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _MAX_SLEEPS = 3
 _STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of a started copy
 _LEASED = "_celery_throttle_leased"  # request attribute: the leases.Held of this run
+_LATE = "_celery_throttle_late"  # request attribute: how late after its slot it was admitted
+
+
+def admitted_late(task: Task[Any, Any]) -> float:
+    """How long after the start it was admitted for the running task was let go (seconds;
+    0 when admitted at once): a gated transport's request spends the admission only
+    within its window of that start, not of this late moment (``transport.py``)."""
+    return float(getattr(task.request, _LATE, 0.0))
+
+
+def _late(task: Task[Any, Any], seconds: float) -> None:
+    setattr(task.request, _LATE, max(0.0, seconds))
 
 
 def _grace(runtime: Runtime, limits: list[AnyLimit], booked_mask: int) -> float:
@@ -90,6 +102,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     ``estimated``: names of limits whose cost the task may settle.
     """
     request = task.request
+    _late(task, 0.0)
     limits = runtime.live.apply(limits)  # the rates set at run time (core/live.py)
     state = WaitState.from_request(request)
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
@@ -254,12 +267,16 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
             return False
         if decision.allowed:
             if decision.retry_after <= 0:
+                # A claim honoured after its slot (the plain admission has no slot).
+                if decision.slot and decision.now:
+                    _late(task, from_us(decision.now - decision.slot))
                 return True
             # Admitted for its slot, just ahead: the start is that moment.  Woken
             # later than the grace, it claims the slot again: the gate finds it
             # lost and decides afresh, rather than this start crowding the next.
             late = _slept_to_start(task, asked, decision.retry_after)
             if late <= grace or attempt == 2 * _MAX_SLEEPS - 1:
+                _late(task, late)
                 return True  # (late again and again: this machine cannot do better)
             logger.info("throttle: task %s[%s] ready %.3fs after its slot; asking again",
                         task.name, request.id, late)
@@ -433,6 +450,7 @@ def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     late = _slept_to_start(task, asked, min(from_us(state.slot - arrived_at),
                                             from_us(MAX_AHEAD_US)))
     if late <= _grace(runtime, limits, (1 << len(limits)) - 1):
+        _late(task, late)
         return True
     logger.info("throttle: task %s[%s] ready %.3fs after its turn; in line again",
                 task.name, task.request.id, late)

@@ -30,7 +30,7 @@ from ..errors import RateLimited, ThrottleTimeout
 from ..room.dispatcher import queue_of
 from ..values import check_cost, positive_int, seconds
 from . import memory
-from .defer import admit, defer_after_start, release_leases_of
+from .defer import admit, admitted_late, defer_after_start, release_leases_of
 from .runtime import INSTALLED, runtime_for
 
 __all__ = ["Throttle", "ensure_gated", "throttled"]
@@ -290,8 +290,10 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         if not admitted:
             _end_run()
         # The start this run was admitted for: a gated HTTP transport under the
-        # same limit spends it on the run's first request (core/credit.py).
-        now = time.monotonic()
+        # same limit spends it on the run's first request (core/credit.py), if
+        # that leaves soon enough after the start, not after this moment: a
+        # task let go late in its slot's grace has spent part of that already.
+        now = time.monotonic() - admitted_late(task)
         unspent = credit.grant({runtime.gate.key_of(lim): credit.Admission(lim, now)
                                 for lim in runtime.live.apply(limits) if isinstance(lim, Limit)})
         try:

@@ -22,9 +22,12 @@ import httpx
 import httpx2
 import openai
 import pytest
+from celery import Celery, Task
+from celery.exceptions import Ignore
 
-from celery_throttle import Gate, Limit, parse_rate
+from celery_throttle import Gate, Limit, parse_rate, throttled
 from celery_throttle.core import credit
+from celery_throttle.integration.runtime import forget
 from celery_throttle.testing import max_in_window
 from celery_throttle.transport import (
     AsyncGatedTransport,
@@ -33,6 +36,8 @@ from celery_throttle.transport import (
     gated_client,
 )
 from examples import provider as mock
+
+from ..workers import PublishRecorder
 
 #: The provider's quota: 10 requests in any 1 s; the limit below it: 9/s.
 QUOTA, RATE = 10, "9/s"
@@ -235,6 +240,46 @@ def test_a_task_s_admission_is_its_first_request_s_start(redis_url: str, prefix:
         finally:
             credit.revoke(token)
     assert len(sent) == 3
+
+
+def test_a_task_let_go_late_in_its_slot_s_grace_has_less_admission_to_spend(
+        app: Celery) -> None:
+    """A task booked at 2/s and run 0.1 s after its slot is admitted (its grace is 0.25 s),
+    but its admission counts from the slot: a request sent now would leave more than the
+    transport's window (50 ms) after the start it stands for, so it waits for its own."""
+    published: list[dict[str, Any]] = []
+    seen: list[credit.Admission] = []
+
+    @throttled("2/s", name="late-credit")
+    @app.task(bind=True, shared=False, name="late_credit")
+    def job(self: Task[Any, Any]) -> None:
+        unspent = credit._unspent.get()
+        assert unspent is not None
+        seen.extend(unspent.values())
+
+    job.signature_from_request = (  # type: ignore[method-assign]
+        lambda request, **options: PublishRecorder(published, options))  # type: ignore[assignment]
+
+    def run(headers: dict[str, Any] | None) -> None:
+        job.push_request(id="t", called_directly=False, delivery_info={}, headers=headers)
+        try:
+            job.run()
+        finally:
+            job.pop_request()
+
+    app.conf.throttle_max_sleep = 0  # the wait re-published with a countdown: recorded
+    app.conf.throttle_waiting_room = False
+    forget(app)
+    run(None)  # admitted at once: its admission is fresh
+    assert seen[-1].fresh(0.05)
+    with pytest.raises(Ignore):
+        run(None)  # booked 0.5 s after the first start
+    (copy,) = published
+    time.sleep(copy["countdown"] + 0.1)
+    run(copy["headers"])
+    assert len(seen) == 2
+    assert time.monotonic() - seen[-1].at >= 0.1
+    assert not seen[-1].fresh(0.05)
 
 
 def test_an_admission_of_another_bucket_is_not_spent(redis_url: str, prefix: str) -> None:

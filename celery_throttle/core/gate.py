@@ -199,8 +199,7 @@ class GateCalls:
 
     def _inspect_call(self, limit: AnyLimit) -> Call:
         args = [*_head_args(now=self._now_us(), op=b"inspect"), *self._limit_args([limit])]
-        held = [limit.held_in(self.prefix)] if isinstance(limit, Limit) else []
-        return self._keys([limit]) + held, args
+        return self._keys([limit]) + self._held_keys(limit), args
 
     @staticmethod
     def _bucket_state(limit: Limit, reply: Any) -> BucketState:
@@ -221,8 +220,12 @@ class GateCalls:
                           average_run=from_us(run))
 
     def _reset_keys(self, limit: AnyLimit) -> list[bytes]:
-        held = [limit.held_in(self.prefix)] if isinstance(limit, Limit) else []
-        return [limit.key_in(self.prefix), *limit.side_keys(self.prefix), *held]
+        return [limit.key_in(self.prefix), *limit.side_keys(self.prefix),
+                *self._held_keys(limit)]
+
+    def _held_keys(self, limit: AnyLimit) -> list[bytes]:
+        """A rate limit's hold note (``Gate.follow``); a concurrency limit has none."""
+        return [limit.held_in(self.prefix)] if isinstance(limit, Limit) else []
 
     def _keys(self, limits: Sequence[AnyLimit]) -> list[bytes]:
         """KEYS of gate.lua (its header names them): each limit's key, the epoch, then each

@@ -94,10 +94,10 @@ ARGV[9]   op argument (microseconds): release: how long the holder ran;
           decision ("a", "q"): near, a slot booked at most this far ahead in
           every limit is admitted for itself (status 1 with wait_us: the
           caller sleeps and starts without claiming, one call per start;
-          0 = always claim); otherwise 0.  release, extend, pause, resume, settle and follow reply with a
-          count: leases released, leases lost (extend), limits that were
-          paused (resume), limits settled or moved (follow), or for pause
-          the longest pause now in force (us);
+          0 = always claim); otherwise 0.  release, extend, pause, resume,
+          settle and follow reply with a count: leases released, leases
+          lost (extend), limits that were paused (resume), limits settled or
+          moved (follow), or for pause the longest pause now in force (us);
           cancel: the limits whose booking was given back.
           inspect reads its one limit without writing anything and replies
             a rate limit:  { exists, tat_ahead_us, next_free_us, pttl_ms, now, paused_us,

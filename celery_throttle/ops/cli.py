@@ -25,7 +25,6 @@ are stored hashed): name one with ``--key`` (``--int-key`` for integer keys).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import json
 import time
@@ -36,14 +35,11 @@ import redis
 from celery import Celery
 from kombu.utils.url import maybe_sanitize_url
 
-from ..core.gate import BucketState, Concurrency, LeaseState, Limit
-from ..core.rates import parse_rate
 from ..integration.config import read_config
-from ..integration.declared import KnownLimit, known_limits
-from ..integration.notes import forget_dropped, read_wait
 from ..integration.runtime import runtime_for
 from ..room.envelope import Envelope
-from ..values import LONGEST_WAIT, from_us
+from ..values import from_us
+from . import control, report
 
 __all__ = ["throttle"]
 
@@ -64,57 +60,6 @@ def _key_value(key: str | None, int_key: str | None) -> object:
             raise click.BadParameter(f"{int_key!r} is not an integer",
                                      param_hint="--int-key") from None
     return key
-
-
-def _select(app: Celery, names: tuple[str, ...]) -> list[KnownLimit]:
-    known = known_limits(app)
-    if not names:
-        return known
-    by_name = {k.limit.name for k in known}
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise click.BadParameter(
-            f"unknown limit {missing[0]!r}; known: {', '.join(sorted(by_name)) or 'none'}",
-            param_hint="NAME")
-    return [k for k in known if k.limit.name in names]
-
-
-def _lease_row(known: KnownLimit, state: LeaseState | None, key_given: bool
-               ) -> dict[str, Any]:
-    lim = known.limit
-    assert isinstance(lim, Concurrency)
-    row: dict[str, Any] = {
-        "limit": lim.name, "concurrency": lim.seats, "lease_s": lim.lease,
-        "per_key": known.keyed, "used_by": list(known.used_by),
-    }
-    if state is None:
-        row["note"] = "per key: name one with --key" if known.keyed and not key_given else ""
-        return row
-    row.update(held=state.held, paused_s=round(state.paused, 3),
-               average_run_s=round(state.average_run, 3))
-    return row
-
-
-def _row(known: KnownLimit, state: BucketState | None, key_given: bool) -> dict[str, Any]:
-    lim = known.limit
-    assert isinstance(lim, Limit)
-    row: dict[str, Any] = {
-        "limit": lim.name, "rate": str(lim.rate), "burst": lim.burst,
-        "per_key": known.keyed, "used_by": list(known.used_by),
-    }
-    if known.code is not None:  # set at run time over the code's
-        row["code_rate"], row["code_burst"] = str(known.code[0]), known.code[1]
-    if state is None:
-        row["note"] = "per key: name one with --key" if known.keyed and not key_given else ""
-        return row
-    row.update(used=round(state.used, 3), fill=round(min(state.used, lim.burst) / lim.burst, 3),
-               next_free_s=round(state.next_free, 3), booked_ahead=state.booked_ahead,
-               ttl_s=round(state.ttl, 3), paused_s=round(state.paused, 3))
-    if state.held_remaining is not None:  # the provider's own count holds it back
-        row["held_by_provider"] = {"remaining": state.held_remaining,
-                                   "until_reset_s": round(state.held, 3),
-                                   "reported_s_ago": round(state.held_since, 3)}
-    return row
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -170,6 +115,12 @@ class _Commands(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except report.UnknownLimit as exc:
+            raise click.BadParameter(str(exc), param_hint="NAME") from None
+        except control.BadValue as exc:
+            raise click.BadParameter(str(exc), param_hint=exc.param) from None
+        except control.NeedsKey as exc:
+            raise click.UsageError(str(exc)) from None
         except redis.RedisError as exc:
             # The URL without its password; the exception's text names host
             # and port, never the password.
@@ -193,56 +144,20 @@ def throttle() -> None:
 def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key: str | None,
            as_json: bool) -> None:
     """Each limit: rate, burst, fill, next free slot, starts booked ahead (tasks waiting)."""
-    app = _app(ctx)
-    value = _key_value(key, int_key)
-    gate = runtime_for(app).gate
-    live = runtime_for(app).live.read()
-    rows = []
-    for known in _select(app, names):
-        if isinstance(known.limit, Limit) and known.limit.name in live:
-            rate, burst = live[known.limit.name]
-            known = dataclasses.replace(known, limit=dataclasses.replace(
-                known.limit, rate=rate, burst=burst, cost=min(known.limit.cost, burst)),
-                code=(known.limit.rate, known.limit.burst))
-        if known.keyed and value is None:
-            rows.append((_lease_row if isinstance(known.limit, Concurrency) else _row)(
-                known, None, False))
-            continue
-        lim = known.limit
-        if isinstance(lim, Concurrency):
-            lim = dataclasses.replace(lim, key=value) if known.keyed else lim
-            rows.append(_lease_row(known, gate.inspect_leases(lim), value is not None))
-            continue
-        if known.keyed:
-            lim = Limit(lim.name, lim.rate, lim.burst, value, lim.cost)
-        rows.append(_row(known, gate.inspect(lim), value is not None))
-    intervals = {r["limit"]: parse_rate(r["rate"]).interval_us for r in rows if "rate" in r}
-    lines = {line.name: line for line in runtime_for(app).room.queues.lines(intervals)}
-    for r in rows:
-        line = lines.get(r["limit"])
-        if line is not None and "rate" in r:
-            r.update(in_line=line.waiting, drains_in_s=line.drains_in,
-                     top_keys=[{"key_digest": d, "waiting": n} for d, n in line.top])
-    room = runtime_for(app).room.state()
-    in_line = runtime_for(app).room.queues.waiting()
-    # Whether waiting tasks may wait in the store now (room/durability.py).
-    verdict = runtime_for(app).durability.verdict() if runtime_for(app).config.waiting_room \
-        else None
+    doc = report.status(_app(ctx), names, _key_value(key, int_key))
     if as_json:
-        click.echo(json.dumps({"limits": rows, "waiting_room": {
-            **dataclasses.asdict(room), "in_use": verdict is not None and verdict.safe,
-            "because": verdict.reason if verdict is not None else "throttle_waiting_room "
-                                                                  "is False"},
-            "in_line": in_line, "at": time.time()}, indent=2))
+        click.echo(json.dumps(doc, indent=2))
         return
+    rows, room = doc["limits"], doc["waiting_room"]
     click.echo(_table(rows))
-    if room.parked or room.dispatching or in_line or verdict is not None:
-        nxt = (f"; next dispatch in {room.next_dispatch:.3f}s"
-               if room.next_dispatch is not None else "")
-        click.echo(f"waiting room: {room.parked} parked, {in_line} in line, "
-                   f"{room.dispatching} dispatched and on their way{nxt}")
-    if verdict is not None and not verdict.safe:
-        click.echo(f"waiting room not used: {verdict.reason}; long waits are re-published "
+    in_line, judged = doc["in_line"], room["because"] != report.ROOM_OFF
+    if room["parked"] or room["dispatching"] or in_line or judged:
+        nxt = (f"; next dispatch in {room['next_dispatch']:.3f}s"
+               if room["next_dispatch"] is not None else "")
+        click.echo(f"waiting room: {room['parked']} parked, {in_line} in line, "
+                   f"{room['dispatching']} dispatched and on their way{nxt}")
+    if judged and not room["in_use"]:
+        click.echo(f"waiting room not used: {room['because']}; long waits are re-published "
                    "with a countdown")
 
 
@@ -252,11 +167,11 @@ def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key:
 @click.pass_context
 def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """Why TASK_ID waits: its limit, booked slot and deferrals (from its last deferral)."""
-    app = _app(ctx)
-    wait = read_wait(runtime_for(app), task_id)
+    doc = report.why(_app(ctx), task_id)
     if as_json:
-        click.echo(json.dumps({"task_id": task_id, "waiting": wait}, indent=2))
+        click.echo(json.dumps(doc, indent=2))
         return
+    wait = doc["waiting"]
     if wait is None:
         click.echo(f"task {task_id}: not waiting for the throttle (no deferral recorded in "
                    "the last wait; it may have started, or never been deferred)")
@@ -293,16 +208,8 @@ def reset(ctx: click.Context, name: str, key: str | None, int_key: str | None) -
     For a concurrency limit, every lease and its pause are dropped: running
     tasks keep running, and new ones may start next to them.
     """
-    app = _app(ctx)
-    value = _key_value(key, int_key)
-    gate = runtime_for(app).gate
-    for known in _select(app, (name,)):  # its rate bucket and/or its leases
-        if known.keyed and value is None:
-            raise click.UsageError(f"limit {name!r} is per key: give --key or --int-key")
-        lim = dataclasses.replace(known.limit, key=value if known.keyed else None)
-        existed = gate.reset(lim)
-        what = "leases" if isinstance(lim, Concurrency) else "bucket"
-        click.echo(f"limit {name!r}{' (that key)' if known.keyed else ''}: "
+    for what, existed, keyed in control.reset(_app(ctx), name, _key_value(key, int_key)):
+        click.echo(f"limit {name!r}{' (that key)' if keyed else ''}: "
                    + (f"{what} reset" if existed else f"{what} already empty"))
 
 
@@ -363,17 +270,14 @@ def purge(ctx: click.Context, yes: bool) -> None:
     Without --yes nothing is dropped: the count is shown and the exit code is 2.
     """
     app = _app(ctx)
-    runtime = runtime_for(app)
     if not yes:
-        state = runtime.room.state()
-        waiting = state.parked + state.dispatching + runtime.room.queues.waiting()
-        click.echo(f"would drop {waiting} waiting task(s); "
+        click.echo(f"would drop {control.waiting(app)} waiting task(s); "
                    "add --yes to drop them (they will never run)")
         ctx.exit(2)
-    dropped = runtime.room.purge()
-    revoked = forget_dropped(app, runtime, dropped, "purged from the waiting room")
-    click.echo(f"dropped {len(dropped)} waiting task(s)"
-               + (f"; {revoked} marked REVOKED in the result backend" if revoked else ""))
+    done = control.purge(app)
+    click.echo(f"dropped {done.dropped} waiting task(s)"
+               + (f"; {done.revoked} marked REVOKED in the result backend" if done.revoked
+                  else ""))
 
 
 @throttle.command(name="set")
@@ -388,17 +292,7 @@ def set_(ctx: click.Context, name: str, rate: str, burst: int | None) -> None:
     already waiting too, until ``unset``; it names the limit, so it applies
     to every key value of a per-key limit.
     """
-    app = _app(ctx)
-    limit = _rate_limit(app, name)
-    try:
-        parsed = parse_rate(rate)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="RATE") from None
-    burst = limit.burst if burst is None else burst
-    if burst < 1:
-        raise click.BadParameter(f"{burst}: expected at least 1", param_hint="--burst")
-    runtime_for(app).live.set(name, parsed, burst)
-    runtime_for(app).room.queues.look_now(name)  # its waiting tasks: at the new rate, now
+    parsed, burst, limit = control.set_rate(_app(ctx), name, rate, burst)
     click.echo(f"limit {name!r}: {parsed} burst {burst} (set; the code says {limit.rate} "
                f"burst {limit.burst}); every worker uses it within a second")
 
@@ -408,10 +302,7 @@ def set_(ctx: click.Context, name: str, rate: str, burst: int | None) -> None:
 @click.pass_context
 def unset(ctx: click.Context, name: str) -> None:
     """Back to the code's rate for limit NAME (undo ``set``)."""
-    app = _app(ctx)
-    limit = _rate_limit(app, name)
-    had = runtime_for(app).live.unset(name)
-    runtime_for(app).room.queues.look_now(name)
+    had, limit = control.unset_rate(_app(ctx), name)
     click.echo(f"limit {name!r}: {limit.rate} burst {limit.burst} (the code's)"
                + ("" if had else "; it had no rate set"))
 
@@ -426,12 +317,7 @@ def unset(ctx: click.Context, name: str) -> None:
 def pause(ctx: click.Context, name: str, seconds: float | None, key: str | None,
           int_key: str | None) -> None:
     """Admit nothing in limit NAME (the pause a provider's 429 writes) until ``resume``."""
-    if seconds is not None and not 0 < seconds <= LONGEST_WAIT:
-        raise click.BadParameter(f"{seconds}: expected seconds from 0 to {LONGEST_WAIT:g}",
-                                 param_hint="--for")
-    app = _app(ctx)
-    limits = _limits_of(app, name, _key_value(key, int_key))
-    lasts = runtime_for(app).gate.pause(limits, LONGEST_WAIT if seconds is None else seconds)
+    lasts = control.pause(_app(ctx), name, seconds, _key_value(key, int_key))
     click.echo(f"limit {name!r}: paused for {lasts:.0f}s"
                + (" (until resume)" if seconds is None else ""))
 
@@ -443,26 +329,5 @@ def pause(ctx: click.Context, name: str, seconds: float | None, key: str | None,
 @click.pass_context
 def resume(ctx: click.Context, name: str, key: str | None, int_key: str | None) -> None:
     """End a pause of limit NAME now (set by ``pause`` or by a provider's 429)."""
-    app = _app(ctx)
-    ended = runtime_for(app).gate.resume(_limits_of(app, name, _key_value(key, int_key)))
-    runtime_for(app).room.queues.look_now(name)  # its line was due when the pause would end
+    ended = control.resume(_app(ctx), name, _key_value(key, int_key))
     click.echo(f"limit {name!r}: " + ("resumed" if ended else "was not paused"))
-
-
-def _rate_limit(app: Celery, name: str) -> Limit:
-    """The rate limit NAME the app declares (the code's values)."""
-    for known in _select(app, (name,)):
-        if isinstance(known.limit, Limit):
-            return known.limit
-    raise click.BadParameter(f"limit {name!r} has no rate (a concurrency limit)",
-                             param_hint="NAME")
-
-
-def _limits_of(app: Celery, name: str, value: object) -> list[Limit | Concurrency]:
-    """The buckets of NAME (its rate and/or concurrency limit), for key ``value``."""
-    found = []
-    for known in _select(app, (name,)):
-        if known.keyed and value is None:
-            raise click.UsageError(f"limit {name!r} is per key: give --key or --int-key")
-        found.append(dataclasses.replace(known.limit, key=value if known.keyed else None))
-    return found

@@ -1,0 +1,130 @@
+"""The operator's actions on limits, shared by ``celery throttle ...`` and the dashboard.
+
+Pause and resume a limit, set and unset a rate at run time, reset a bucket,
+purge the waiting tasks.  Each checks its input first and raises
+:class:`BadValue` (naming the value and the parameter) before touching the
+store, so a bad request changes nothing.  ``value`` is a per-key limit's key
+value; a shared limit ignores it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from celery import Celery
+
+from ..core.gate import Concurrency, Limit
+from ..core.rates import Rate, parse_rate
+from ..integration.notes import forget_dropped
+from ..integration.runtime import runtime_for
+from ..values import LONGEST_WAIT
+from .report import select
+
+__all__ = ["BadValue", "NeedsKey", "Purged", "pause", "purge", "reset", "resume", "set_rate",
+           "unset_rate", "waiting"]
+
+
+class BadValue(ValueError):
+    """An action's input is not usable; ``param`` names the parameter it came in."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class NeedsKey(ValueError):
+    """The limit is per key and no key value was given."""
+
+
+@dataclass(frozen=True, slots=True)
+class Purged:
+    """What :func:`purge` dropped: tasks, and how many the result backend marks REVOKED."""
+
+    dropped: int
+    revoked: int
+
+
+def pause(app: Celery, name: str, seconds: float | None, value: object = None) -> float:
+    """Admit nothing in limit ``name`` for ``seconds`` (None: until resumed, at most
+    :data:`LONGEST_WAIT`); returns how long the pause lasts."""
+    if seconds is not None and not 0 < seconds <= LONGEST_WAIT:
+        raise BadValue(f"{seconds}: expected seconds from 0 to {LONGEST_WAIT:g}", "--for")
+    limits = _limits_of(app, name, value)
+    return runtime_for(app).gate.pause(limits, LONGEST_WAIT if seconds is None else seconds)
+
+
+def resume(app: Celery, name: str, value: object = None) -> bool:
+    """End a pause of limit ``name`` now; False if it was not paused."""
+    runtime = runtime_for(app)
+    ended = runtime.gate.resume(_limits_of(app, name, value))
+    runtime.room.queues.look_now(name)  # its line was due when the pause would end
+    return bool(ended)
+
+
+def reset(app: Celery, name: str, value: object = None) -> list[tuple[str, bool, bool]]:
+    """Forget limit ``name``'s bucket and/or leases: [("bucket" | "leases", existed,
+    per key)]."""
+    gate = runtime_for(app).gate
+    return [("leases" if isinstance(lim, Concurrency) else "bucket", gate.reset(lim),
+             lim.key is not None) for lim in _limits_of(app, name, value)]
+
+
+def set_rate(app: Celery, name: str, rate: str, burst: int | None = None
+             ) -> tuple[Rate, int, Limit]:
+    """Set limit ``name`` to ``rate`` (and ``burst``; default the code's) everywhere, over
+    the code's, until :func:`unset_rate`; returns the rate, burst and the code's limit."""
+    limit = rate_limit(app, name)
+    try:
+        parsed = parse_rate(rate)
+    except ValueError as exc:
+        raise BadValue(str(exc), "RATE") from None
+    burst = limit.burst if burst is None else burst
+    if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+        raise BadValue(f"{burst!r}: expected a whole number of at least 1", "--burst")
+    runtime = runtime_for(app)
+    runtime.live.set(name, parsed, burst)
+    runtime.room.queues.look_now(name)  # its waiting tasks: at the new rate, now
+    return parsed, burst, limit
+
+
+def unset_rate(app: Celery, name: str) -> tuple[bool, Limit]:
+    """Back to the code's rate for ``name``: (whether one was set, the code's limit)."""
+    limit = rate_limit(app, name)
+    runtime = runtime_for(app)
+    had = runtime.live.unset(name)
+    runtime.room.queues.look_now(name)
+    return had, limit
+
+
+def waiting(app: Celery) -> int:
+    """Tasks waiting in the store: parked, on their way, and in line."""
+    runtime = runtime_for(app)
+    state = runtime.room.state()
+    return state.parked + state.dispatching + runtime.room.queues.waiting()
+
+
+def purge(app: Celery) -> Purged:
+    """Drop every waiting task (they never run; the result backend marks them REVOKED)."""
+    runtime = runtime_for(app)
+    dropped = runtime.room.purge()
+    return Purged(len(dropped), forget_dropped(app, runtime, dropped,
+                                               "purged from the waiting room"))
+
+
+def rate_limit(app: Celery, name: str) -> Limit:
+    """The rate limit ``name`` the app declares (the code's values)."""
+    for known in select(app, (name,)):
+        if isinstance(known.limit, Limit):
+            return known.limit
+    raise BadValue(f"limit {name!r} has no rate (a concurrency limit)", "NAME")
+
+
+def _limits_of(app: Celery, name: str, value: object) -> list[Limit | Concurrency]:
+    """The buckets of ``name`` (its rate and/or concurrency limit), for key ``value``."""
+    found = []
+    for known in select(app, (name,)):
+        if known.keyed and value is None:
+            raise NeedsKey(f"limit {name!r} is per key: give --key or --int-key")
+        found.append(dataclasses.replace(known.limit, key=value if known.keyed else None))
+    return found

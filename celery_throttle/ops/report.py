@@ -1,0 +1,132 @@
+"""What every limit looks like now, as data: ``celery throttle status --json`` and the dashboard.
+
+One home for the state a person reads, so the terminal and the web page can
+never disagree: :func:`status` is the document ``status --json`` prints and
+``/api/status`` serves; :func:`why` is ``why --json``'s.  Per-key buckets are
+never listed (a key scan, and key values are stored hashed): one is read when
+its key value is given; the keys with most tasks waiting are listed by digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery
+
+from ..core.gate import BucketState, Concurrency, LeaseState, Limit
+from ..core.rates import parse_rate
+from ..integration.declared import KnownLimit, known_limits
+from ..integration.notes import read_wait
+from ..integration.runtime import runtime_for
+
+__all__ = ["ROOM_OFF", "UnknownLimit", "select", "status", "why"]
+
+#: ``waiting_room.because`` when the app does not use the waiting room at all.
+ROOM_OFF = "throttle_waiting_room is False"
+
+
+class UnknownLimit(ValueError):
+    """A limit name the app does not declare."""
+
+
+def select(app: Celery, names: Sequence[str]) -> list[KnownLimit]:
+    """The app's limits named ``names`` (all of them when empty); raises :class:`UnknownLimit`."""
+    known = known_limits(app)
+    if not names:
+        return known
+    by_name = {k.limit.name for k in known}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise UnknownLimit(f"unknown limit {missing[0]!r}; known: "
+                           f"{', '.join(sorted(by_name)) or 'none'}")
+    return [k for k in known if k.limit.name in names]
+
+
+def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict[str, Any]:
+    """Every limit's state (of ``names``; for key value ``value`` of per-key limits).
+
+    ``{"limits": [row, ...], "waiting_room": {...}, "in_line": n, "at": unix time}``.
+    """
+    runtime = runtime_for(app)
+    gate = runtime.gate
+    live = runtime.live.read()
+    rows = []
+    for known in select(app, names):
+        if isinstance(known.limit, Limit) and known.limit.name in live:
+            rate, burst = live[known.limit.name]
+            known = dataclasses.replace(known, limit=dataclasses.replace(
+                known.limit, rate=rate, burst=burst, cost=min(known.limit.cost, burst)),
+                code=(known.limit.rate, known.limit.burst))
+        if known.keyed and value is None:
+            rows.append((_lease_row if isinstance(known.limit, Concurrency) else _row)(
+                known, None, False))
+            continue
+        lim = known.limit
+        if isinstance(lim, Concurrency):
+            lim = dataclasses.replace(lim, key=value) if known.keyed else lim
+            rows.append(_lease_row(known, gate.inspect_leases(lim), value is not None))
+            continue
+        if known.keyed:
+            lim = Limit(lim.name, lim.rate, lim.burst, value, lim.cost)
+        rows.append(_row(known, gate.inspect(lim), value is not None))
+    intervals = {r["limit"]: parse_rate(r["rate"]).interval_us for r in rows if "rate" in r}
+    lines = {line.name: line for line in runtime.room.queues.lines(intervals)}
+    for r in rows:
+        line = lines.get(r["limit"])
+        if line is not None and "rate" in r:
+            r.update(in_line=line.waiting, drains_in_s=line.drains_in,
+                     top_keys=[{"key_digest": d, "waiting": n} for d, n in line.top])
+    room = runtime.room.state()
+    in_line = runtime.room.queues.waiting()
+    # Whether waiting tasks may wait in the store now (room/durability.py).
+    verdict = runtime.durability.verdict() if runtime.config.waiting_room else None
+    return {"limits": rows, "waiting_room": {
+        **dataclasses.asdict(room), "in_use": verdict is not None and verdict.safe,
+        "because": verdict.reason if verdict is not None else ROOM_OFF},
+        "in_line": in_line, "at": time.time()}
+
+
+def why(app: Celery, task_id: str) -> dict[str, Any]:
+    """Why ``task_id`` waits: ``{"task_id": ..., "waiting": note or None}`` (``notes.py``)."""
+    return {"task_id": task_id, "waiting": read_wait(runtime_for(app), task_id)}
+
+
+def _lease_row(known: KnownLimit, state: LeaseState | None, key_given: bool
+               ) -> dict[str, Any]:
+    lim = known.limit
+    assert isinstance(lim, Concurrency)
+    row: dict[str, Any] = {
+        "limit": lim.name, "concurrency": lim.seats, "lease_s": lim.lease,
+        "per_key": known.keyed, "used_by": list(known.used_by),
+    }
+    if state is None:
+        row["note"] = "per key: name one with --key" if known.keyed and not key_given else ""
+        return row
+    row.update(held=state.held, paused_s=round(state.paused, 3),
+               average_run_s=round(state.average_run, 3))
+    return row
+
+
+def _row(known: KnownLimit, state: BucketState | None, key_given: bool) -> dict[str, Any]:
+    lim = known.limit
+    assert isinstance(lim, Limit)
+    row: dict[str, Any] = {
+        "limit": lim.name, "rate": str(lim.rate), "burst": lim.burst,
+        "per_key": known.keyed, "used_by": list(known.used_by),
+    }
+    if known.code is not None:  # set at run time over the code's
+        row["code_rate"], row["code_burst"] = str(known.code[0]), known.code[1]
+    if state is None:
+        row["note"] = "per key: name one with --key" if known.keyed and not key_given else ""
+        return row
+    row.update(used=round(state.used, 3), fill=round(min(state.used, lim.burst) / lim.burst, 3),
+               next_free_s=round(state.next_free, 3), booked_ahead=state.booked_ahead,
+               ttl_s=round(state.ttl, 3), paused_s=round(state.paused, 3))
+    if state.held_remaining is not None:  # the provider's own count holds it back
+        row["held_by_provider"] = {"remaining": state.held_remaining,
+                                   "until_reset_s": round(state.held, 3),
+                                   "reported_s_ago": round(state.held_since, 3)}
+    return row

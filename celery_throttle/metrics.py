@@ -11,17 +11,27 @@ the same counts also go to its default registry.  A prefork pool has one
 registry per child: run the worker with ``PROMETHEUS_MULTIPROC_DIR`` set to an
 empty directory, and the endpoint the worker serves (``throttle_metrics_port``)
 aggregates every child through ``MultiProcessCollector``.  The endpoint and
-the gauges read from Redis at scrape time live in ``integration/exporter.py``.  This
-module imports nothing from the package: every layer may count.
+the gauges read from Redis at scrape time live in ``integration/exporter.py``.
+
+Once :func:`keep_seconds` is on (a worker's history writer, ``integration/history.py``,
+turns it on), the same counts are also kept per wall-clock second for the writer to
+take (:func:`take_seconds`) and add to the store, where the dashboard charts them.
+This module imports nothing from the package: every layer may count.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["WAIT_BUCKETS", "LimitStats", "prepare", "reset", "snapshot"]
+__all__ = ["KEPT_SECONDS", "WAIT_BUCKETS", "LimitStats", "keep_seconds", "prepare", "reset",
+           "snapshot", "take_seconds"]
+
+#: The most seconds of counts kept for :func:`take_seconds` (older ones are dropped:
+#: nobody took them, and the dashboard charts 15 minutes).
+KEPT_SECONDS = 960
 
 #: Histogram buckets (seconds) for the waits given to deferred tasks.
 WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
@@ -52,6 +62,39 @@ class _Prometheus(NamedTuple):
 _lock = threading.Lock()  # the threads pool updates from several threads
 _stats: dict[str, LimitStats] = {}
 _prom: _Prometheus | bool | None = None  # False: prometheus_client is not installed
+_wall = time.time  # the second a count is filed under (tests replace it)
+# Counts per wall-clock second, {second: {(field, limit): n}}, once keep_seconds(True).
+_seconds: dict[int, dict[tuple[str, str], float]] | None = None
+
+
+def keep_seconds(on: bool) -> None:
+    """Keep (or stop keeping) the counts per second for :func:`take_seconds`."""
+    global _seconds
+    with _lock:
+        _seconds = ({} if _seconds is None else _seconds) if on else None
+
+
+def take_seconds() -> dict[int, dict[tuple[str, str], float]]:
+    """The counts per second since the last call, ``{unix second: {(field, limit): n}}``."""
+    global _seconds
+    with _lock:
+        if not _seconds:
+            return {}
+        taken, _seconds = _seconds, {}
+    return taken
+
+
+def _add_to_second(name: str, field: str, amount: float) -> None:
+    """(Under ``_lock``.)  Count ``amount`` in this second's ``field`` of limit ``name``."""
+    if _seconds is None:
+        return
+    second = int(_wall())
+    counts = _seconds.get(second)
+    if counts is None:
+        counts = _seconds[second] = {}
+        if len(_seconds) > KEPT_SECONDS:
+            del _seconds[min(_seconds)]
+    counts[field, name] = counts.get((field, name), 0) + amount
 
 
 def snapshot() -> dict[str, dict[str, float]]:
@@ -64,6 +107,8 @@ def reset() -> None:
     """Forget this process's counts (tests; Prometheus counters only ever grow)."""
     with _lock:
         _stats.clear()
+        if _seconds is not None:
+            _seconds.clear()
 
 
 def admitted(names: list[str]) -> None:
@@ -75,6 +120,7 @@ def deferred(name: str, wait: float) -> None:
     """A task was re-scheduled by limit ``name`` to start in ``wait`` seconds."""
     with _lock:
         _stats.setdefault(name, LimitStats()).wait_seconds_sum += wait
+        _add_to_second(name, "wait_seconds_sum", wait)
     _count([name], "deferred")
     prom = _prometheus()
     if prom is not None:
@@ -97,6 +143,7 @@ def _count(names: list[str], field: str) -> None:
         for name in names:
             stats = _stats.setdefault(name, LimitStats())
             setattr(stats, field, getattr(stats, field) + 1)
+            _add_to_second(name, field, 1)
     prom = _prometheus()
     if prom is not None:
         for name in names:

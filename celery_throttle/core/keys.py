@@ -9,7 +9,7 @@ value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
 one.  The name comes last, after two parts of fixed form, so a limit name
 can hold any character (``:`` included) and still never be the key of
 another limit, nor of the package's own keys: those (``epoch``, ``live``,
-``room:*``, ``wait:*``, ``copy:*``, ``arrived:*``) start with a word no limit
+``room:*``, ``wait:*``, ``copy:*``, ``arrived:*``, ``counts:*``) start with a word no limit
 key starts with.
 
 * The prefix is the key's *first* ``{...}`` group, i.e. its Redis Cluster hash
@@ -35,8 +35,8 @@ import base64
 import hashlib
 import uuid
 
-__all__ = ["bucket_key", "copy_key", "epoch_key", "held_key", "key_digest", "leases_key",
-           "live_key",
+__all__ = ["bucket_key", "copy_key", "counts_key", "epoch_key", "held_key", "key_digest",
+           "leases_key", "live_key",
            "meta_key", "queue_key", "room_key", "sibling_key", "split_limit_key", "task_key",
            "turns_key", "validate_name", "validate_prefix", "waiters_key"]
 
@@ -162,6 +162,12 @@ def room_key(prefix: str, part: str) -> str:
 def task_key(prefix: str, kind: str, task_id: str) -> str:
     """A per-task key (``wait`` note, ``arrived`` marker, ...); the task id is hashed."""
     return f"{{{prefix}}}:{kind}:{key_digest(task_id)}"
+
+
+def counts_key(prefix: str, second: int) -> str:
+    """The workers' counts of one wall-clock second (``integration/history.py``): a hash,
+    ``<field>:<limit name>`` -> count."""
+    return f"{{{prefix}}}:counts:{second}"
 
 
 def live_key(prefix: str) -> str:

@@ -103,6 +103,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     """
     request = task.request
     _late(task, 0.0)
+    runtime.counts.start()  # (once per process) the per-second history the dashboard reads
     limits = runtime.live.apply(limits)  # the rates set at run time (core/live.py)
     state = WaitState.from_request(request)
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)

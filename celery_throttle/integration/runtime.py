@@ -25,6 +25,7 @@ from ..room.durability import Durability, server_ids
 from ..room.parking import WaitingRoom
 from .config import Config, read_config
 from .copies import CopyPointer
+from .history import CountsWriter
 
 __all__ = ["INSTALLED", "Runtime", "durability_of", "forget", "runtime_for"]
 
@@ -44,6 +45,7 @@ class Runtime:
     live: LiveLimits
     durability: Durability  # may tasks wait in the store?
     pid: int
+    counts: CountsWriter  # this process's counts per second, for the dashboard
     outage: Every = field(default_factory=Every)  # reports a store outage once per 30 s
 
 
@@ -69,7 +71,7 @@ def runtime_for(app: Celery) -> Runtime:
                          CopyPointer(client, config.prefix, config.visibility_timeout
                                      + config.horizon + 60),
                          LiveLimits(client, config.prefix), durability_of(config, client),
-                         os.getpid())
+                         os.getpid(), CountsWriter(client, config.prefix))
             _cache[app] = rt
         return rt
 
@@ -101,4 +103,5 @@ def forget(app: Celery) -> None:
     with _lock:
         rt = _cache.pop(app, None)
     if rt is not None and rt.pid == os.getpid():
+        rt.counts.stop()  # the counts of the last second, while the client is open
         rt.gate.client.close()

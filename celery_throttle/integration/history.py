@@ -1,0 +1,121 @@
+"""The last 15 minutes of every limit, per second: what the workers did, kept in the store.
+
+Each worker process counts its decisions in memory (``metrics.py``: admitted,
+deferred, the waits given, provider pauses, store errors) and a thread of
+:class:`CountsWriter` adds them, once a second, to one hash per second,
+``{<prefix>}:counts:<unix second>`` (``<field>:<limit name>`` -> count), which
+expires after :data:`KEPT` seconds.  The decision's path gains a dictionary
+update, no store call: the writer costs each busy process one pipelined call
+per second, whatever the rate (measured in BENCHMARKS.md).  :func:`read_counts`
+reads a span of seconds back, summed over every process and machine, for the
+dashboard.
+
+Seconds are the workers' wall clocks: a machine whose clock is off files its
+counts under its own second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+from redis.cluster import RedisCluster
+
+from .. import metrics
+from ..core.keys import counts_key
+from ..core.logs import logger
+
+__all__ = ["FIELDS", "KEPT", "CountsWriter", "read_counts"]
+
+#: How long (seconds) a second's counts stay in the store.
+KEPT = 960
+#: The counted fields (``metrics.LimitStats``'s names).
+FIELDS = ("admitted", "deferred", "wait_seconds_sum", "provider_pauses", "store_errors")
+_EVERY = 1.0
+
+
+class CountsWriter:
+    """Adds this process's counts per second to the store, from a daemon thread.
+
+    :meth:`start` once per process (idempotent; a forked child starts its own);
+    :meth:`stop` writes what is left.  A store that does not answer loses those
+    seconds' counts, never the decisions.
+    """
+
+    def __init__(self, client: redis.Redis | RedisCluster, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Keep counts per second and write them every second from now on."""
+        if self._thread is not None:
+            return
+        with self._lock:
+            if self._thread is None:
+                metrics.keep_seconds(True)
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="celery_throttle-counts")
+                self._thread.start()
+
+    def stop(self) -> None:
+        """Write what is counted and stop the thread."""
+        self._stopped.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
+        self.write()
+
+    def write(self) -> int:
+        """Add the counts taken so far to the store now; returns how many seconds."""
+        taken = metrics.take_seconds()
+        if not taken:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for second, counts in taken.items():
+            key = counts_key(self.prefix, second)
+            for (field, name), n in counts.items():
+                pipe.hincrbyfloat(key, f"{field}:{name}", n)
+            pipe.expire(key, KEPT)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            logger.debug("throttle: counts of %d second(s) not written: %s", len(taken),
+                         type(exc).__name__)
+        return len(taken)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(_EVERY):
+            with contextlib.suppress(Exception):  # the writer never ends a worker
+                self.write()
+
+
+def read_counts(client: redis.Redis | RedisCluster, prefix: str, seconds: Iterable[int]
+                ) -> dict[int, dict[str, dict[str, float]]]:
+    """The counts of ``seconds``: ``{second: {limit: {field: n}}}`` (seconds with none left out)."""
+    wanted = list(seconds)
+    pipe = client.pipeline(transaction=False)
+    for second in wanted:
+        pipe.hgetall(counts_key(prefix, second))
+    found: dict[int, dict[str, dict[str, float]]] = {}
+    for second, raw in zip(wanted, pipe.execute() if wanted else [], strict=True):
+        for k, v in (raw or {}).items():
+            field, _, name = _text(k).partition(":")
+            if field in FIELDS and name:
+                found.setdefault(second, {}).setdefault(name, {})[field] = float(_text(v))
+    return found
+
+
+def now_second() -> int:
+    """This machine's current wall-clock second (the one being counted)."""
+    return int(time.time())
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

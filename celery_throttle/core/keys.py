@@ -3,6 +3,7 @@
 A limit's keys: ``{<prefix>}:<kind>:<digest>:<name>``, where ``kind`` is
 ``b`` (a rate bucket), ``q`` (its queue of waiting tasks), ``t`` (the
 turns of a fair queue), ``h`` (why a provider's report holds it back),
+``o`` (an operator paused it),
 ``l`` (a concurrency limit's leases), ``m`` (its meta
 hash) or ``w`` (its waiters list), and ``digest`` is the hashed key
 value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
@@ -36,8 +37,8 @@ import hashlib
 import uuid
 
 __all__ = ["bucket_key", "copy_key", "counts_key", "epoch_key", "held_key", "key_digest",
-           "leases_key", "live_key",
-           "meta_key", "queue_key", "room_key", "sibling_key", "split_limit_key", "task_key",
+           "leases_key", "live_key", "meta_key", "operator_key", "queue_key", "room_key",
+           "sibling_key", "split_limit_key", "task_key",
            "turns_key", "validate_name", "validate_prefix", "waiters_key"]
 
 _MAX_NAME = 200
@@ -121,6 +122,12 @@ def held_key(prefix: str, name: str, key: object = None) -> str:
     """Why a rate limit is held back by a provider's report (``Gate.follow``): a string
     "remaining reset_us reported_us" that expires at the provider's reset."""
     return _limit_key("h", prefix, name, key)
+
+
+def operator_key(prefix: str, name: str, key: object = None) -> str:
+    """A limit paused by an operator (``celery throttle pause``, the dashboard), not by a
+    provider's 429: a string that expires with the pause."""
+    return _limit_key("o", prefix, name, key)
 
 
 def turns_key(prefix: str, name: str, key: object = None) -> str:

@@ -36,6 +36,7 @@ KEPT = 960
 #: The counted fields (``metrics.LimitStats``'s names).
 FIELDS = ("admitted", "deferred", "wait_seconds_sum", "provider_pauses", "store_errors")
 _EVERY = 1.0
+_writer: CountsWriter | None = None  # the one writer taking this process's counts
 
 
 class CountsWriter:
@@ -43,7 +44,10 @@ class CountsWriter:
 
     :meth:`start` once per process (idempotent; a forked child starts its own);
     :meth:`stop` writes what is left.  A store that does not answer loses those
-    seconds' counts, never the decisions.
+    seconds' counts, never the decisions.  The counts are the process's
+    (``metrics.py``), so one writer takes them: the last one started (a process
+    serving two apps files every count under the prefix of the last one that
+    admitted a task first).
     """
 
     def __init__(self, client: redis.Redis | RedisCluster, prefix: str) -> None:
@@ -57,8 +61,10 @@ class CountsWriter:
         """Keep counts per second and write them every second from now on."""
         if self._thread is not None:
             return
+        global _writer
         with self._lock:
             if self._thread is None:
+                _writer = self
                 metrics.keep_seconds(True)
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="celery_throttle-counts")
@@ -91,7 +97,7 @@ class CountsWriter:
         return len(taken)
 
     def _run(self) -> None:
-        while not self._stopped.wait(_EVERY):
+        while not self._stopped.wait(_EVERY) and _writer is self:
             with contextlib.suppress(Exception):  # the writer never ends a worker
                 self.write()
 

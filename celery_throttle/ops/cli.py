@@ -17,7 +17,10 @@ in ``pyproject.toml``), so it runs with the app and settings of ``-A proj``:
 * ``parked [--limit NAME] [-n N]``: the tasks parked in the waiting room or in line
   that are dispatched next;
 * ``purge --yes``: drop every parked task (they never run; the result backend
-  marks them REVOKED).
+  marks them REVOKED);
+* ``dashboard [--host H] [--port P] [--token T]``: the same on one web page,
+  updated every second, with charts of the last 15 minutes; the actions above
+  only with a secret (``dashboard.py``).
 
 Per-key buckets are never listed (that would need a key scan, and key values
 are stored hashed): name one with ``--key`` (``--int-key`` for integer keys).
@@ -40,6 +43,7 @@ from ..integration.runtime import runtime_for
 from ..room.envelope import Envelope
 from ..values import from_us
 from . import control, report
+from .dashboard import TOKEN_ENV, serve
 
 __all__ = ["throttle"]
 
@@ -69,7 +73,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         if "concurrency" in r:  # a concurrency limit: seats held, in the same columns
             if "held" in r:
                 fill = f"{r['held']}/{r['concurrency']} held"
-                free = (f"paused {r['paused_s']:.3f}s" if r["paused_s"] else
+                free = (f"paused {r['paused_s']:.3f}s{_by(r)}" if r["paused_s"] else
                         "now" if r["held"] < r["concurrency"] else "when one ends")
             else:
                 fill, free = "-", r["note"] or "-"
@@ -79,7 +83,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             continue
         if "fill" in r:
             fill, free = f"{r['fill']:.0%}", "now" if r["next_free_s"] == 0 else \
-                f"in {r['next_free_s']:.3f}s" + (" (paused)" if r["paused_s"] else "")
+                f"in {r['next_free_s']:.3f}s" + (f" (paused{_by(r)})" if r["paused_s"] else "")
             if held := r.get("held_by_provider"):
                 free += (f" (held: the provider reported {held['remaining']} left until its "
                          f"reset in {held['until_reset_s']:.1f}s)")
@@ -98,6 +102,12 @@ def _table(rows: list[dict[str, Any]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
              for line in [head, *body]]
     return "\n".join(lines)
+
+
+def _by(row: dict[str, Any]) -> str:
+    """Who paused the limit of ``row``, as a few words."""
+    return {"operator": " by an operator", "provider": " after a provider's 429"}.get(
+        row.get("paused_by", ""), "")
 
 
 def _span(seconds: float) -> str:
@@ -331,3 +341,23 @@ def resume(ctx: click.Context, name: str, key: str | None, int_key: str | None) 
     """End a pause of limit NAME now (set by ``pause`` or by a provider's 429)."""
     ended = control.resume(_app(ctx), name, _key_value(key, int_key))
     click.echo(f"limit {name!r}: " + ("resumed" if ended else "was not paused"))
+
+
+@throttle.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="the address to serve on (another than loopback shows the page to the network)")
+@click.option("--port", default=8089, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--token", envvar=TOKEN_ENV, default=None, show_envvar=True,
+              help="the secret that turns the controls on (pause, resume, set, unset, purge); "
+                   "without it the page is read-only. Prefer the environment variable: "
+                   "a command line is visible to other users")
+@click.pass_context
+def dashboard(ctx: click.Context, host: str, port: int, token: str | None) -> None:
+    """Serve a web page of every limit (status, charts, why, controls) until interrupted."""
+    app = _app(ctx)
+    click.echo(f"celery_throttle dashboard on http://{host}:{port}/ "
+               + ("(controls on: requests need the secret)" if token else "(read-only)"))
+    try:
+        serve(app, host, port, token or None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--token") from None

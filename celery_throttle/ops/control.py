@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from celery import Celery
 
 from ..core.gate import Concurrency, Limit
+from ..core.keys import operator_key
 from ..core.rates import Rate, parse_rate
 from ..integration.notes import forget_dropped
 from ..integration.runtime import runtime_for
@@ -51,13 +52,20 @@ def pause(app: Celery, name: str, seconds: float | None, value: object = None) -
     if seconds is not None and not 0 < seconds <= LONGEST_WAIT:
         raise BadValue(f"{seconds}: expected seconds from 0 to {LONGEST_WAIT:g}", "--for")
     limits = _limits_of(app, name, value)
-    return runtime_for(app).gate.pause(limits, LONGEST_WAIT if seconds is None else seconds)
+    gate = runtime_for(app).gate
+    lasts = gate.pause(limits, LONGEST_WAIT if seconds is None else seconds)
+    # Who paused it, for status and the dashboard: a provider's 429 pauses it too.
+    gate.client.set(operator_key(gate.prefix, name, limits[0].key), "1",
+                    px=max(1, round(lasts * 1000)))
+    return lasts
 
 
 def resume(app: Celery, name: str, value: object = None) -> bool:
     """End a pause of limit ``name`` now; False if it was not paused."""
     runtime = runtime_for(app)
-    ended = runtime.gate.resume(_limits_of(app, name, value))
+    limits = _limits_of(app, name, value)
+    ended = runtime.gate.resume(limits)
+    runtime.gate.client.delete(operator_key(runtime.gate.prefix, name, limits[0].key))
     runtime.room.queues.look_now(name)  # its line was due when the pause would end
     return bool(ended)
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from celery import Celery
 
-from ..core.gate import BucketState, Concurrency, LeaseState, Limit
+from ..core.gate import BucketState, Concurrency, Gate, LeaseState, Limit
+from ..core.keys import operator_key
 from ..core.rates import parse_rate
 from ..integration.declared import KnownLimit, known_limits
 from ..integration.notes import read_wait
@@ -79,6 +80,7 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
         if line is not None and "rate" in r:
             r.update(in_line=line.waiting, drains_in_s=line.drains_in,
                      top_keys=[{"key_digest": d, "waiting": n} for d, n in line.top])
+    _paused_by(runtime.gate, rows, value)
     room = runtime.room.state()
     in_line = runtime.room.queues.waiting()
     # Whether waiting tasks may wait in the store now (room/durability.py).
@@ -92,6 +94,19 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
 def why(app: Celery, task_id: str) -> dict[str, Any]:
     """Why ``task_id`` waits: ``{"task_id": ..., "waiting": note or None}`` (``notes.py``)."""
     return {"task_id": task_id, "waiting": read_wait(runtime_for(app), task_id)}
+
+
+def _paused_by(gate: Gate, rows: list[dict[str, Any]], value: object) -> None:
+    """Say who paused each paused limit: ``"operator"`` (``control.pause``) or
+    ``"provider"`` (a provider's 429, or code calling ``Gate.pause``)."""
+    paused = [r for r in rows if r.get("paused_s")]
+    if not paused:
+        return
+    pipe = gate.client.pipeline(transaction=False)
+    for r in paused:
+        pipe.exists(operator_key(gate.prefix, r["limit"], value if r["per_key"] else None))
+    for r, by_operator in zip(paused, pipe.execute(), strict=True):
+        r["paused_by"] = "operator" if by_operator else "provider"
 
 
 def _lease_row(known: KnownLimit, state: LeaseState | None, key_given: bool

@@ -165,6 +165,9 @@ PROCESS_STATE = {
     "metrics._lock": "the counts below are updated from the threads pool's threads",
     "metrics._stats": "this process's counts per limit (what snapshot() reads)",
     "metrics._prom": "the Prometheus metrics: one registry per process",
+    "integration.history._writer": "the one writer taking this process's counts per second",
+    "metrics._seconds": "this process's counts per second, until the history writer takes them",
+    "metrics._wall": "the wall clock the counts per second are filed by (tests replace it)",
     "integration.runtime._cache": "each app's runtime (settings, client) in this process, "
                                   "weakly keyed",
     "integration.runtime._lock": "the threads pool may build a runtime concurrently",

@@ -250,8 +250,9 @@ def test_command_shows_and_resets_concurrency_leases(
     (row,) = json.loads(status.stdout)["limits"]
     assert (row["limit"], row["concurrency"], row["held"]) == ("one-slot", 1, 1)
     assert 25 <= row["paused_s"] <= 30
-    assert re.search(r"^one-slot\s+1 at once\s+-\s+1/1 held\s+paused \d+\.\d{3}s\s+-\s+"
-                     r"tests.celery_app.one_slot$", table.stdout, flags=re.MULTILINE), table.stdout
+    assert re.search(r"^one-slot\s+1 at once\s+-\s+1/1 held\s+paused \d+\.\d{3}s "
+                     r"after a provider's 429\s+-\s+tests.celery_app.one_slot$", table.stdout,
+                     flags=re.MULTILINE), table.stdout
     assert "leases reset" in reset.stdout
     assert gate.inspect_leases(one).held == 0
     gate.client.close()

@@ -46,6 +46,8 @@ class LimitStats:
     wait_seconds_sum: float = 0.0
     store_errors: int = 0
     provider_pauses: int = 0
+    would_defer: int = 0  # shadow mode: tasks the limit would have made wait
+    would_wait_seconds_sum: float = 0.0
 
 
 class _Prometheus(NamedTuple):
@@ -56,6 +58,8 @@ class _Prometheus(NamedTuple):
     waits: Any  # Histogram
     store_errors: Any  # Counter
     provider_pauses: Any  # Counter
+    would_defer: Any  # Counter
+    would_waits: Any  # Histogram
 
 
 # This module's state, all of it: the counts, their lock, the Prometheus metrics.
@@ -127,6 +131,17 @@ def deferred(name: str, wait: float) -> None:
         prom.waits.labels(name).observe(wait)
 
 
+def would_defer(name: str, wait: float) -> None:
+    """Shadow mode: limit ``name`` would have made a task wait ``wait`` seconds (it ran)."""
+    with _lock:
+        _stats.setdefault(name, LimitStats()).would_wait_seconds_sum += wait
+        _add_to_second(name, "would_wait_seconds_sum", wait)
+    _count([name], "would_defer")
+    prom = _prometheus()
+    if prom is not None:
+        prom.would_waits.labels(name).observe(wait)
+
+
 def store_error(names: list[str]) -> None:
     """A decision over ``names`` failed because the store did not answer."""
     _count(names, "store_errors")
@@ -185,5 +200,11 @@ def _prometheus() -> _Prometheus | None:
                     provider_pauses=Counter("celery_throttle_provider_pauses",
                                             "Provider refusals (429) that paused the limit "
                                             "on every worker", ["limit"]),
+                    would_defer=Counter("celery_throttle_shadow_deferred",
+                                        "Shadow mode: tasks the limit would have made wait "
+                                        "(they ran at once)", ["limit"]),
+                    would_waits=Histogram("celery_throttle_shadow_wait_seconds",
+                                          "Shadow mode: the waits the limit would have given",
+                                          ["limit"], buckets=WAIT_BUCKETS),
                 )
     return _prom if isinstance(_prom, _Prometheus) else None

@@ -179,6 +179,14 @@ def retry_once(self: Task[Any, Any], i: int) -> int:
     return i
 
 
+@throttled("5/s", burst=5, name="trial", enforce=False)
+@app.task(bind=True)
+def trial(self: Task[Any, Any], i: int) -> int:
+    """A limit tried in shadow mode: decided and counted, never waited for."""
+    record(self, i=i)
+    return i
+
+
 @throttled("1/s", name="patient")
 @app.task(bind=True)
 def patient(self: Task[Any, Any], i: int) -> int:

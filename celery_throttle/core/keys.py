@@ -10,8 +10,8 @@ value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
 one.  The name comes last, after two parts of fixed form, so a limit name
 can hold any character (``:`` included) and still never be the key of
 another limit, nor of the package's own keys: those (``epoch``, ``live``,
-``room:*``, ``wait:*``, ``copy:*``, ``arrived:*``, ``counts:*``) start with a word no limit
-key starts with.
+``enforce``, ``room:*``, ``wait:*``, ``copy:*``, ``arrived:*``, ``counts:*``)
+start with a word no limit key starts with.
 
 * The prefix is the key's *first* ``{...}`` group, i.e. its Redis Cluster hash
   tag.  One decision may span several buckets (a tenant rate, a provider rate,
@@ -36,10 +36,10 @@ import base64
 import hashlib
 import uuid
 
-__all__ = ["bucket_key", "copy_key", "counts_key", "epoch_key", "held_key", "key_digest",
-           "leases_key", "live_key", "meta_key", "operator_key", "queue_key", "room_key",
-           "sibling_key", "split_limit_key", "task_key",
-           "turns_key", "validate_name", "validate_prefix", "waiters_key"]
+__all__ = ["bucket_key", "copy_key", "counts_key", "enforce_key", "epoch_key", "held_key",
+           "key_digest", "leases_key", "live_key", "meta_key", "operator_key", "queue_key",
+           "room_key", "sibling_key", "split_limit_key", "task_key", "turns_key",
+           "validate_name", "validate_prefix", "waiters_key"]
 
 _MAX_NAME = 200
 
@@ -175,6 +175,12 @@ def counts_key(prefix: str, second: int) -> str:
     """The workers' counts of one wall-clock second (``integration/history.py``): a hash,
     ``<field>:<limit name>`` -> count."""
     return f"{{{prefix}}}:counts:{second}"
+
+
+def enforce_key(prefix: str) -> str:
+    """Limits switched in or out of shadow mode at run time (``live.py``): a hash, limit
+    name -> "1" (enforced) or "0" (shadow)."""
+    return f"{{{prefix}}}:enforce"
 
 
 def live_key(prefix: str) -> str:

@@ -5,7 +5,11 @@ One hash per prefix, ``{<prefix>}:live``: limit name -> ``"<interval us> <burst>
 as written, parsed here exactly).  An override names a limit, so it applies
 to every key value of a per-key limit.
 
-Celery's workers read it at most once per :data:`REFRESH` seconds per process
+Beside it, ``{<prefix>}:enforce``: limit name -> "1" or "0", a limit switched
+in or out of shadow mode at run time (``celery throttle shadow NAME on|off``),
+over the code's ``enforce`` and the app's ``throttle_enforce``.
+
+Celery's workers read them at most once per :data:`REFRESH` seconds per process
 and decide with the overridden limits (:meth:`LiveLimits.apply`); the
 dispatchers read it in the same script call that charges a waiting task.  So
 a change reaches every decision within a second, waiting tasks included,
@@ -26,7 +30,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from ..values import positive_int
-from .keys import live_key, validate_name
+from .keys import enforce_key, live_key, validate_name
 from .limits import AnyLimit, Limit
 from .rates import Rate, parse_rate
 
@@ -51,8 +55,10 @@ class LiveLimits:
         self.client = client
         self.clock = clock  # how old the copy is: this process's monotonic clock
         self.key = live_key(prefix)
+        self.modes_key = enforce_key(prefix)
         self.refresh = refresh
         self._copy: dict[str, tuple[Rate, int]] = {}
+        self._modes: dict[str, bool] = {}
         self._read_at = float("-inf")  # monotonic
         self._lock = threading.Lock()  # threads pools share the copy
 
@@ -67,6 +73,27 @@ class LiveLimits:
     def unset(self, name: str) -> bool:
         """Back to the code's rate for ``name``; False if it had no override."""
         return bool(self._sync().hdel(self.key, name))
+
+    def set_enforce(self, name: str, enforce: bool) -> None:
+        """Enforce limit ``name`` (True) or run it in shadow mode (False), everywhere, over
+        the code and the app's setting, until :meth:`unset_enforce`."""
+        validate_name(name)
+        self._sync().hset(self.modes_key, name, "1" if enforce else "0")
+
+    def unset_enforce(self, name: str) -> bool:
+        """Back to the code's and the app's choice for ``name``; False if none was set."""
+        return bool(self._sync().hdel(self.modes_key, name))
+
+    def read_enforce(self) -> dict[str, bool]:
+        """Every limit switched at run time now: name -> enforced."""
+        raw = self._sync().hgetall(self.modes_key)
+        return {_text(k): _text(v) == "1" for k, v in raw.items()}
+
+    def enforcing(self) -> dict[str, bool]:
+        """:meth:`read_enforce` as of at most :attr:`refresh` s ago (the last copy with the
+        store down)."""
+        self._current()
+        return self._modes
 
     def read(self) -> dict[str, tuple[Rate, int]]:
         """Every override now: name -> (rate, burst); one unreadable is left out."""
@@ -104,9 +131,18 @@ class LiveLimits:
             if now - self._read_at >= self.refresh:
                 # Store down: the decision itself reports it; the last copy stays.
                 with contextlib.suppress(redis.RedisError):
-                    self._copy = self.read()
+                    pipe = self._sync().pipeline(transaction=False)
+                    pipe.hgetall(self.key)
+                    pipe.hgetall(self.modes_key)
+                    rates, modes = pipe.execute()
+                    self._copy = _parsed(rates)
+                    self._modes = {_text(k): _text(v) == "1" for k, v in modes.items()}
                 self._read_at = now
         return self._copy
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _parsed(raw: dict[Any, Any]) -> dict[str, tuple[Rate, int]]:

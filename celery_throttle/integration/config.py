@@ -65,6 +65,10 @@ SETTINGS: dict[str, tuple[object, str]] = {
                               "kept as well as in the broker (the store is the broker's "
                               "server, appends to disk, or parks wait for replicas); "
                               "\"always\": on any store; False: never"),
+    "throttle_enforce": (True, "False: shadow mode for every limit of the app: each decision is "
+                         "made and counted (would have waited, how long, for which limit) "
+                         "but every task runs at once; @throttled(enforce=...) overrides it "
+                         "per limit, `celery throttle shadow NAME on|off` overrides both"),
     "throttle_scheduler": (True, "tasks that must wait longer than throttle_max_sleep wait in "
                            "line, in the queue of the limit that blocks them, and are "
                            "dispatched when it admits them, best priority first (see the "
@@ -123,6 +127,7 @@ class Config:
     dispatch_lead: float
     dispatch_timeout: float
     gc_freeze: bool
+    enforce: bool
     # Not a throttle_* setting: the broker's, read for max_countdown and for
     # how long a duplicate copy of an acks_late message can still turn up.
     visibility_timeout: float
@@ -282,6 +287,7 @@ def read_config(app: Celery) -> Config:
         dispatch_timeout=_at_least_one("throttle_dispatch_timeout",
                                       get("throttle_dispatch_timeout")),
         gc_freeze=_flag("throttle_gc_freeze", get("throttle_gc_freeze")),
+        enforce=_flag("throttle_enforce", get("throttle_enforce")),
     )
 
 

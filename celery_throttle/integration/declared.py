@@ -28,6 +28,7 @@ class KnownLimit:
     used_by: tuple[str, ...]  # "queue q" or task names
     # The code's (rate, burst) when ``limit`` shows a rate set at run time.
     code: tuple[Rate, int] | None = None
+    enforce: bool | None = None  # the decorator's enforce= (None: the app's setting)
 
 
 def known_limits(app: Celery) -> list[KnownLimit]:
@@ -48,8 +49,11 @@ def known_limits(app: Celery) -> list[KnownLimit]:
                 kinds.append((leases, Concurrency(name, spec.concurrency, None, spec.lease)))
             for table, lim in kinds:
                 old = table.get(name)
-                table[name] = (KnownLimit(old.limit, old.keyed, (*old.used_by, task_name))
-                               if old else KnownLimit(lim, spec.key is not None, (task_name,)))
+                table[name] = (KnownLimit(old.limit, old.keyed, (*old.used_by, task_name),
+                                          enforce=old.enforce if old.enforce is not None
+                                          else spec.enforce)
+                               if old else KnownLimit(lim, spec.key is not None, (task_name,),
+                                                      enforce=spec.enforce))
     return [*found.values(), *leases.values()]
 
 

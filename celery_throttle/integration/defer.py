@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, NoReturn, cast
 
@@ -36,7 +37,7 @@ from ..room.envelope import capture
 from ..room.header import HEADER, WaitState, spacing_of
 from ..room.queues import MAX_AHEAD_US, entry_id
 from ..values import from_us, to_us
-from . import leases
+from . import leases, shadow
 from .copies import new_copy
 from .notes import NOTE_AFTER_MS, wait_note, write_note
 from .runtime import INSTALLED, Runtime
@@ -49,6 +50,7 @@ _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _MAX_SLEEPS = 3
 _STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of a started copy
 _LEASED = "_celery_throttle_leased"  # request attribute: the leases.Held of this run
+_SHADOW_LEASED = "_celery_throttle_shadow_leased"  # ... its shadow leases (shadow.py)
 _LATE = "_celery_throttle_late"  # request attribute: how late after its slot it was admitted
 
 
@@ -92,19 +94,23 @@ def _seconds_to_expiry(request: Any) -> float | None:
 
 
 def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
-          max_wait: float | None, estimated: set[str] | None = None) -> None:
+          max_wait: float | None, estimated: set[str] | None = None,
+          coded: Mapping[str, bool] | None = None) -> None:
     """Return when ``task`` may start now; otherwise re-schedule it and raise ``Ignore``.
 
     Raises :class:`ThrottleTimeout` past ``max_wait`` and
     :class:`ThrottleStoreError` when the store fails under ``on_error="fail"``.
     Concurrency limits are held under the task's id until its run ends
     (``task_postrun``), renewed meanwhile by this process's heartbeat.
-    ``estimated``: names of limits whose cost the task may settle.
+    ``estimated``: names of limits whose cost the task may settle.  ``coded``:
+    limit name -> the decorator's ``enforce``: limits in shadow mode
+    (``shadow.py``) are decided once the others admit the task, and never hold it.
     """
     request = task.request
     _late(task, 0.0)
     runtime.counts.start()  # (once per process) the per-second history the dashboard reads
     limits = runtime.live.apply(limits)  # the rates set at run time (core/live.py)
+    limits, shadowed = shadow.split(runtime, limits, coded or {})
     state = WaitState.from_request(request)
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
     charged = state.charged  # ... from a limit's queue: how (queues.Served.flag)
@@ -127,8 +133,10 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             request.delivery_info = info  # type: ignore[assignment]
     concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
     holder = str(request.id) if concurrent else ""
-    if charged == "c" and arrived and _turn_kept(task, runtime, limits, state, arrived_at,
-                                                 asked):
+    if not limits:
+        admitted = True  # (every limit is in shadow mode)
+    elif charged == "c" and arrived and _turn_kept(task, runtime, limits, state, arrived_at,
+                                                   asked):
         admitted = True  # its turn came in its queue: every limit was charged for it
     elif charged == "t" and arrived:
         raise ThrottleTimeout.exceeded(task.name, limits[0].name if limits else "",
@@ -146,7 +154,9 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
                            "re-scheduling it; its newer copy goes on)", task.name, request.id)
             raise Ignore()
         setattr(request, _STARTED, (runtime, state))  # for _run_ended
-    metrics.admitted([lim.name for lim in limits])
+    if shadowed:  # it starts now: what would the shadowed limits have said?
+        setattr(request, _SHADOW_LEASED, shadow.decide(task, runtime, shadowed))
+    metrics.admitted([lim.name for lim in limits + shadowed])
     if state.slot is not None or state.since is not None:
         # The task starts now: its booked slot is spent.  Celery's retry() and
         # any re-publish copy request.headers, and a copy still carrying the
@@ -178,10 +188,11 @@ def release_leases_of(task: Task[Any, Any]) -> None:
     The gated run calls it as the run ends in any state (success, failure,
     retry, ``Ignore``, soft time limit), and after a provider's pause is written.
     """
-    held = getattr(task.request, _LEASED, None)
-    if held is not None:
-        setattr(task.request, _LEASED, None)
-        leases.release(held)
+    for attr in (_LEASED, _SHADOW_LEASED):
+        held = getattr(task.request, attr, None)
+        if held is not None:
+            setattr(task.request, attr, None)
+            leases.release(held)
 
 
 def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],

@@ -34,7 +34,8 @@ __all__ = ["FIELDS", "KEPT", "CountsWriter", "read_counts"]
 #: How long (seconds) a second's counts stay in the store.
 KEPT = 960
 #: The counted fields (``metrics.LimitStats``'s names).
-FIELDS = ("admitted", "deferred", "wait_seconds_sum", "provider_pauses", "store_errors")
+FIELDS = ("admitted", "deferred", "wait_seconds_sum", "provider_pauses", "store_errors",
+          "would_defer", "would_wait_seconds_sum")
 _EVERY = 1.0
 _writer: CountsWriter | None = None  # the one writer taking this process's counts
 

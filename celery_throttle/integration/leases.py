@@ -89,13 +89,21 @@ class _Heartbeat:
 
     def _run(self) -> None:
         wake = self.wake
+        due = time.monotonic() + self._period()
         while True:
-            wake.wait(self._period())
+            wake.wait(max(0.0, due - time.monotonic()))
             wake.clear()
+            if time.monotonic() < due:
+                # Woken by a new lease: only its beat may come sooner.  (Renewing
+                # now would extend a lease granted a moment ago: a store call per
+                # admission for nothing.)
+                due = min(due, time.monotonic() + self._period())
+                continue
             with self.lock:
                 current = list(self.held.values())
             for held in current:
                 self._renew(held)
+            due = time.monotonic() + self._period()
 
     def _renew(self, held: Held) -> None:
         try:

@@ -27,7 +27,11 @@ from .config import Config, read_config
 from .copies import CopyPointer
 from .history import CountsWriter
 
-__all__ = ["INSTALLED", "Runtime", "durability_of", "forget", "runtime_for"]
+__all__ = ["INSTALLED", "SHADOW_SUFFIX", "Runtime", "durability_of", "forget", "runtime_for"]
+
+#: Appended to the app's prefix for the buckets of limits in shadow mode (a hash tag
+#: of their own: a shadow decision never spans a real bucket).
+SHADOW_SUFFIX = ".shadow"
 
 #: Set on an app by ``install(app)``: its workers run a dispatcher, so the
 #: waiting room may be used (without one, parked tasks would never leave it).
@@ -46,6 +50,7 @@ class Runtime:
     durability: Durability  # may tasks wait in the store?
     pid: int
     counts: CountsWriter  # this process's counts per second, for the dashboard
+    shadow: Gate  # the buckets of limits in shadow mode (integration/shadow.py)
     outage: Every = field(default_factory=Every)  # reports a store outage once per 30 s
 
 
@@ -71,7 +76,8 @@ def runtime_for(app: Celery) -> Runtime:
                          CopyPointer(client, config.prefix, config.visibility_timeout
                                      + config.horizon + 60),
                          LiveLimits(client, config.prefix), durability_of(config, client),
-                         os.getpid(), CountsWriter(client, config.prefix))
+                         os.getpid(), CountsWriter(client, config.prefix),
+                         Gate(client, prefix=config.prefix + SHADOW_SUFFIX))
             _cache[app] = rt
         return rt
 

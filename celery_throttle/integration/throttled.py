@@ -59,6 +59,7 @@ class Throttle:
     concurrency: int | None = None
     lease: float = DEFAULT_LEASE
     fair: str | ArgFn | None = None
+    enforce: bool | None = None  # None: the app's throttle_enforce
 
     @property
     def estimated(self) -> bool:
@@ -124,6 +125,7 @@ def throttled(
     concurrency: int | None = None,
     lease: float = DEFAULT_LEASE,
     fair: str | ArgFn | None = None,
+    enforce: bool | None = None,
 ) -> Callable[[T], T]:
     """Limit every start of the decorated task, across all workers.
 
@@ -148,6 +150,10 @@ def throttled(
       tasks waiting in line for the rate limit are served by this value in
       turn (a tenant that floods the limit does not make the others wait
       behind all of its tasks), weighted by ``throttle_fair_weights``.
+    * ``enforce``: False puts these limits in *shadow mode*: every decision is
+      made and counted (would have waited, how long, for which limit) but the
+      task runs at once (default: the app's ``throttle_enforce``; a live
+      ``celery throttle shadow NAME on|off`` overrides both).
 
     Raising :class:`~celery_throttle.RateLimited` in the task (a provider's
     429) pauses its limits on every worker and re-schedules it, retries untouched.
@@ -158,7 +164,7 @@ def throttled(
         label, fun, bind = _describe(task)
         try:
             spec = _build_spec(rate, burst, key, name, cost, max_wait, fun, bind,
-                               concurrency, lease, fair)
+                               concurrency, lease, fair, enforce)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"@throttled on task {label}: {exc}") from None
         if isinstance(task, Task):
@@ -201,7 +207,7 @@ def _describe(task: object) -> tuple[str, Callable[..., Any] | None, bool]:
 def _build_spec(rate: object, burst: object, key: object, name: object, cost: object,
                 max_wait: object, fun: Callable[..., Any] | None, bind: bool,
                 concurrency: object = None, lease: object = DEFAULT_LEASE,
-                fair: object = None) -> Throttle:
+                fair: object = None, enforce: object = None) -> Throttle:
     if rate is None and concurrency is None:
         raise ValueError("give a rate, a concurrency, or both")
     if fair is not None and rate is None:
@@ -217,6 +223,8 @@ def _build_spec(rate: object, burst: object, key: object, name: object, cost: ob
         check_cost(cost, burst, name if isinstance(name, str) else None)
     if max_wait is not None:
         seconds("max_wait", max_wait)
+    if enforce is not None and not isinstance(enforce, bool):
+        raise ValueError(f"enforce {enforce!r}: expected True or False")
     signature = None
     for what, spec in (("key", key), ("fair", fair)):
         if isinstance(spec, str):
@@ -237,7 +245,7 @@ def _build_spec(rate: object, burst: object, key: object, name: object, cost: ob
             raise ValueError(f"invalid {what} {spec!r}: expected an argument name or a "
                              "callable")
     return Throttle(parsed, burst, key, name, cost, max_wait,  # type: ignore[arg-type]
-                    signature, concurrency, lease, fair)  # type: ignore[arg-type]
+                    signature, concurrency, lease, fair, enforce)  # type: ignore[arg-type]
 
 
 def _attach(task: Task[Any, Any], spec: Throttle) -> None:
@@ -283,9 +291,10 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         max_wait = next((s.max_wait for s in specs if s.max_wait is not None),
                         runtime.config.max_wait)
         estimated = {(s.name or task.name) for s in specs if s.estimated}
+        coded = {(s.name or task.name): s.enforce for s in specs if s.enforce is not None}
         admitted = False
         with contextlib.suppress(Ignore):  # raised again below, shallow
-            admit(task, runtime, limits, max_wait, estimated)
+            admit(task, runtime, limits, max_wait, estimated, coded)
             admitted = True
         if not admitted:
             _end_run()

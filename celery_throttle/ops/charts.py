@@ -2,7 +2,8 @@
 
 Two sources, each where it is cheapest:
 
-* what the workers did (starts, deferrals, provider 429 pauses), from the
+* what the workers did (starts, deferrals, provider 429 pauses, would-have
+  deferrals of limits in shadow mode), from the
   counts they keep in the store per second (``integration/history.py``), so a
   dashboard started now charts the 15 minutes before it too;
 * what waits (tasks in line and starts booked ahead), fill and pauses: state,
@@ -78,7 +79,8 @@ class Charts:
         last :data:`_UNSETTLED` seconds again (their counts may still grow).
 
         ``{"from": s0, "to": s1, "limits": {name: {series: [one value per second]}}}``:
-        series ``admitted``, ``deferred``, ``provider_pauses`` (counts), ``waiting``,
+        series ``admitted``, ``deferred``, ``provider_pauses``, ``would_defer`` (shadow
+        mode) (counts), ``waiting``,
         ``fill``, ``paused``, ``limit_per_s`` (sampled; None where no sample was taken).
         """
         now = int(self.clock())
@@ -93,7 +95,7 @@ class Charts:
             limits = {}
             for name in names:
                 series: dict[str, list[float | None]] = {}
-                for field in ("admitted", "deferred", "provider_pauses"):
+                for field in ("admitted", "deferred", "provider_pauses", "would_defer"):
                     series[field] = [self._counts.get(s, {}).get(name, {}).get(field, 0.0)
                                      for s in seconds]
                 for field in ("waiting", "fill", "paused", "limit_per_s"):

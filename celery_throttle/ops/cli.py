@@ -12,6 +12,8 @@ in ``pyproject.toml``), so it runs with the app and settings of ``-A proj``:
 * ``set NAME RATE [--burst N]`` / ``unset NAME``: a rate set at run time over
   the code's, used by every worker and dispatcher within a second, waiting
   tasks included (``core/live.py``);
+* ``shadow NAME on|off|unset``: shadow mode at run time (decided and counted,
+  never waited for), over the code's ``enforce=`` and ``throttle_enforce``;
 * ``pause NAME [--for S] [--key K]`` / ``resume NAME [--key K]``: admit
   nothing (the pause a provider's 429 writes), or end a pause now;
 * ``parked [--limit NAME] [-n N]``: the tasks parked in the waiting room or in line
@@ -96,7 +98,12 @@ def _table(rows: list[dict[str, Any]]) -> str:
                        + (f" (+{r['booked_ahead']} booked)" if r.get("booked_ahead") else ""))
         rate = r["rate"] + (f" (set; code {r['code_rate']} burst {r['code_burst']})"
                             if "code_rate" in r else "")
-        body.append([r["limit"] + (" (per key)" if r["per_key"] else ""), rate,
+        if shadow := r.get("shadow"):  # shadow mode: what it would have done
+            waiting = (f"none (shadow: would have deferred {shadow['would_defer_15m']} in 15m"
+                       + (f", would drain in {_span(shadow['would_next_free_s'])}"
+                          if shadow.get("would_next_free_s") else "") + ")")
+        body.append([r["limit"] + (" (per key)" if r["per_key"] else "")
+                     + ("" if r.get("enforced", True) else " (shadow)"), rate,
                      str(r["burst"]), fill, free, waiting, ", ".join(r["used_by"])])
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
@@ -315,6 +322,21 @@ def unset(ctx: click.Context, name: str) -> None:
     had, limit = control.unset_rate(_app(ctx), name)
     click.echo(f"limit {name!r}: {limit.rate} burst {limit.burst} (the code's)"
                + ("" if had else "; it had no rate set"))
+
+
+@throttle.command()
+@click.argument("name")
+@click.argument("mode", type=click.Choice(["on", "off", "unset"]))
+@click.pass_context
+def shadow(ctx: click.Context, name: str, mode: str) -> None:
+    """Shadow mode for limit NAME: on (decided and counted, never waited for), off
+    (enforced), or unset (as the code and throttle_enforce say), everywhere within a second.
+    """
+    now, had = control.shadow(_app(ctx), name, mode)
+    click.echo(f"limit {name!r}: " + ("back to the code's and the app's choice" if now is None
+                                      else "enforced" if now else "in shadow mode (counted, "
+                                      "never waited for)")
+               + ("" if had or now is not None else "; it had no switch set"))
 
 
 @throttle.command()

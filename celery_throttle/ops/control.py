@@ -23,7 +23,7 @@ from ..values import LONGEST_WAIT
 from .report import select
 
 __all__ = ["BadValue", "NeedsKey", "Purged", "pause", "purge", "reset", "resume", "set_rate",
-           "unset_rate", "waiting"]
+           "shadow", "unset_rate", "waiting"]
 
 
 class BadValue(ValueError):
@@ -103,6 +103,22 @@ def unset_rate(app: Celery, name: str) -> tuple[bool, Limit]:
     had = runtime.live.unset(name)
     runtime.room.queues.look_now(name)
     return had, limit
+
+
+def shadow(app: Celery, name: str, mode: str) -> tuple[bool | None, bool]:
+    """Switch limit ``name`` into shadow mode ("on"), back to enforcing ("off"), or back
+    to what the code and the app's setting say ("unset"), everywhere within a second;
+    returns (whether a switch now enforces it, None when unset; whether one was set)."""
+    if mode not in ("on", "off", "unset"):
+        raise BadValue(f"{mode!r}: expected on, off or unset", "MODE")
+    select(app, (name,))  # (an unknown name is an error, not a new switch)
+    live = runtime_for(app).live
+    had = name in live.read_enforce()
+    if mode == "unset":
+        live.unset_enforce(name)
+        return None, had
+    live.set_enforce(name, mode == "off")
+    return mode == "off", had
 
 
 def waiting(app: Celery) -> int:

@@ -8,7 +8,7 @@ A Starlette app (the ``web`` extra) serving the page and its JSON:
 * ``GET /api/why/{task_id}``: ``celery throttle why --json``;
 * ``GET /api/meta``: whether the controls are on, the app and the store (its
   URL without the password);
-* ``POST /api/limits/{name}/pause|resume|set|unset`` and ``POST /api/purge``:
+* ``POST /api/limits/{name}/pause|resume|set|unset|shadow`` and ``POST /api/purge``:
   the CLI's actions (``control.py``).
 
 The controls are off unless the dashboard has a secret (``--token`` or
@@ -213,6 +213,11 @@ def _action(app: Celery, action: str, name: str, body: dict[str, Any]) -> Any:
             parsed, used, _ = control.set_rate(app, name, rate, burst)
             return {"rate": str(parsed), "burst": used}
         return set_it
+    if action == "shadow":
+        mode = body.get("mode")
+        if mode not in ("on", "off", "unset"):
+            raise control.BadValue(f"{mode!r}: expected on, off or unset", "mode")
+        return lambda: {"enforced": control.shadow(app, name, str(mode))[0]}
     if action == "unset":
         return lambda: {"had_a_rate_set": control.unset_rate(app, name)[0]}
     if action == "purge" and not name:
@@ -224,7 +229,8 @@ def _action(app: Celery, action: str, name: str, body: dict[str, Any]) -> Any:
             done = control.purge(app)
             return {"dropped": done.dropped, "revoked": done.revoked}
         return purge
-    raise control.BadValue(f"{action!r}: expected pause, resume, set or unset", "action")
+    raise control.BadValue(f"{action!r}: expected pause, resume, set, unset or shadow",
+                           "action")
 
 
 def serve(app: Celery, host: str, port: int, token: str | None) -> None:

@@ -20,8 +20,10 @@ from ..core.gate import BucketState, Concurrency, Gate, LeaseState, Limit
 from ..core.keys import operator_key
 from ..core.rates import parse_rate
 from ..integration.declared import KnownLimit, known_limits
+from ..integration.history import read_counts
 from ..integration.notes import read_wait
 from ..integration.runtime import runtime_for
+from ..integration.shadow import enforced
 
 __all__ = ["ROOM_OFF", "UnknownLimit", "select", "status", "why"]
 
@@ -81,6 +83,7 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
             r.update(in_line=line.waiting, drains_in_s=line.drains_in,
                      top_keys=[{"key_digest": d, "waiting": n} for d, n in line.top])
     _paused_by(runtime.gate, rows, value)
+    _shadow(app, rows, {k.limit.name: k for k in select(app, names)}, value)
     room = runtime.room.state()
     in_line = runtime.room.queues.waiting()
     # Whether waiting tasks may wait in the store now (room/durability.py).
@@ -94,6 +97,39 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
 def why(app: Celery, task_id: str) -> dict[str, Any]:
     """Why ``task_id`` waits: ``{"task_id": ..., "waiting": note or None}`` (``notes.py``)."""
     return {"task_id": task_id, "waiting": read_wait(runtime_for(app), task_id)}
+
+
+def _shadow(app: Celery, rows: list[dict[str, Any]], known: dict[str, KnownLimit],
+            value: object) -> None:
+    """Each row's mode (``enforced``, and ``enforced_by``: "live", "code" or "app"); for a
+    limit in shadow mode, what it would have done (``shadow``): its shadow bucket's next
+    free slot (when the would-have backlog drains) and starts booked ahead, and the
+    tasks it would have made wait in the last 15 minutes (every worker's counts)."""
+    runtime = runtime_for(app)
+    shadowed = []
+    for r in rows:
+        k = known.get(r["limit"])
+        r["enforced"], r["enforced_by"] = enforced(runtime, r["limit"],
+                                                   k.enforce if k is not None else None)
+        if not r["enforced"]:
+            shadowed.append(r)
+    if not shadowed:
+        return
+    now = int(time.time())
+    counts = read_counts(runtime.gate.client, runtime.config.prefix,
+                         range(now - 900, now + 1))
+    for r in shadowed:
+        would = [c.get(r["limit"], {}) for c in counts.values()]
+        fig: dict[str, Any] = {
+            "would_defer_15m": int(sum(w.get("would_defer", 0) for w in would)),
+            "would_wait_s_15m": round(sum(w.get("would_wait_seconds_sum", 0) for w in would), 3)}
+        lim = known[r["limit"]].limit
+        if isinstance(lim, Limit) and (value is not None or not r["per_key"]):
+            state = runtime.shadow.inspect(Limit(lim.name, parse_rate(r["rate"]), r["burst"],
+                                                 value if r["per_key"] else None, lim.cost))
+            fig.update(would_next_free_s=round(state.next_free, 3),
+                       would_booked_ahead=state.booked_ahead)
+        r["shadow"] = fig
 
 
 def _paused_by(gate: Gate, rows: list[dict[str, Any]], value: object) -> None:

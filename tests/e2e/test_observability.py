@@ -104,3 +104,32 @@ def test_prometheus_endpoint_counts_a_prefork_run(
     assert 18 - 20 * scraped_in <= value("celery_throttle_booked_ahead") <= 20
     assert 0.9 - scraped_in <= value("celery_throttle_next_free_seconds") <= 1.05
 
+
+
+def test_a_limit_in_shadow_mode_runs_a_burst_at_once_and_reports_what_it_would_have_done(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """5/s, burst 5, enforce=False, 100 tasks on two nodes: all run within a few seconds
+    (enforced: 19 s), and `status` reports the would-have deferrals and drain time."""
+    with worker_nodes(redis_base):
+        sent = time.time()
+        results = [capp.trial.delay(i) for i in range(100)]
+        assert wait_results(results, timeout=60) == ["SUCCESS"] * 100
+        time.sleep(1.5)  # each worker process adds its counts within a second
+        status = throttle_cli(["status", "--json", "trial"], redis_base)
+        table = throttle_cli(["status", "trial"], redis_base)
+    starts = [json.loads(r)["t"] for r in records.lrange("records", 0, -1)]
+    span = max(starts) - min(starts)
+    assert len(starts) == 100
+    assert span < 8, span  # enforced, the last would start 19 s after the first
+    (row,) = json.loads(status.stdout)["limits"]
+    assert (row["enforced"], row["enforced_by"]) == (False, "code")
+    would = row["shadow"]["would_defer_15m"]
+    # 95 if every task arrived at once; the bucket refills 5 per second of the burst.
+    assert 95 - 5 * (span + 1) <= would <= 95, (would, span)
+    assert row["shadow"]["would_wait_s_15m"] > 0
+    drains = 0.2 * (would + 1) - (time.time() - sent)  # the last booked slot, from now
+    assert drains - 3 <= row["shadow"]["would_next_free_s"] <= drains + 3 + span, row
+    assert row.get("booked_ahead", 0) == 0  # the real bucket never held a task back
+    assert re.search(r"^trial \(shadow\)\s+5/s\s+5\s+\S+\s+\S+\s+none \(shadow: would have "
+                     rf"deferred {would} in 15m", table.stdout, flags=re.MULTILINE), table.stdout

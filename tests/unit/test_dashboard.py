@@ -110,7 +110,8 @@ def test_a_request_without_the_secret_or_from_another_site_changes_nothing(
 
 
 def test_the_controls_with_the_secret(app: Celery) -> None:
-    """Pause (shown as the operator's), resume, set and unset a rate, purge with confirmation."""
+    """Pause (shown as the operator's), resume, set and unset a rate, shadow mode on and
+    unset, purge with confirmation."""
     with _client(app) as web:
         same_site = {**GOOD, "Origin": "http://127.0.0.1:8089", "Sec-Fetch-Site": "same-origin"}
         reply = web.post("/api/limits/slow-api/pause", json={"seconds": 30}, headers=same_site)
@@ -128,6 +129,12 @@ def test_the_controls_with_the_secret(app: Celery) -> None:
         assert web.post("/api/limits/slow-api/unset", json={}, headers=GOOD).json() == {
             "had_a_rate_set": True}
         assert runtime_for(app).live.read() == {}
+        assert web.post("/api/limits/slow-api/shadow", json={"mode": "on"},
+                        headers=GOOD).json() == {"enforced": False}
+        assert runtime_for(app).live.read_enforce() == {"slow-api": False}
+        assert web.post("/api/limits/slow-api/shadow", json={"mode": "unset"},
+                        headers=GOOD).json() == {"enforced": None}
+        assert runtime_for(app).live.read_enforce() == {}
         refused = web.post("/api/purge", json={}, headers=GOOD)
         assert refused.status_code == 400
         assert "confirm" in refused.json()["error"]
@@ -143,6 +150,7 @@ def test_the_controls_with_the_secret(app: Celery) -> None:
     ("/api/limits/slow-api/set", {"rate": "5/s", "burst": 0}, 400, "0"),
     ("/api/limits/per-tenant/pause", {}, 400, "per key"),
     ("/api/limits/slow-api/explode", {}, 400, "'explode'"),
+    ("/api/limits/slow-api/shadow", {"mode": "maybe"}, 400, "'maybe'"),
 ])
 def test_bad_input_is_named_and_changes_nothing(app: Celery, path: str, body: dict[str, Any],
                                                 status: int, says: str) -> None:
@@ -153,6 +161,7 @@ def test_bad_input_is_named_and_changes_nothing(app: Celery, path: str, body: di
     assert says in reply.json()["error"]
     assert _paused(app) == 0
     assert runtime_for(app).live.read() == {}
+    assert runtime_for(app).live.read_enforce() == {}
 
 
 def test_only_loopback_names_are_served_on_loopback(app: Celery) -> None:

@@ -72,6 +72,12 @@ function waitingCell(r) {
   if (r.booked_ahead) parts.push(`${r.booked_ahead} booked`);
   if (r.drains_in_s !== undefined && r.drains_in_s !== null) parts.push(`drains in ~${span(r.drains_in_s)}`);
   if (parts.length) td.append(el("div", { class: "small", text: parts.join(", ") }));
+  const sh = r.shadow;
+  if (sh) {
+    td.append(el("div", { class: "held", "data-field": "shadow",
+      text: `shadow: would have deferred ${sh.would_defer_15m} in 15 min` +
+        (sh.would_next_free_s ? `, would drain in ${span(sh.would_next_free_s)}` : "") }));
+  }
   return td;
 }
 
@@ -94,6 +100,8 @@ function controlsCell(r) {
     } }));
     if ("code_rate" in r) td.append(el("button", { text: "Unset", onclick: () => act(name, "unset", {}) }));
   }
+  td.append(el("button", { text: r.enforced === false ? "Enforce" : "Shadow",
+    onclick: () => act(name, "shadow", { mode: r.enforced === false ? "off" : "on" }) }));
   return td;
 }
 
@@ -101,12 +109,14 @@ function renderStatus(doc) {
   const body = document.getElementById("limits");
   // The busiest first: tasks waiting, then paused, then fill; idle limits last.
   const weight = (r) => ((r.in_line || 0) + (r.booked_ahead || 0)) * 1e6 +
+    (r.shadow ? 1e4 : 0) +
     (r.paused_s ? 1e5 : 0) + (r.fill || 0) * 1e3 + ("held" in r ? r.held : 0);
   const sorted = [...doc.limits].sort((a, b) => weight(b) - weight(a));
   const rows = sorted.map((r) => {
     let rate = "rate" in r ? `${r.rate} (burst ${r.burst})` : `${r.concurrency} at once`;
     const tr = el("tr", { class: "limit", "data-limit": r.limit },
-      el("td", {}, el("b", { text: r.limit }), r.per_key ? el("div", { class: "small", text: "per key" }) : null),
+      el("td", {}, el("b", { text: r.limit }), r.per_key ? el("div", { class: "small", text: "per key" }) : null,
+        r.enforced === false ? el("div", { class: "held", text: `shadow mode (${r.enforced_by})` }) : null),
       el("td", { "data-field": "rate" }, rate,
         "code_rate" in r ? el("div", { class: "small", text: `set live; the code says ${r.code_rate} burst ${r.code_burst}` }) : null),
       fillCell(r), nextCell(r), waitingCell(r),
@@ -136,7 +146,8 @@ function renderStatus(doc) {
 
 const SERIES = [
   ["admitted", "starts/s", "#2f7ed8"], ["limit_per_s", "limit", "#b42318"],
-  ["deferred", "deferrals/s", "#f79009"], ["provider_pauses", "429 pauses", "#7a2e0e"],
+  ["deferred", "deferrals/s", "#f79009"], ["would_defer", "would-have deferrals/s (shadow)", "#9e77ed"],
+  ["provider_pauses", "429 pauses", "#7a2e0e"],
 ];
 
 function mergeHistory(h) {
@@ -165,7 +176,7 @@ function path(m, from, w, h, top) {
 function chart(name, series) {
   const w = 440, h = 90, from = state.to - SPAN + 1, ns = "http://www.w3.org/2000/svg";
   const svgs = [];
-  const rateTop = Math.max(1, ...["admitted", "limit_per_s", "deferred"].flatMap((f) => [...(series[f] || new Map()).values()])) * 1.1;
+  const rateTop = Math.max(1, ...["admitted", "limit_per_s", "deferred", "would_defer"].flatMap((f) => [...(series[f] || new Map()).values()])) * 1.1;
   const waitTop = Math.max(1, ...(series.waiting || new Map()).values()) * 1.1;
   for (const [top, fields, title] of [[rateTop, SERIES, "per second"], [waitTop, [["waiting", "tasks waiting", "#475467"]], "tasks waiting"]]) {
     const svg = document.createElementNS(ns, "svg");
@@ -201,7 +212,7 @@ function chart(name, series) {
 
 function active(series) {
   // Anything but zeros and the limit line in the window: worth a chart.
-  return ["admitted", "deferred", "provider_pauses", "waiting", "paused"].some(
+  return ["admitted", "deferred", "would_defer", "provider_pauses", "waiting", "paused"].some(
     (f) => [...(series[f] || new Map()).values()].some((v) => v));
 }
 

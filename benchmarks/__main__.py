@@ -55,6 +55,13 @@ _SDK_HEADER = (
     "see (see the module's docstring).\n")
 
 
+_DASHBOARD_HEADER = (
+    "## 6. The dashboard's cost\n\n"
+    "What the web dashboard's history adds to a decision and to a worker process, and what "
+    "one refresh of the page costs with many key values waiting (see the module's "
+    "docstring).\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run every section, print the document and write BENCHMARKS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -151,6 +158,13 @@ def main(argv: list[str] | None = None) -> None:
                           "40" if args.quick else "120", "--runs", "1" if args.quick else "10"],
                          capture_output=True, text=True, timeout=1800, cwd=ROOT, check=True)
     doc.append(sdk.stdout)
+    print("section 6: the dashboard's cost", file=sys.stderr, flush=True)
+    doc.append(_DASHBOARD_HEADER)
+    dash = subprocess.run([sys.executable, "-m", "benchmarks.dashboard", "--decisions",
+                           "20000" if args.quick else "200000", "--keys",
+                           "1000" if args.quick else "10000"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
+    doc.append(dash.stdout)
     doc.append(f"\n_Whole run: {time.monotonic() - began:.0f} s._\n")
     text = "\n".join(doc)
     (ROOT / "BENCHMARKS.md").write_text(text)

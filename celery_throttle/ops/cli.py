@@ -18,8 +18,8 @@ in ``pyproject.toml``), so it runs with the app and settings of ``-A proj``:
   nothing (the pause a provider's 429 writes), or end a pause now;
 * ``parked [--limit NAME] [-n N]``: the tasks parked in the waiting room or in line
   that are dispatched next;
-* ``purge --yes``: drop every parked task (they never run; the result backend
-  marks them REVOKED);
+* ``purge --yes [--limit NAME]``: drop every waiting task (they never run; the
+  result backend marks them REVOKED), or revoke those waiting for one limit;
 * ``dashboard [--host H] [--port P] [--token T]``: the same on one web page,
   updated every second, with charts of the last 15 minutes; the actions above
   only with a secret (``dashboard.py``).
@@ -280,17 +280,25 @@ def _headers(message: bytes) -> dict[str, Any]:
 
 @throttle.command()
 @click.option("--yes", is_flag=True, help="really drop them")
+@click.option("--limit", "limit_name", help="only the tasks waiting for this limit (revoked)")
 @click.pass_context
-def purge(ctx: click.Context, yes: bool) -> None:
-    """Drop every task parked in the waiting room: they will never run.
+def purge(ctx: click.Context, yes: bool, limit_name: str | None) -> None:
+    """Drop every task waiting in the waiting room: they will never run.
 
-    Without --yes nothing is dropped: the count is shown and the exit code is 2.
+    With --limit, only the tasks waiting for that limit: they are revoked
+    (every worker drops them; the limit is free at once).  Without --yes
+    nothing is dropped: the count is shown and the exit code is 2.
     """
     app = _app(ctx)
     if not yes:
-        click.echo(f"would drop {control.waiting(app)} waiting task(s); "
-                   "add --yes to drop them (they will never run)")
+        what = (f"the tasks waiting for limit {limit_name!r}" if limit_name else
+                f"{control.waiting(app)} waiting task(s)")
+        click.echo(f"would drop {what}; add --yes to drop them (they will never run)")
         ctx.exit(2)
+    if limit_name is not None:
+        revoked = control.revoke_waiting(app, limit_name)
+        click.echo(f"revoked {revoked} task(s) waiting for limit {limit_name!r}")
+        return
     done = control.purge(app)
     click.echo(f"dropped {done.dropped} waiting task(s)"
                + (f"; {done.revoked} marked REVOKED in the result backend" if done.revoked

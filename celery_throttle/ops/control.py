@@ -10,6 +10,7 @@ value; a shared limit ignores it.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from celery import Celery
@@ -19,11 +20,12 @@ from ..core.keys import operator_key
 from ..core.rates import Rate, parse_rate
 from ..integration.notes import forget_dropped
 from ..integration.runtime import runtime_for
+from ..room.envelope import Envelope
 from ..values import LONGEST_WAIT
 from .report import select
 
-__all__ = ["BadValue", "NeedsKey", "Purged", "pause", "purge", "reset", "resume", "set_rate",
-           "shadow", "unset_rate", "waiting"]
+__all__ = ["MOST_REVOKED", "BadValue", "NeedsKey", "Purged", "pause", "purge", "reset",
+           "resume", "revoke_waiting", "set_rate", "shadow", "unset_rate", "waiting"]
 
 
 class BadValue(ValueError):
@@ -134,6 +136,44 @@ def purge(app: Celery) -> Purged:
     dropped = runtime.room.purge()
     return Purged(len(dropped), forget_dropped(app, runtime, dropped,
                                                "purged from the waiting room"))
+
+
+#: The most tasks :func:`revoke_waiting` finds for one limit in one call.
+MOST_REVOKED = 100_000
+
+
+def revoke_waiting(app: Celery, name: str, *, most: int = MOST_REVOKED) -> int:
+    """Revoke every task waiting for limit ``name`` (in its line, or parked for it): the
+    other limits' waiting tasks stay.  Returns how many were revoked.
+
+    Celery's revoke (``app.control.revoke``) reaches every worker node, where the
+    dispatcher passes a revoked task on without charging the limit and the
+    worker drops it (the result backend marks it REVOKED): the limit is free
+    at once, as after a purge.  A node started later does not know the
+    revocation (Celery keeps it in memory, or in ``--statedb``).
+    """
+    select(app, (name,))
+    runtime = runtime_for(app)
+    ids: list[str] = []
+    for waiting_in_line in runtime.room.queues.next_in_line(most, name, most=most):
+        ids.append(_task_id(waiting_in_line.message))
+    for parked in runtime.room.next_parked(most):
+        note = json.loads(parked.note) if parked.note else {}
+        if note.get("limit") == name:
+            ids.append(_task_id(parked.message))
+    ids = sorted({i for i in ids if i})
+    for at in range(0, len(ids), 1000):  # (one broadcast message per thousand)
+        app.control.revoke(ids[at:at + 1000])
+    runtime.room.queues.look_now(name)  # the dispatchers pass them on now
+    return len(ids)
+
+
+def _task_id(message: bytes) -> str:
+    """A stored message's task id ("" if it cannot be read)."""
+    try:
+        return str(Envelope.loads(message).headers.get("id", ""))
+    except (ValueError, KeyError):
+        return ""
 
 
 def rate_limit(app: Celery, name: str) -> Limit:

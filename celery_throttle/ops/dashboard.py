@@ -8,8 +8,8 @@ A Starlette app (the ``web`` extra) serving the page and its JSON:
 * ``GET /api/why/{task_id}``: ``celery throttle why --json``;
 * ``GET /api/meta``: whether the controls are on, the app and the store (its
   URL without the password);
-* ``POST /api/limits/{name}/pause|resume|set|unset|shadow`` and ``POST /api/purge``:
-  the CLI's actions (``control.py``).
+* ``POST /api/limits/{name}/pause|resume|set|unset|shadow|purge`` and
+  ``POST /api/purge``: the CLI's actions (``control.py``).
 
 The controls are off unless the dashboard has a secret (``--token`` or
 ``CELERY_THROTTLE_DASHBOARD_TOKEN``): without one every state-changing request
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import json
 import threading
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -213,6 +214,11 @@ def _action(app: Celery, action: str, name: str, body: dict[str, Any]) -> Any:
             parsed, used, _ = control.set_rate(app, name, rate, burst)
             return {"rate": str(parsed), "burst": used}
         return set_it
+    if action == "purge" and name:
+        if body.get("confirm") != name:
+            raise control.BadValue(f"revoking the tasks waiting for {name!r} cannot be undone: "
+                                   f"send {{\"confirm\": {json.dumps(name)}}}", "confirm")
+        return lambda: {"revoked": control.revoke_waiting(app, name)}
     if action == "shadow":
         mode = body.get("mode")
         if mode not in ("on", "off", "unset"):
@@ -229,7 +235,7 @@ def _action(app: Celery, action: str, name: str, body: dict[str, Any]) -> Any:
             done = control.purge(app)
             return {"dropped": done.dropped, "revoked": done.revoked}
         return purge
-    raise control.BadValue(f"{action!r}: expected pause, resume, set, unset or shadow",
+    raise control.BadValue(f"{action!r}: expected pause, resume, set, unset, shadow or purge",
                            "action")
 
 

@@ -25,7 +25,7 @@ from celery_throttle.ops.dashboard import TOKEN_ENV
 from celery_throttle.testing import free_port
 
 from ..conftest import REQUIRE_SERVERS
-from ..workers import ROOT, app_env, throttle_cli, worker_nodes
+from ..workers import ROOT, app_env, throttle_cli, wait_results, worker_nodes
 
 pytestmark = pytest.mark.integration
 
@@ -120,7 +120,8 @@ def _waiting(row: dict[str, Any]) -> int:
 def test_the_page_shows_every_limit_and_follows_live_workers(
         capp: ModuleType, records: redis.Redis, redis_base: str) -> None:
     """Idle, then 12 tasks behind 1/s: the page's fill and waiting count follow, the JSON
-    equals `status --json`, and the page's controls pause and purge (with the secret)."""
+    equals `status --json`, and the page's controls (with the secret) pause the limit and
+    purge its waiting tasks, not those of another limit."""
     chromium = _chromium()
     with worker_nodes(redis_base, ("w1",), concurrency=2), _dashboard(redis_base) as url:
         idle = _render(chromium, url)
@@ -128,8 +129,8 @@ def test_the_page_shows_every_limit_and_follows_live_workers(
         row = _row(idle, "patient")
         assert "0%" in row["fill"]
         assert row["waiting_n"] == "0"
-        for i in range(12):
-            capp.patient.delay(i)
+        results = [capp.patient.delay(i) for i in range(12)]
+        others = [capp.long_wait.delay(i) for i in range(6)]  # 1 per 2 s: they wait too
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             web = next(r for r in _get(f"{url}/api/status")["limits"] if r["limit"] == "patient")
@@ -157,11 +158,16 @@ def test_the_page_shows_every_limit_and_follows_live_workers(
         assert "by an operator" in row["next"]
         assert re.search(r'data-chart="patient:tasks waiting"', busy)
         assert SHOT.stat().st_size > 10_000
-        dropped = _post(f"{url}/api/purge", {"confirm": "purge"})["dropped"]
+        # The page's purge of one limit: its waiting tasks are revoked, the other's stay.
+        revoked = _post(f"{url}/api/limits/patient/purge", {"confirm": "patient"})["revoked"]
         # In line and parked, not a task asleep in the worker for its near slot.
-        assert web_row.get("in_line", 0) <= dropped <= _waiting(web_row)
-        assert dropped > 0
+        assert web_row.get("in_line", 0) <= revoked <= _waiting(web_row)
         assert _post(f"{url}/api/limits/patient/resume", {})["resumed"] is True
-        after = next(r for r in _get(f"{url}/api/status")["limits"] if r["limit"] == "patient")
-        assert after.get("in_line", 0) == 0
-        assert after["paused_s"] == 0
+        states = wait_results(results, timeout=20)
+        rows = {r["limit"]: r for r in _get(f"{url}/api/status")["limits"]}
+        assert states.count("REVOKED") == revoked, states
+        assert states.count("SUCCESS") == 12 - revoked, states
+        assert rows["patient"].get("in_line", 0) == 0
+        assert rows["patient"]["paused_s"] == 0
+        assert _waiting(rows["hops"]) >= 1  # the other limit's tasks still wait
+        assert "REVOKED" not in wait_results(others, timeout=0.1)

@@ -125,6 +125,8 @@ def test_a_limit_in_shadow_mode_runs_a_burst_at_once_and_reports_what_it_would_h
     (row,) = json.loads(status.stdout)["limits"]
     assert (row["enforced"], row["enforced_by"]) == (False, "code")
     would = row["shadow"]["would_defer_15m"]
+    print(f"\nshadow 5/s burst 5: 100 tasks started within {span:.2f}s; would have deferred "
+          f"{would}, would drain in {row['shadow'].get('would_next_free_s')}s")
     # 95 if every task arrived at once; the bucket refills 5 per second of the burst.
     assert 95 - 5 * (span + 1) <= would <= 95, (would, span)
     assert row["shadow"]["would_wait_s_15m"] > 0

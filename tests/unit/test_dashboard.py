@@ -140,6 +140,8 @@ def test_the_controls_with_the_secret(app: Celery) -> None:
         assert "confirm" in refused.json()["error"]
         assert web.post("/api/purge", json={"confirm": "purge"}, headers=GOOD).json() == {
             "dropped": 0, "revoked": 0}
+        assert web.post("/api/limits/slow-api/purge", json={"confirm": "slow-api"},
+                        headers=GOOD).json() == {"revoked": 0}
 
 
 @pytest.mark.parametrize(("path", "body", "status", "says"), [
@@ -151,6 +153,7 @@ def test_the_controls_with_the_secret(app: Celery) -> None:
     ("/api/limits/per-tenant/pause", {}, 400, "per key"),
     ("/api/limits/slow-api/explode", {}, 400, "'explode'"),
     ("/api/limits/slow-api/shadow", {"mode": "maybe"}, 400, "'maybe'"),
+    ("/api/limits/slow-api/purge", {"confirm": "purge"}, 400, '"confirm": "slow-api"'),
 ])
 def test_bad_input_is_named_and_changes_nothing(app: Celery, path: str, body: dict[str, Any],
                                                 status: int, says: str) -> None:

@@ -100,6 +100,12 @@ function controlsCell(r) {
     } }));
     if ("code_rate" in r) td.append(el("button", { text: "Unset", onclick: () => act(name, "unset", {}) }));
   }
+  if ((r.in_line || 0) + (r.booked_ahead || 0) > 0) {
+    td.append(el("button", { text: "Purge…", onclick: () => {
+      const typed = prompt(`Every task waiting for ${name} is revoked and never runs. Type the limit's name to confirm:`);
+      if (typed === name) act(name, "purge", { confirm: name });
+    } }));
+  }
   td.append(el("button", { text: r.enforced === false ? "Enforce" : "Shadow",
     onclick: () => act(name, "shadow", { mode: r.enforced === false ? "off" : "on" }) }));
   return td;

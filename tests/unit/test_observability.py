@@ -320,6 +320,7 @@ def test_the_grafana_dashboard_reads_only_metrics_the_exporter_serves(app: Celer
     for count in (metrics.admitted, metrics.store_error, metrics.provider_paused):
         count(["dash-rate"])
     metrics.deferred("dash-rate", 1.5)
+    metrics.would_defer("dash-rate", 2.5)  # (as a limit in shadow mode counts)
     limit = Limit("dash-rate", parse_rate("5/s"))  # one task in its line
     runtime = runtime_for(app)
     runtime.room.queues.enqueue(entry_id("t-dash"), b"\x01m", "t-dash", limits=[limit],

@@ -169,18 +169,30 @@ function mergeHistory(h) {
   state.after = h.to;
 }
 
-function path(m, from, w, h, top) {
+// The seconds charted: from the first with anything to show (at least 2 minutes,
+// at most 15), so a fresh run is not a sliver at the right edge.
+function windowSeconds() {
+  let earliest = state.to;
+  for (const series of Object.values(state.points)) {
+    for (const m of Object.values(series)) {
+      for (const [s, v] of m) if (v && s < earliest) earliest = s;
+    }
+  }
+  return Math.min(SPAN, Math.max(120, state.to - earliest + 10));
+}
+
+function path(m, from, w, h, top, width) {
   let d = "";
   for (let s = from; s <= state.to; s++) {
     if (!m || !m.has(s)) continue;
-    const x = (s - from) / SPAN * w, y = h - Math.min(m.get(s), top) / top * h;
+    const x = (s - from) / width * w, y = h - Math.min(m.get(s), top) / top * h;
     d += `${d === "" ? "M" : "L"}${x.toFixed(1)},${y.toFixed(1)}`;
   }
   return d;
 }
 
-function chart(name, series) {
-  const w = 440, h = 90, from = state.to - SPAN + 1, ns = "http://www.w3.org/2000/svg";
+function chart(name, series, width) {
+  const w = 440, h = 90, from = state.to - width + 1, ns = "http://www.w3.org/2000/svg";
   const svgs = [];
   const rateTop = Math.max(1, ...["admitted", "limit_per_s", "deferred", "would_defer"].flatMap((f) => [...(series[f] || new Map()).values()])) * 1.1;
   const waitTop = Math.max(1, ...(series.waiting || new Map()).values()) * 1.1;
@@ -195,14 +207,15 @@ function chart(name, series) {
         for (const [s, v] of (m || new Map())) {
           if (!v) continue;
           const line = document.createElementNS(ns, "line");
-          const x = ((s - from) / SPAN * w).toFixed(1);
+          if (s < from) continue;
+          const x = ((s - from) / width * w).toFixed(1);
           for (const [k, val] of [["x1", x], ["x2", x], ["y1", 0], ["y2", h], ["stroke", color], ["stroke-width", 2]]) line.setAttribute(k, val);
           svg.append(line);
         }
         continue;
       }
       const p = document.createElementNS(ns, "path");
-      p.setAttribute("d", path(m, from, w, h, top));
+      p.setAttribute("d", path(m, from, w, h, top, width));
       p.setAttribute("fill", "none");
       p.setAttribute("stroke", color);
       p.setAttribute("stroke-width", "1.5");
@@ -213,7 +226,8 @@ function chart(name, series) {
   }
   const legend = el("div", { class: "legend" }, ...SERIES.concat([["waiting", "tasks waiting", "#475467"]]).map(
     ([, label, color]) => el("span", {}, el("i", { style: `background:${color}` }), label)));
-  return el("div", { class: "chart", "data-limit": name }, el("h3", { text: `${name}: last 15 minutes` }), legend, ...svgs);
+  return el("div", { class: "chart", "data-limit": name },
+    el("h3", { text: `${name}: the last ${span(width)}` }), legend, ...svgs);
 }
 
 function active(series) {
@@ -226,7 +240,8 @@ function renderCharts() {
   const names = Object.keys(state.points).sort();
   const shown = names.filter((n) => active(state.points[n]));
   const idle = names.length - shown.length;
-  document.getElementById("charts").replaceChildren(...shown.map((n) => chart(n, state.points[n])),
+  const width = windowSeconds();
+  document.getElementById("charts").replaceChildren(...shown.map((n) => chart(n, state.points[n], width)),
     ...(idle ? [el("div", { class: "small", text: `${idle} limit(s) idle for 15 minutes: not charted` })] : []));
 }
 

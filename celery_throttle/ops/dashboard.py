@@ -3,7 +3,8 @@
 A Starlette app (the ``web`` extra) serving the page and its JSON:
 
 * ``GET /api/status``: the document ``celery throttle status --json`` prints
-  (``report.status``), read afresh per request;
+  (``report.status``), read at most one sampling period (1 s) before, shared by
+  every open page, and afresh after an action;
 * ``GET /api/history?after=S``: the charts' seconds after ``S`` (``charts.py``);
 * ``GET /api/why/{task_id}``: ``celery throttle why --json``;
 * ``GET /api/meta``: whether the controls are on, the app and the store (its
@@ -29,6 +30,7 @@ import contextlib
 import hmac
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -80,11 +82,32 @@ def create_app(app: Celery, *, token: str | None = None, host: str = "127.0.0.1"
                          "(e.g. python -c 'import secrets; print(secrets.token_urlsafe())')")
     charts = Charts(app)
     stop = threading.Event()
+    # The last status document and when it was read (monotonic): every open page asks
+    # once a second, and with many key values waiting one read costs tens of ms or
+    # more, so pages share a read at most one sampling period old (an action drops it).
+    latest: dict[str, Any] = {"actions": 0}
+    latest_lock = threading.Lock()
+
+    def read(how: Any) -> dict[str, Any]:
+        """Read the document with ``how`` and keep it, unless an action ended meanwhile."""
+        with latest_lock:
+            actions = latest["actions"]
+        doc: dict[str, Any] = how()
+        with latest_lock:
+            if latest["actions"] == actions:
+                latest.update(doc=doc, at=time.monotonic())
+        return doc
+
+    def current_status() -> dict[str, Any]:
+        with latest_lock:
+            if "doc" in latest and time.monotonic() - latest["at"] < sample_every:
+                return dict(latest["doc"])
+        return read(lambda: report.status(app))
 
     def sampler() -> None:
         while not stop.wait(sample_every):
             try:
-                charts.sample()
+                read(charts.sample)
             except Exception:  # (a store outage shows on the page's next read)
                 continue
 
@@ -101,7 +124,7 @@ def create_app(app: Celery, *, token: str | None = None, host: str = "127.0.0.1"
         return Response(text, media_type=kind, headers=_HEADERS)
 
     async def status(request: Request) -> Response:
-        return await guarded(report.status, app)
+        return await guarded(current_status)
 
     async def history(request: Request) -> Response:
         after = request.query_params.get("after")
@@ -139,7 +162,15 @@ def create_app(app: Celery, *, token: str | None = None, host: str = "127.0.0.1"
             call = _action(app, action, name, body)
         except control.BadValue as exc:
             return refused(400, str(exc))
-        return await guarded(call)
+
+        def acted() -> Any:
+            try:
+                return call()
+            finally:
+                with latest_lock:  # the next page read shows what the action did
+                    latest.pop("doc", None)
+                    latest["actions"] += 1
+        return await guarded(acted)
 
     async def guarded(fn: Any, *args: Any) -> Response:
         try:

@@ -77,6 +77,21 @@ def test_status_is_the_status_document(app: Celery) -> None:
     assert served["waiting_room"] == here["waiting_room"]
 
 
+def test_open_pages_share_a_read_and_an_action_is_seen_at_once(app: Celery) -> None:
+    """Within a sampling period every page gets the same read of the store; after an
+    action the next read is fresh and shows it."""
+    web = TestClient(create_app(app, token=TOKEN, sample_every=30.0),
+                     base_url="http://127.0.0.1:8089")
+    with web:
+        first, second = web.get("/api/status").json(), web.get("/api/status").json()
+        assert first == second
+        web.post("/api/limits/slow-api/pause", json={"seconds": 30}, headers=GOOD)
+        after = web.get("/api/status").json()
+    assert after["at"] > first["at"]
+    row = next(r for r in after["limits"] if r["limit"] == "slow-api")
+    assert row["paused_by"] == "operator"
+
+
 def test_read_only_without_a_secret(app: Celery) -> None:
     """Started without a secret, every state-changing request is refused and changes nothing."""
     with _client(app, token=None) as web:

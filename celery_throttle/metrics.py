@@ -122,24 +122,25 @@ def admitted(names: list[str]) -> None:
 
 def deferred(name: str, wait: float) -> None:
     """A task was re-scheduled by limit ``name`` to start in ``wait`` seconds."""
-    with _lock:
-        _stats.setdefault(name, LimitStats()).wait_seconds_sum += wait
-        _add_to_second(name, "wait_seconds_sum", wait)
-    _count([name], "deferred")
-    prom = _prometheus()
-    if prom is not None:
-        prom.waits.labels(name).observe(wait)
+    _wait(name, wait, "deferred", "wait_seconds_sum", "waits")
 
 
 def would_defer(name: str, wait: float) -> None:
     """Shadow mode: limit ``name`` would have made a task wait ``wait`` seconds (it ran)."""
+    _wait(name, wait, "would_defer", "would_wait_seconds_sum", "would_waits")
+
+
+def _wait(name: str, wait: float, field: str, sum_field: str, histogram: str) -> None:
+    """Count a wait given (or that would have been) by limit ``name``: one in ``field``,
+    ``wait`` added to ``sum_field``, observed in the Prometheus ``histogram``."""
     with _lock:
-        _stats.setdefault(name, LimitStats()).would_wait_seconds_sum += wait
-        _add_to_second(name, "would_wait_seconds_sum", wait)
-    _count([name], "would_defer")
+        stats = _stats.setdefault(name, LimitStats())
+        setattr(stats, sum_field, getattr(stats, sum_field) + wait)
+        _add_to_second(name, sum_field, wait)
+    _count([name], field)
     prom = _prometheus()
     if prom is not None:
-        prom.would_waits.labels(name).observe(wait)
+        getattr(prom, histogram).labels(name).observe(wait)
 
 
 def store_error(names: list[str]) -> None:

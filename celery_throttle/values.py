@@ -10,13 +10,18 @@ from __future__ import annotations
 import math
 
 __all__ = ["LONGEST_WAIT", "US_PER_SECOND", "check_cost", "from_us", "positive_int",
-           "renew_every", "seconds", "to_us", "units"]
+           "renew_every", "seconds", "text", "to_us", "units"]
 
 US_PER_SECOND = 1_000_000
 
 #: The longest a slot is booked ahead (and a waiter with no timeout waits at a
 #: time): a week.  A booking is a few bytes in Redis, not a worker's memory.
 LONGEST_WAIT = 7 * 24 * 3600.0
+
+
+def text(value: object) -> str:
+    """A value as Redis replies it (bytes, or str with ``decode_responses``) as a str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def positive_int(what: str, value: object) -> int:

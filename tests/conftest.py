@@ -14,12 +14,30 @@ import pytest
 import redis
 from celery import Celery
 
+import celery_throttle
 from celery_throttle import Gate
+from celery_throttle.integration.runtime import forget
 from celery_throttle.testing import redis_server, server_url
 
 from .aio import BlockingAsyncGate
 from .clock import StepClock
 from .servers import Cluster
+
+
+@contextlib.contextmanager
+def installed_app(name: str, redis_url: str, prefix: str, **conf: object) -> Iterator[Celery]:
+    """An app installed on the test server, with a test's own key prefix and settings
+    ``conf`` (never started); its runtime is dropped after."""
+    a = Celery(name, broker=f"{redis_url}/14", set_as_current=False)
+    a.conf.throttle_redis_url = redis_url
+    a.conf.throttle_prefix = prefix
+    a.conf.update(conf)
+    celery_throttle.install(a)
+    try:
+        yield a
+    finally:
+        forget(a)
+        a.close()
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from ..values import positive_int
+from ..values import positive_int, text
 from .keys import enforce_key, live_key, validate_name
 from .limits import AnyLimit, Limit
 from .rates import Rate, parse_rate
@@ -86,8 +86,7 @@ class LiveLimits:
 
     def read_enforce(self) -> dict[str, bool]:
         """Every limit switched at run time now: name -> enforced."""
-        raw = self._sync().hgetall(self.modes_key)
-        return {_text(k): _text(v) == "1" for k, v in raw.items()}
+        return _modes(self._sync().hgetall(self.modes_key))
 
     def enforcing(self) -> dict[str, bool]:
         """:meth:`read_enforce` as of at most :attr:`refresh` s ago (the last copy with the
@@ -136,22 +135,23 @@ class LiveLimits:
                     pipe.hgetall(self.modes_key)
                     rates, modes = pipe.execute()
                     self._copy = _parsed(rates)
-                    self._modes = {_text(k): _text(v) == "1" for k, v in modes.items()}
+                    self._modes = _modes(modes)
                 self._read_at = now
         return self._copy
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+def _modes(raw: dict[Any, Any]) -> dict[str, bool]:
+    """The switches hash as read: name -> enforced."""
+    return {text(k): text(v) == "1" for k, v in raw.items()}
 
 
 def _parsed(raw: dict[Any, Any]) -> dict[str, tuple[Rate, int]]:
     """The overrides hash as read: name -> (rate, burst); one unreadable is left out."""
     found: dict[str, tuple[Rate, int]] = {}
     for name, value in raw.items():
-        parts = (value.decode() if isinstance(value, bytes) else str(value)).split(" ", 2)
+        parts = text(value).split(" ", 2)
         try:
-            found[name.decode() if isinstance(name, bytes) else str(name)] = (
+            found[text(name)] = (
                 parse_rate(parts[2]), positive_int("burst", int(parts[1])))
         except (IndexError, ValueError):
             continue

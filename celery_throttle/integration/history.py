@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterable
-from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
@@ -28,10 +26,14 @@ from redis.cluster import RedisCluster
 from .. import metrics
 from ..core.keys import counts_key
 from ..core.logs import logger
+from ..values import text
 
-__all__ = ["FIELDS", "KEPT", "CountsWriter", "read_counts"]
+__all__ = ["FIELDS", "KEPT", "SPAN", "CountsWriter", "read_counts"]
 
-#: How long (seconds) a second's counts stay in the store.
+#: The last seconds the dashboard charts and ``status`` sums (15 minutes).
+SPAN = 900
+#: How long (seconds) a second's counts stay in the store: the span, and a margin
+#: for a late writer and clocks that differ.
 KEPT = 960
 #: The counted fields (``metrics.LimitStats``'s names).
 FIELDS = ("admitted", "deferred", "wait_seconds_sum", "provider_pauses", "store_errors",
@@ -113,16 +115,8 @@ def read_counts(client: redis.Redis | RedisCluster, prefix: str, seconds: Iterab
     found: dict[int, dict[str, dict[str, float]]] = {}
     for second, raw in zip(wanted, pipe.execute() if wanted else [], strict=True):
         for k, v in (raw or {}).items():
-            field, _, name = _text(k).partition(":")
+            field, _, name = text(k).partition(":")
             if field in FIELDS and name:
-                found.setdefault(second, {}).setdefault(name, {})[field] = float(_text(v))
+                found.setdefault(second, {}).setdefault(name, {})[field] = float(text(v))
     return found
 
-
-def now_second() -> int:
-    """This machine's current wall-clock second (the one being counted)."""
-    return int(time.time())
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -25,14 +25,12 @@ from typing import Any
 from celery import Celery
 
 from ..core.rates import parse_rate
-from ..integration.history import read_counts
+from ..integration.history import SPAN, read_counts
 from ..integration.runtime import runtime_for
 from . import report
 
 __all__ = ["SPAN", "Charts"]
 
-#: Seconds charted.
-SPAN = 900
 # A worker adds a second's counts up to a second after it (its writer's
 # period) plus the clock difference between machines: seconds this recent are
 # read again at each refresh.

@@ -154,26 +154,17 @@ def revoke_waiting(app: Celery, name: str, *, most: int = MOST_REVOKED) -> int:
     """
     select(app, (name,))
     runtime = runtime_for(app)
-    ids: list[str] = []
-    for waiting_in_line in runtime.room.queues.next_in_line(most, name, most=most):
-        ids.append(_task_id(waiting_in_line.message))
+    ids = [Envelope.task_id_in(t.message)
+           for t in runtime.room.queues.next_in_line(most, name, most=most)]
     for parked in runtime.room.next_parked(most):
         note = json.loads(parked.note) if parked.note else {}
         if note.get("limit") == name:
-            ids.append(_task_id(parked.message))
+            ids.append(Envelope.task_id_in(parked.message))
     ids = sorted({i for i in ids if i})
     for at in range(0, len(ids), 1000):  # (one broadcast message per thousand)
         app.control.revoke(ids[at:at + 1000])
     runtime.room.queues.look_now(name)  # the dispatchers pass them on now
     return len(ids)
-
-
-def _task_id(message: bytes) -> str:
-    """A stored message's task id ("" if it cannot be read)."""
-    try:
-        return str(Envelope.loads(message).headers.get("id", ""))
-    except (ValueError, KeyError):
-        return ""
 
 
 def rate_limit(app: Celery, name: str) -> Limit:

@@ -20,7 +20,7 @@ from ..core.gate import BucketState, Concurrency, Gate, LeaseState, Limit
 from ..core.keys import operator_key
 from ..core.rates import parse_rate
 from ..integration.declared import KnownLimit, known_limits
-from ..integration.history import read_counts
+from ..integration.history import SPAN, read_counts
 from ..integration.notes import read_wait
 from ..integration.runtime import runtime_for
 from ..integration.shadow import enforced
@@ -57,7 +57,8 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
     gate = runtime.gate
     live = runtime.live.read()
     rows = []
-    for known in select(app, names):
+    selected = select(app, names)
+    for known in selected:
         if isinstance(known.limit, Limit) and known.limit.name in live:
             rate, burst = live[known.limit.name]
             known = dataclasses.replace(known, limit=dataclasses.replace(
@@ -83,7 +84,9 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
             r.update(in_line=line.waiting, drains_in_s=line.drains_in,
                      top_keys=[{"key_digest": d, "waiting": n} for d, n in line.top])
     _paused_by(runtime.gate, rows, value)
-    _shadow(app, rows, {k.limit.name: k for k in select(app, names)}, value)
+    # (A rate limit and a concurrency limit may share a name: one row each.)
+    _shadow(app, rows, {(k.limit.name, isinstance(k.limit, Limit)): k for k in selected},
+            value)
     room = runtime.room.state()
     in_line = runtime.room.queues.waiting()
     # Whether waiting tasks may wait in the store now (room/durability.py).
@@ -99,7 +102,7 @@ def why(app: Celery, task_id: str) -> dict[str, Any]:
     return {"task_id": task_id, "waiting": read_wait(runtime_for(app), task_id)}
 
 
-def _shadow(app: Celery, rows: list[dict[str, Any]], known: dict[str, KnownLimit],
+def _shadow(app: Celery, rows: list[dict[str, Any]], known: dict[tuple[str, bool], KnownLimit],
             value: object) -> None:
     """Each row's mode (``enforced``, and ``enforced_by``: "live", "code" or "app"); for a
     limit in shadow mode, what it would have done (``shadow``): its shadow bucket's next
@@ -108,7 +111,7 @@ def _shadow(app: Celery, rows: list[dict[str, Any]], known: dict[str, KnownLimit
     runtime = runtime_for(app)
     shadowed = []
     for r in rows:
-        k = known.get(r["limit"])
+        k = known.get((r["limit"], "rate" in r))
         r["enforced"], r["enforced_by"] = enforced(runtime, r["limit"],
                                                    k.enforce if k is not None else None)
         if not r["enforced"]:
@@ -117,13 +120,13 @@ def _shadow(app: Celery, rows: list[dict[str, Any]], known: dict[str, KnownLimit
         return
     now = int(time.time())
     counts = read_counts(runtime.gate.client, runtime.config.prefix,
-                         range(now - 900, now + 1))
+                         range(now - SPAN, now + 1))
     for r in shadowed:
         would = [c.get(r["limit"], {}) for c in counts.values()]
         fig: dict[str, Any] = {
             "would_defer_15m": int(sum(w.get("would_defer", 0) for w in would)),
             "would_wait_s_15m": round(sum(w.get("would_wait_seconds_sum", 0) for w in would), 3)}
-        lim = known[r["limit"]].limit
+        lim = known[r["limit"], "rate" in r].limit
         if isinstance(lim, Limit) and (value is not None or not r["per_key"]):
             state = runtime.shadow.inspect(Limit(lim.name, parse_rate(r["rate"]), r["burst"],
                                                  value if r["per_key"] else None, lim.cost))

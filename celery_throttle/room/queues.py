@@ -60,7 +60,7 @@ from ..core.keys import (
 )
 from ..core.limits import Limit
 from ..core.scripts import BUCKET, EPOCH, joined
-from ..values import from_us
+from ..values import from_us, text
 from .envelope import in_line, split_record
 
 __all__ = ["MAX_AHEAD_US", "InLine", "Line", "Queues", "Served", "Weights", "entry_id",
@@ -242,7 +242,7 @@ class Queues:
         tasks are dispatched uncharged (the worker drops them)."""
         reply = self._serve(keys=[self.ready, self.trip],
                             args=["look", LOOK_QUEUES, MAX_AHEAD_US])
-        queues = [_text(q) for q in reply[3:]]
+        queues = [text(q) for q in reply[3:]]
         if not queues:
             wait = int(reply[2])
             return (None if wait < 0 else from_us(wait)), []
@@ -254,7 +254,7 @@ class Queues:
         for _ in queues:
             count, i = int(heads[i]), i + 1
             for _ in range(count):
-                entry, raw = _text(heads[i]), heads[i + 1]
+                entry, raw = text(heads[i]), heads[i + 1]
                 i += 2
                 task = _task(raw)
                 if task is None:
@@ -273,7 +273,7 @@ class Queues:
                   self.wake, self.specs, self.live, *triples],
             args=["serve", batch, timeout_us, " ".join(uncharged), len(own), MAX_AHEAD_US])
         wait, epoch, items = int(reply[0]), int(reply[1]), reply[2:]
-        served = [Served(_text(items[k]), _text(items[k + 1]), epoch, _text(items[k + 2]),
+        served = [Served(text(items[k]), text(items[k + 1]), epoch, text(items[k + 2]),
                          int(items[k + 3]), items[k + 4]) for k in range(0, len(items), 5)]
         return (None if wait < 0 else from_us(wait)), served
 
@@ -281,7 +281,7 @@ class Queues:
               top: int = 5) -> list[Line]:
         """The lines of every limit with waiting tasks (of the first ``most`` queues in the
         ready index), busiest first; ``intervals``: limit name -> interval (us) now."""
-        queues = [_text(q) for q in cast(list[bytes], self.client.zrange(self.ready, 0,
+        queues = [text(q) for q in cast(list[bytes], self.client.zrange(self.ready, 0,
                                                                           most - 1))]
         pipe = self.client.pipeline(transaction=False)
         for q in queues:
@@ -307,14 +307,14 @@ class Queues:
                      most: int = 1000) -> list[InLine]:
         """The ``count`` tasks nearest the head of their queues (of limit ``name``, or of
         every limit), in the first ``most`` queues of the ready index: places 0 first."""
-        queues = [q for q in map(_text, cast(list[bytes], self.client.zrange(
+        queues = [q for q in map(text, cast(list[bytes], self.client.zrange(
             self.ready, 0, most - 1))) if name is None or _name_of(q) == name]
         if not queues:
             return []
         pipe = self.client.pipeline(transaction=False)
         for q in queues:
             pipe.zrange(q, 0, count - 1)
-        found = sorted(((place, q, _text(entry))
+        found = sorted(((place, q, text(entry))
                         for q, entries in zip(queues, pipe.execute(), strict=True)
                         for place, entry in enumerate(entries)), key=lambda row: row[0])[:count]
         if not found:
@@ -359,7 +359,7 @@ class Queues:
                 continue
             _, digest, name = split_limit_key(q)
             spec = specs[2 * j] or specs[2 * j + 1]
-            interval = int(_text(spec).split()[0]) if spec else enqueued
+            interval = int(text(spec).split()[0]) if spec else enqueued
             return InLine(entry, name, digest, int(place), message), interval
         return None
 
@@ -367,7 +367,7 @@ class Queues:
         """Look at every queue of limit ``name`` now, not when its old rate or pause said
         (``throttle set`` or ``resume``); returns how many queues it has."""
         queues = [q for q in cast(list[bytes], self.client.zrange(self.ready, 0, -1))
-                  if _name_of(_text(q)) == name]
+                  if _name_of(text(q)) == name]
         if queues:
             self.client.zadd(self.ready, dict.fromkeys(queues, 0))
             # A dispatcher asleep until the old time wakes (one token, as park.lua).
@@ -389,15 +389,11 @@ class Queues:
 
     def clear(self) -> None:
         """Drop every queue (their messages are the waiting room's, dropped by its purge)."""
-        queues = [_text(q) for q in cast(list[bytes], self.client.zrange(self.ready, 0, -1))]
+        queues = [text(q) for q in cast(list[bytes], self.client.zrange(self.ready, 0, -1))]
         # One DEL per key: on a Cluster they share a slot, but redis-py's
         # cluster client splits a multi-key DEL anyway.
         for key in [*queues, *(sibling_key(q, "t") for q in queues), self.ready, self.entries]:
             self.client.delete(key)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _task(raw: bytes | str) -> dict[str, Any] | None:

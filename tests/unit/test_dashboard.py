@@ -11,16 +11,17 @@ import pytest
 import redis
 from celery import Celery
 
-import celery_throttle
 from celery_throttle import Limit, metrics, parse_rate, throttled
 from celery_throttle.integration.history import CountsWriter
-from celery_throttle.integration.runtime import forget, runtime_for
+from celery_throttle.integration.runtime import runtime_for
 from celery_throttle.ops import report
 
 pytest.importorskip("starlette")
 from starlette.testclient import TestClient
 
 from celery_throttle.ops.dashboard import create_app
+
+from ..conftest import installed_app
 
 TOKEN = "s3cret-token-of-the-test"
 GOOD = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
@@ -29,22 +30,17 @@ GOOD = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 @pytest.fixture
 def app(redis_url: str, prefix: str) -> Iterator[Celery]:
     """An app with one shared limit (1/s) and one per-key limit, on this test's prefix."""
-    a = Celery("dash", broker=f"{redis_url}/14", set_as_current=False)
-    a.conf.throttle_redis_url = redis_url
-    a.conf.throttle_prefix = prefix
-    celery_throttle.install(a)
+    with installed_app("dash", redis_url, prefix) as a:
 
-    @throttled("1/s", name="slow-api")
-    @a.task(shared=False, name="dash.call")
-    def call() -> None: ...
+        @throttled("1/s", name="slow-api")
+        @a.task(shared=False, name="dash.call")
+        def call() -> None: ...
 
-    @throttled("5/s", name="per-tenant", key="tenant")
-    @a.task(shared=False, name="dash.tenant")
-    def tenant(tenant: str) -> None: ...
+        @throttled("5/s", name="per-tenant", key="tenant")
+        @a.task(shared=False, name="dash.tenant")
+        def tenant(tenant: str) -> None: ...
 
-    yield a
-    forget(a)
-    a.close()
+        yield a
 
 
 def _client(app: Celery, token: str | None = TOKEN) -> TestClient:

@@ -21,7 +21,6 @@ import redis
 from celery import Celery, Task
 from celery.exceptions import Ignore
 
-import celery_throttle
 from celery_throttle import Concurrency, Gate, Limit, metrics, parse_rate, throttled
 from celery_throttle.core.keys import key_digest
 from celery_throttle.integration.notes import read_wait
@@ -32,20 +31,15 @@ from celery_throttle.room.queues import entry_id
 from celery_throttle.testing import free_port
 
 from ..clock import T0, StepClock
-from ..conftest import REQUIRE_SERVERS
+from ..conftest import REQUIRE_SERVERS, installed_app
 from ..workers import ROOT, PublishRecorder, app_env, throttle_cli
 
 
 @pytest.fixture
 def app(redis_url: str, prefix: str) -> Iterator[Celery]:
     """An app on the test server with this test's own bucket prefix (never started)."""
-    a = Celery("obs", broker=f"{redis_url}/14", set_as_current=False)
-    a.conf.throttle_redis_url = redis_url
-    a.conf.throttle_prefix = prefix
-    celery_throttle.install(a)
-    yield a
-    forget(a)
-    a.close()
+    with installed_app("obs", redis_url, prefix) as a:
+        yield a
 
 
 def test_counts_log_line_and_wait_note_after_a_known_run(

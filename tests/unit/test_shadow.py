@@ -10,26 +10,21 @@ import pytest
 from celery import Celery, Task
 from celery.exceptions import Ignore
 
-import celery_throttle
 from celery_throttle import Limit, metrics, parse_rate, throttled
 from celery_throttle.integration.runtime import forget, runtime_for
 from celery_throttle.ops import control, report
 
+from ..conftest import installed_app
 from ..workers import PublishRecorder
 
 
 @pytest.fixture
 def app(redis_url: str, prefix: str) -> Iterator[Celery]:
     """An app on the test server with this test's own prefix (never started)."""
-    a = Celery("shadow", broker=f"{redis_url}/14", set_as_current=False)
-    a.conf.throttle_redis_url = redis_url
-    a.conf.throttle_prefix = prefix
-    a.conf.throttle_waiting_room = False  # (a deferral is recorded, not published)
-    celery_throttle.install(a)
     metrics.reset()
-    yield a
-    forget(a)
-    a.close()
+    # (Without the waiting room a deferral is published, and recorded here.)
+    with installed_app("shadow", redis_url, prefix, throttle_waiting_room=False) as a:
+        yield a
 
 
 def _run(job: Task[Any, Any], n: int, published: list[dict[str, Any]]) -> tuple[int, float]:

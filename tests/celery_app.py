@@ -71,6 +71,15 @@ def steady(self: Task[Any, Any], i: int) -> int:
     return i
 
 
+@throttled("20/s", name="green")
+@app.task(bind=True)
+def io_call(self: Task[Any, Any], i: int) -> int:
+    """A start at 20/s, then 0.2 s of I/O (a provider call), for the green-thread pools."""
+    record(self, i=i)
+    time.sleep(0.2)
+    return i
+
+
 @throttled("5/s", key="tenant")
 @app.task(bind=True)
 def per_tenant(self: Task[Any, Any], tenant: str, i: int) -> str:

@@ -117,7 +117,7 @@ def install(app: Celery) -> Celery:
             if config.waiting_room and not dispatchers:
                 dispatcher = Dispatcher(app, config.connect, config.prefix,
                                         timeout=config.dispatch_timeout,
-                                        revoked=_revoked)
+                                        lead=config.dispatch_lead, revoked=_revoked)
                 dispatcher.start()
                 dispatchers.append(dispatcher)
                 logger.info("celery_throttle: waiting room on: this node dispatches parked tasks "

@@ -15,6 +15,11 @@ which every worker consuming the queue also consumes (:func:`add_lanes`):
 behind a backlog of fresh tasks in the queue itself, a dispatched task would
 reach a worker long after its slot.
 
+The thread is an operating-system thread also under the gevent and eventlet
+pools (``native.py``), with a store client and a broker connection of its
+own: in their event loop it would keep time only as well as the busiest
+task greenlet lets it.
+
 Nothing is lost if a dispatcher dies or the broker refuses a publish: a
 claimed entry stays in the store until its message reaches a worker, and is
 dispatched again after ``throttle_dispatch_timeout``.  The arrival takes only
@@ -24,7 +29,6 @@ the first copy (``lua/arrive.lua``).
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +43,7 @@ from ..core.logs import Every, logger
 from ..values import to_us
 from .envelope import Envelope
 from .header import HEADER
+from .native import NativeThread
 from .parking import Parked, WaitingRoom
 from .queues import Served
 
@@ -89,15 +94,18 @@ class Dispatcher:
     """Dispatches ``app``'s due parked tasks to their queues, in a daemon thread."""
 
     def __init__(self, app: Celery, connect: Callable[..., Any], prefix: str, *,
-                 timeout: float,
+                 timeout: float, lead: float = 0.0,
                  revoked: Callable[[str], bool] = lambda task_id: False) -> None:
         """``connect(**options)`` makes a client of the store (the app's ``Config.connect``);
         ``timeout``: seconds after which a dispatched task that never arrived is due again;
+        ``lead``: a task of a limit's queue is dispatched this much before its start, besides
+        the measured trip (``throttle_dispatch_lead``; a parked task's dispatch time has it);
         ``revoked(task_id)``: is that task revoked (a task waiting in a limit's queue is then
         dispatched without taking the limit, and its worker drops it)."""
         self.app = app
         self.revoked = revoked
-        self.timeout_us = to_us(timeout)
+        self.timeout_us, self.lead_us = to_us(timeout), to_us(lead)
+        self._connect = connect
         # A client of its own: its blocking pop must not hold the tasks'
         # connection, and its read timeout must outlast the pop.
         self.client = connect(socket_timeout=IDLE + 5, socket_connect_timeout=2,
@@ -107,25 +115,29 @@ class Dispatcher:
         # warm shutdown does not wait out a blocking pop of up to IDLE seconds.
         self._bell = room_key(prefix, f"bell:{uuid.uuid4().hex}")
         self.dispatched = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="celery-throttle-dispatcher",
-                                        daemon=True)
+        self._thread = NativeThread(self._run, "celery-throttle-dispatcher")
+        self._connection: Any = None  # to the broker, made by the first publish
+        self._publisher: Any = None
 
     def start(self) -> None:
         """Start the thread."""
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> None:
-        """Stop the thread (it finishes the batch it is publishing) and close the client."""
-        self._stop.set()
+        """Stop the thread (it finishes the batch it is publishing; it closes its clients)."""
+        self._thread.stop()
+        # A client of the caller's: the thread's own may be blocked in its pop,
+        # and under a green pool belongs to the thread's hub.
+        ringer = self._connect(socket_timeout=2, socket_connect_timeout=2)
         try:
-            with self.client.pipeline(transaction=False) as pipe:
+            with ringer.pipeline(transaction=False) as pipe:
                 # Expires on its own if the thread was not asleep to pop it.
                 pipe.rpush(self._bell, 1).pexpire(self._bell, int(IDLE * 2000)).execute()
         except redis.RedisError:
             pass  # the store is down: the pop fails on its own, or the join times out
+        finally:
+            ringer.close()
         self._thread.join(timeout)
-        self.client.close()
 
     def dispatch_due(self) -> float | None:
         """Claim and publish one batch of parked tasks, and one of the limits' queues; return
@@ -134,7 +146,8 @@ class Dispatcher:
         if parked:
             faults.at("dispatch.before_publish", parked)
             self._publish(parked)
-        turn, served = self.room.queues.serve_due(BATCH, self.timeout_us, self.revoked)
+        turn, served = self.room.queues.serve_due(BATCH, self.timeout_us, self.revoked,
+                                                  lead_us=self.lead_us)
         if served:
             faults.at("dispatch.before_publish", served)
             self._publish(served)
@@ -144,25 +157,41 @@ class Dispatcher:
     def _publish(self, parked: Sequence[Parked | Served]) -> None:
         policy = self.app.conf.task_publish_retry_policy
         queues = self.app.amqp.queues
-        with self.app.producer_or_acquire() as producer:
-            for item in parked:
-                marks: dict[str, Any] = {"token": item.token, "room": item.epoch}
-                if isinstance(item, Served):
-                    marks.update(charged=item.flag, slot=item.start or None)
-                envelope = Envelope.loads(item.message).with_header(HEADER, **marks)
-                declare = None
-                if not envelope.exchange:  # addressed to its queue by name: use its lane
-                    envelope = envelope.to(lane_of(envelope.routing_key))
-                    # Workers declare the lane when they consume it; declaring
-                    # it here too is cached by kombu per channel.
-                    lane = queues.get(envelope.routing_key)
-                    declare = [lane] if lane is not None else None
-                envelope.publish(producer, declare=declare, retry_policy=policy)
-                self.dispatched += 1
+        producer = self._producer()
+        for item in parked:
+            marks: dict[str, Any] = {"token": item.token, "room": item.epoch}
+            if isinstance(item, Served):
+                marks.update(charged=item.flag, slot=item.start or None)
+            envelope = Envelope.loads(item.message).with_header(HEADER, **marks)
+            declare = None
+            if not envelope.exchange:  # addressed to its queue by name: use its lane
+                envelope = envelope.to(lane_of(envelope.routing_key))
+                # Workers declare the lane when they consume it; declaring
+                # it here too is cached by kombu per channel.
+                lane = queues.get(envelope.routing_key)
+                declare = [lane] if lane is not None else None
+            envelope.publish(producer, declare=declare, retry_policy=policy)
+            self.dispatched += 1
 
-    def _run(self) -> None:
+    def _producer(self) -> Any:
+        """A producer on the dispatcher's own broker connection (never the app's pool, whose
+        connections a green pool's loop also uses), made by the first publish."""
+        if self._connection is None:
+            self._connection = self.app.connection_for_write()
+            self._publisher = self.app.amqp.Producer(self._connection)
+        return self._publisher
+
+    def _run(self, thread: NativeThread) -> None:
+        try:
+            self._loop(thread)
+        finally:
+            self.client.close()
+            if self._connection is not None:
+                self._connection.release()
+
+    def _loop(self, thread: NativeThread) -> None:
         outage = Every()
-        while not self._stop.is_set():
+        while not thread.stopped:
             try:
                 wait = self.dispatch_due()
                 if wait == 0:
@@ -171,12 +200,12 @@ class Dispatcher:
                     # Redis times a blocking pop out on its own clock tick
                     # (every 100 ms at the default hz 10): a near dispatch is
                     # slept here, where it is precise.
-                    self._stop.wait(wait)
+                    thread.wait(wait)
                 else:
                     self.room.sleep(IDLE if wait is None else min(wait - _FINE / 2, IDLE),
                                     self._bell)
             except Exception as exc:  # a store or broker error: entries stay claimed
-                if self._stop.is_set():
+                if thread.stopped:
                     break
                 if outage.due():
                     level = logging.WARNING if isinstance(exc, redis.RedisError | OSError) \
@@ -184,7 +213,7 @@ class Dispatcher:
                     logger.log(level, "throttle: dispatcher: %s: %s (claimed tasks are "
                                "dispatched again after throttle_dispatch_timeout)",
                                type(exc).__name__, exc)
-                self._stop.wait(_BACKOFF)
+                thread.wait(_BACKOFF)
 
     def __repr__(self) -> str:
         return f"Dispatcher(prefix={self.room.prefix!r}, dispatched={self.dispatched})"

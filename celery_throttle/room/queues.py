@@ -235,13 +235,14 @@ class Queues:
             self.client.hset(self.specs, items=items)
 
     def serve_due(self, batch: int, timeout_us: int,
-                  revoked: Callable[[str], bool] = lambda task_id: False,
-                  ) -> tuple[float | None, list[Served]]:
+                  revoked: Callable[[str], bool] = lambda task_id: False, *,
+                  lead_us: int = 0) -> tuple[float | None, list[Served]]:
         """Dispatch the due queues' tasks, up to ``batch``; also seconds until the next due
         queue (0: more are due now; None: no task waits).  ``revoked(task_id)``: such
-        tasks are dispatched uncharged (the worker drops them)."""
+        tasks are dispatched uncharged (the worker drops them).  ``lead_us``: served
+        this much ahead of their start, besides the measured trip (as parked tasks are)."""
         reply = self._serve(keys=[self.ready, self.trip],
-                            args=["look", LOOK_QUEUES, MAX_AHEAD_US])
+                            args=["look", LOOK_QUEUES, MAX_AHEAD_US, lead_us])
         queues = [text(q) for q in reply[3:]]
         if not queues:
             wait = int(reply[2])
@@ -271,7 +272,8 @@ class Queues:
         reply = self._serve(
             keys=[self.messages, self.entries, self.ready, self.claimed, self.epoch, self.trip,
                   self.wake, self.specs, self.live, *triples],
-            args=["serve", batch, timeout_us, " ".join(uncharged), len(own), MAX_AHEAD_US])
+            args=["serve", batch, timeout_us, " ".join(uncharged), len(own), MAX_AHEAD_US,
+                  lead_us])
         wait, epoch, items = int(reply[0]), int(reply[1]), reply[2:]
         served = [Served(text(items[k]), text(items[k + 1]), epoch, text(items[k + 2]),
                          int(items[k + 3]), items[k + 4]) for k in range(0, len(items), 5)]

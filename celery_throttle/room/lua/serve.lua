@@ -11,6 +11,7 @@ Three operations, ARGV[1]:
   KEYS[2] the trip estimate (parking.py): a queue is due this much ahead
   ARGV[2] the most queues returned
   ARGV[3] the most ahead, us (queues.MAX_AHEAD_US)
+  ARGV[4] the dispatch lead, us (throttle_dispatch_lead)
   Reply: { now, ahead, next, queue 1, queue 2, ... }: next is the earliest
          time (us) of a queue not due yet, or -1
 
@@ -36,6 +37,7 @@ kept it in the entries hash, where it is still read (and deleted with it).
   ARGV[3] claim timeout, us (as dispatch.lua: not arrived by then, due again)
   ARGV[4] entries to dispatch without a charge (revoked: the worker drops them)
   ARGV[5] the number of queues to serve
+  ARGV[6] the most ahead, us; ARGV[7] the dispatch lead, us (as "look")
   ARGV[6] the most ahead, us (as for "look")
   A task's turn: its limits (at their live rate, else the declared one, else
   the one it was enqueued with) admit it within `ahead`: every one is charged for that moment
@@ -47,18 +49,21 @@ kept it in the entries hash, where it is still read (and deleted with it).
          dispatch.lua's (0: call again now; -1: nothing due later); start:
          the moment its limits were charged for (us; 0 uncharged)
 
-Ahead: a queue is served ahead of its limit's next start by the trip from
-dispatch to arrival (parking.py's estimate), at most the given most: the task
-sleeps the rest of it in a worker process, which a long estimate (a node
-starting up delays a few arrivals by seconds) must not fill.
+Ahead: a queue is served ahead of its limit's next start by the dispatch
+lead plus the trip from dispatch to arrival (parking.py's estimate), as a
+parked task is dispatched, at most the given most: the task sleeps the rest
+of it in a worker process, which a long estimate (a node starting up delays a
+few arrivals by seconds) must not fill.  The lead is also all there is
+before the first arrival has measured a trip.
 ]]
 local t = redis.call('TIME')
 now = tonumber(t[1]) * 1000000 + tonumber(t[2]) -- declared by bucket.lua
 local op = ARGV[1]
 
-local function ahead_of(trip, most)
+local function ahead_of(trip, most, lead)
   local est = redis.call('HMGET', trip, 'avg', 'dev')
-  return math.min(tonumber(most), math.floor((tonumber(est[1]) or 0) + 2 * (tonumber(est[2]) or 0)))
+  return math.min(tonumber(most), math.floor(tonumber(lead) + (tonumber(est[1]) or 0)
+                                             + 2 * (tonumber(est[2]) or 0)))
 end
 
 local function next_due(ready, ahead)
@@ -79,7 +84,7 @@ local function record_of(messages, entries, entry)
 end
 
 if op == 'look' then
-  local ahead = ahead_of(KEYS[2], ARGV[3])
+  local ahead = ahead_of(KEYS[2], ARGV[3], ARGV[4])
   local out = { now, ahead, -1 }
   local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + ahead, 'LIMIT', 0,
                          tonumber(ARGV[2]))
@@ -123,7 +128,7 @@ for j = 1, (#KEYS - 9) / 3 do
   local b, q = KEYS[7 + 3 * j], KEYS[8 + 3 * j]
   queue_of[b], turns_of[q], buckets[j] = q, KEYS[9 + 3 * j], b
 end
-local ahead = ahead_of(KEYS[6], ARGV[6])
+local ahead = ahead_of(KEYS[6], ARGV[6], ARGV[7])
 local out = { 0, tonumber(epoch_of(KEYS[5], now)) }
 local served = 0
 -- Tasks looked at in this call, dispatched or not (moved, dropped): bounded.

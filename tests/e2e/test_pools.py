@@ -1,0 +1,42 @@
+"""The gevent and eventlet pools: one node, 50 green threads, tasks that do I/O."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import ModuleType
+
+import pytest
+import redis
+
+from ..workers import check_window_bound, logs, read_records, wait_results, worker_nodes
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_green_pool_keeps_the_bound_and_uses_the_limit(
+    capp: ModuleType, records: redis.Redis, redis_base: str, pool: str
+) -> None:
+    """100 tasks of 0.2 s of I/O at 20/s on ``-P <pool> -c 50``: each runs once, the window
+    bound holds, and the limit is used (most of them wait in line; the dispatcher keeps
+    their time from a thread of its own, outside the pool's event loop)."""
+    pytest.importorskip(pool)
+    with worker_nodes(redis_base, ("w1",), pool=pool, concurrency=50) as nodes:
+        results = [capp.io_call.delay(i) for i in range(100)]
+        rows = read_records(records, expect=100, timeout=60)
+        states = wait_results(results, timeout=30)
+        text = logs(nodes)
+    times = [r["t"] for r in rows]
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # each once
+    assert states == ["SUCCESS"] * 100
+    worst = check_window_bound(times, rate=20, burst=1, period=1.0)
+    used = (len(times) - 1) / (times[-1] - times[0]) / 20
+    in_line = sum(1 for r in rows if r["deferrals"])
+    print(f"\n{pool}: limit used {used:.3f}, worst windows {worst}, {in_line} waited in line")
+    # The benchmark (benchmarks/pools.py) measures the use over 10 runs: 0.95 and more.
+    # Here a floor with room for a loaded CI machine: before the dispatcher had a
+    # thread of its own this run measured 0.89-0.94.
+    assert used >= 0.85
+    assert in_line >= 50  # the waiting room was in use, not only sleeps
+    assert " ERROR" not in text
+    assert "Traceback" not in text

@@ -18,6 +18,8 @@ Receivers (all idempotent, all for this app only):
   (``throttle_waiting_room``: one per node, in its main process).
 * ``worker_process_shutdown`` / ``worker_shutdown``: close the connection
   (and stop the dispatcher).
+* ``task_revoked``: a task revoked or expired while it waited is forgotten
+  by the waiting room, and announced dropped (``notes.forget_revoked``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .declared import known_limits, limits_in_force
 from .defer import run_ended
 from .exporter import serve
 from .memory import freeze_inherited
+from .notes import forget_revoked
 from .runtime import INSTALLED, forget, runtime_for
 from .throttled import ensure_gated
 
@@ -126,6 +129,11 @@ def install(app: Celery) -> Celery:
     def on_shutdown(**_: Any) -> None:
         forget(app)
 
+    def on_revoked(sender: Any = None, request: Any = None, expired: bool = False,
+                   **_: Any) -> None:
+        if getattr(sender, "app", None) is app and request is not None:
+            forget_revoked(app, request, expired=expired)
+
     def on_worker_shutdown(sender: Any = None, **_: Any) -> None:
         while dispatchers:
             dispatchers.pop().stop()
@@ -160,6 +168,7 @@ def install(app: Celery) -> Celery:
     signals.worker_process_shutdown.connect(on_shutdown, weak=False)
     signals.worker_shutdown.connect(on_worker_shutdown, weak=False)
     signals.task_postrun.connect(on_postrun, weak=False)
+    signals.task_revoked.connect(on_revoked, weak=False)
     return app
 
 

@@ -20,12 +20,15 @@ from celery.backends.base import DisabledBackend
 
 from ..core.gate import Decision
 from ..core.keys import task_key
+from ..core.logs import logger
 from ..room.envelope import Envelope
 from ..room.header import HEADER, WaitState
 from ..values import from_us, to_us
-from .runtime import Runtime
+from .runtime import Runtime, runtime_for
+from .visible import announce_dropped
 
-__all__ = ["NOTE_AFTER_MS", "forget_dropped", "read_wait", "wait_note", "write_note"]
+__all__ = ["NOTE_AFTER_MS", "forget_dropped", "forget_revoked", "read_wait", "wait_note",
+           "write_note"]
 
 
 def _wait_key(runtime: Runtime, task_id: str) -> str:
@@ -127,3 +130,32 @@ def forget_dropped(app: Celery, runtime: Runtime, task_ids: list[str], reason: s
     for task_id in ids:
         backend.mark_as_revoked(task_id, reason)
     return len(ids)
+
+
+def forget_revoked(app: Celery, request: Any, *, expired: bool) -> bool:
+    """A copy of a waiting task that the worker dropped, revoked or expired, before the
+    throttle saw it: True if it had waited.
+
+    A copy dispatched from the waiting room is forgotten there as an arrival
+    would (else the room would dispatch it again after
+    ``throttle_dispatch_timeout``, for as long as the worker remembers the
+    revocation, and then run it); its wait note goes; where the node sends task
+    events, a ``task-dropped`` event says so (``visible.py``).  Best effort.
+    """
+    state = WaitState.from_request(request)
+    if not state.deferrals:
+        return False
+    runtime = runtime_for(app)
+    task_id = str(getattr(request, "id", "") or "")
+    with contextlib.suppress(redis.RedisError):  # (the room's timeout sends it again)
+        if state.entry and state.token:
+            runtime.room.arrive(state.entry, state.token, state.room, task_id=task_id,
+                                note_ttl_ms=1)
+        runtime.gate.client.delete(_wait_key(runtime, task_id))
+    if app.conf.worker_send_task_events:
+        try:
+            announce_dropped(app, [task_id], "expired" if expired else "revoked")
+        except Exception as exc:  # as the THROTTLED event, best effort
+            logger.warning("celery_throttle: task-dropped event not sent: %s",
+                           type(exc).__name__)
+    return True

@@ -17,9 +17,11 @@ from celery import Celery
 
 from ..core.gate import Concurrency, Limit
 from ..core.keys import operator_key
+from ..core.logs import logger
 from ..core.rates import Rate, parse_rate
 from ..integration.notes import forget_dropped
 from ..integration.runtime import runtime_for
+from ..integration.visible import announce_dropped
 from ..room.envelope import Envelope
 from ..values import LONGEST_WAIT
 from .report import select
@@ -131,11 +133,17 @@ def waiting(app: Celery) -> int:
 
 
 def purge(app: Celery) -> Purged:
-    """Drop every waiting task (they never run; the result backend marks them REVOKED)."""
+    """Drop every waiting task (they never run; the result backend marks them REVOKED, and
+    a ``task-dropped`` event says so to Flower)."""
     runtime = runtime_for(app)
     dropped = runtime.room.purge()
-    return Purged(len(dropped), forget_dropped(app, runtime, dropped,
-                                               "purged from the waiting room"))
+    marked = forget_dropped(app, runtime, dropped, "purged from the waiting room")
+    try:
+        announce_dropped(app, dropped, "purged")
+    except Exception as exc:  # the purge is done: an event listener is told nothing
+        logger.warning("celery_throttle: purge: task-dropped events not sent: %s: %s",
+                       type(exc).__name__, exc)
+    return Purged(len(dropped), marked)
 
 
 #: The most tasks :func:`revoke_waiting` finds for one limit in one call.

@@ -175,8 +175,9 @@ class _Recorder:
         def _reraise_as_library_errors(self) -> Iterator[None]:
             yield
 
-    def __init__(self) -> None:
+    def __init__(self, ignore_result: bool) -> None:
         self.connection = self._Connection()
+        self.ignore_result = ignore_result
         self.sent: Envelope | None = None
 
     def publish(self, body: Any, *, exchange: Any = "", routing_key: str = "",
@@ -186,6 +187,8 @@ class _Recorder:
         content_type, content_encoding, serialized = dumps(body, serializer=serializer)
         data = serialized if isinstance(serialized, bytes) else serialized.encode(content_encoding)
         headers = dict(headers or {})
+        if "ignore_result" in headers:  # (protocol 2) as the signature has it: see capture()
+            headers["ignore_result"] = self.ignore_result
         if compression:
             data, headers["compression"] = compress(data, compression)
         properties = {k: v for k, v in options.items()
@@ -200,9 +203,19 @@ class _Recorder:
 
 
 def capture(signature: Any) -> Envelope:
-    """What ``signature.apply_async()`` would publish, recorded instead of sent."""
-    recorder = _Recorder()
-    signature.apply_async(producer=recorder)
+    """What ``signature.apply_async()`` would publish, recorded instead of sent.
+
+    Sent with ``ignore_result=True``, its message header then set back to the
+    signature's own value: otherwise Celery's Redis result backend subscribes
+    to the result of a message it never sends, where the pool lets tasks wait
+    for results (gevent, eventlet, threads): a pub/sub subscription, and a
+    backend made for it per green thread, kept per waiting task.
+    """
+    kept = signature.options.get("ignore_result")
+    if kept is None:
+        kept = bool(getattr(signature.type, "ignore_result", False))
+    recorder = _Recorder(bool(kept))
+    signature.apply_async(producer=recorder, ignore_result=True)
     if recorder.sent is None:  # pragma: no cover - Celery always publishes once
         raise RuntimeError("apply_async published nothing")
     return recorder.sent

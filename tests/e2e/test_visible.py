@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from ..workers import wait_results, worker_nodes
+from ..workers import read_records, wait_results, worker_nodes
 
 pytestmark = pytest.mark.integration
 
@@ -60,3 +60,58 @@ def test_a_parked_task_is_throttled_in_the_backend_and_the_event_state(
     assert "task-throttled" in types
     assert last.state == "SUCCESS"
     assert state.tasks[last.id].state == "SUCCESS"
+
+
+def test_dropped_waiting_tasks_show_dropped_in_the_event_state(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """Ten tasks at 1/s: the sixth revoked while it waits in line, then the rest purged.  Celery's
+    event state (Flower's) shows each DROPPED with its reason, where it showed THROTTLED;
+    the result backend says REVOKED."""
+    from celery_throttle.integration.runtime import runtime_for
+    from celery_throttle.ops import control
+
+    app = capp.app
+    state = app.events.State()
+
+    def on_event(event: dict[str, Any]) -> None:
+        state.event(event)
+
+    def states(ids: list[str]) -> list[str | None]:
+        return [getattr(state.tasks.get(i), "state", None) for i in ids]
+
+    with app.connection_for_read() as conn, \
+            worker_nodes(redis_base, ("w1",), conf={"worker_send_task_events": True}):
+        receiver = app.events.Receiver(conn, handlers={"*": on_event})
+        listening = threading.Thread(target=receiver.capture, kwargs={"limit": 10_000},
+                                     daemon=True)
+        listening.start()
+        try:
+            results = [capp.patient.delay(i) for i in range(10)]
+            waiting = [r.id for r in results[5:]]  # due 5 s and more from now
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and states(waiting) != ["THROTTLED"] * 5:
+                time.sleep(0.1)
+            throttled = states(waiting)
+            app.control.revoke(waiting[0])
+            runtime_for(app).room.queues.look_now("patient")  # passed on now
+            while time.monotonic() < deadline and states(waiting[:1]) != ["DROPPED"]:
+                time.sleep(0.1)
+            purged = control.purge(app)
+            while time.monotonic() < deadline and states(waiting) != ["DROPPED"] * 5:
+                time.sleep(0.1)
+            shown = states(waiting)
+            reasons = [getattr(state.tasks.get(i), "reason", None) for i in waiting]
+            time.sleep(1.0)  # nothing else starts
+            started = {r["id"] for r in read_records(records, expect=0, timeout=0)}
+        finally:
+            receiver.should_stop = True
+            listening.join(5)
+    assert throttled == ["THROTTLED"] * 5
+    assert shown == ["DROPPED"] * 5
+    assert reasons == ["revoked", "purged", "purged", "purged", "purged"]
+    # Every task neither started nor revoked was purged: the revoked one had left
+    # the waiting room when the worker dropped it.
+    assert waiting[0] not in started
+    assert purged.dropped == 10 - 1 - len(started)
+    assert [r.state for r in results[5:]] == ["REVOKED"] * 5

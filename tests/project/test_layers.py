@@ -173,6 +173,9 @@ PROCESS_STATE = {
     "integration.runtime._lock": "the threads pool may build a runtime concurrently",
     "integration.throttled._shared_specs": "@throttled on shared tasks, by task name: each "
                                            "app's copy gets them",
+    "integration.visible._backends": "one result backend per app for the THROTTLED writes "
+                                     "(Celery's is one per thread, per greenlet in green pools)",
+    "integration.visible._lock": "the threads pool may ask for that backend concurrently",
 }
 
 

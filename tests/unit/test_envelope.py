@@ -101,3 +101,58 @@ def test_what_is_not_a_stored_message_is_refused_by_name(raw: bytes) -> None:
     with pytest.raises(ValueError, match=r"not a stored envelope|Expecting"):
         Envelope.loads(raw)
     assert Envelope.task_id_in(raw) == ""
+
+
+@pytest.mark.parametrize("ignore_result", [False, True])
+def test_a_capture_keeps_ignore_result_and_subscribes_to_no_result(
+    redis_base: str, ignore_result: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The message says what the signature says of its result; the capture itself asks the
+    result backend for nothing (where tasks may wait for results, Celery would subscribe to
+    the result of a message that is never sent)."""
+    from celery import _state
+
+    app = Celery("envelope", broker="memory://", backend=f"{redis_base}/9", set_as_current=False)
+
+    @app.task(name="envelope.keep", shared=False)
+    def keep(a: int) -> int:
+        return a
+
+    # As in a gevent, eventlet or threads pool: joining a result would not block.
+    monkeypatch.setattr(_state, "_task_join_will_block", False)
+    envelope = capture(keep.signature((1,), ignore_result=ignore_result))
+    backend: Any = app.backend
+    subscribed = backend.result_consumer._pubsub
+    app.close()
+    assert envelope.headers["ignore_result"] is ignore_result
+    assert subscribed is None  # no pub/sub connection was made for it
+
+
+def test_deferrals_write_their_state_through_one_backend_per_process(redis_base: str) -> None:
+    """Celery's app.backend is one per thread (per green thread under gevent and eventlet):
+    the THROTTLED writes share one instead of building and connecting one per task."""
+    import threading
+
+    from celery_throttle.integration.visible import backend_of
+
+    app = Celery("envelope", broker="memory://", backend=f"{redis_base}/9", set_as_current=False)
+
+    @app.task(name="envelope.state", shared=False)
+    def state() -> None:
+        return None
+
+    seen: list[object] = []
+    threads = [threading.Thread(target=lambda: seen.append(backend_of(state)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    per_thread = []
+    other = threading.Thread(target=lambda: per_thread.append(app.backend))
+    other.start()
+    other.join(5)
+    app.close()
+    assert len(seen) == 3
+    assert len({id(b) for b in seen}) == 1
+    assert per_thread[0] is not seen[0]  # (the control: Celery's own is per thread)

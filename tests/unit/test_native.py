@@ -67,3 +67,31 @@ def test_without_patching_it_is_a_plain_named_thread() -> None:
     assert not thread.is_alive()
     thread.stop()
     assert thread.wait(10) is True  # stopped: returns at once
+
+
+@pytest.mark.parametrize(("patch", "setting", "lead"), [
+    ("from gevent import monkey; monkey.patch_all()", None, 0.15),
+    ("import eventlet; eventlet.monkey_patch()", None, 0.15),
+    ("", None, 0.05),
+    ("from gevent import monkey; monkey.patch_all()", 0.02, 0.02),
+])
+def test_the_dispatch_lead_defaults_longer_on_a_green_pool(
+    patch: str, setting: float | None, lead: float
+) -> None:
+    """A green pool's loop delays a dispatched task's arrival while it takes in a burst: its
+    node dispatches further ahead, unless the setting says otherwise."""
+    if patch:
+        pytest.importorskip(patch.split()[1].split(";")[0])
+    script = textwrap.dedent(f"""
+        {patch}
+        from celery import Celery
+        from celery_throttle.integration.config import read_config
+        app = Celery("lead", broker="memory://", set_as_current=False)
+        app.conf.throttle_redis_url = "redis://127.0.0.1:1/0"  # (never connected)
+        if {setting!r} is not None:
+            app.conf.throttle_dispatch_lead = {setting!r}
+        print(read_config(app).dispatch_lead)
+    """)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert float(out[-1]) == lead

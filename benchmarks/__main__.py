@@ -62,6 +62,13 @@ _DASHBOARD_HEADER = (
     "docstring).\n")
 
 
+_POOLS_HEADER = (
+    "## 7. Worker pools\n\n"
+    "`python -m benchmarks.pools`. The same limited task on prefork, threads, gevent and "
+    "eventlet, and on prefork with its processes recycled; beside the recycled runs, Celery "
+    "alone on the same nodes (see the module's docstring).\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run every section, print the document and write BENCHMARKS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -165,6 +172,12 @@ def main(argv: list[str] | None = None) -> None:
                            "1000" if args.quick else "10000"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
     doc.append(dash.stdout)
+    print("section 7: worker pools", file=sys.stderr, flush=True)
+    doc.append(_POOLS_HEADER)
+    pools = subprocess.run([sys.executable, "-m", "benchmarks.pools", "--runs",
+                            "2" if args.quick else "10"],
+                           capture_output=True, text=True, timeout=3600, cwd=ROOT, check=True)
+    doc.append(pools.stdout)
     doc.append(f"\n_Whole run: {time.monotonic() - began:.0f} s._\n")
     text = "\n".join(doc)
     (ROOT / "BENCHMARKS.md").write_text(text)

@@ -1,4 +1,4 @@
-"""The gevent and eventlet pools: one node, 50 green threads, tasks that do I/O."""
+"""The threads, gevent and eventlet pools: one node, 50 threads, tasks that do I/O."""
 
 from __future__ import annotations
 
@@ -13,14 +13,13 @@ from ..workers import check_window_bound, logs, read_records, wait_results, work
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
-def test_green_pool_keeps_the_bound_and_uses_the_limit(
+@pytest.mark.parametrize("pool", ["threads", "gevent", "eventlet"])
+def test_one_process_pools_keep_the_bound_and_use_the_limit(
     capp: ModuleType, records: redis.Redis, redis_base: str, pool: str
 ) -> None:
     """100 tasks of 0.2 s of I/O at 20/s on ``-P <pool> -c 50``: each runs once, the window
     bound holds, and the limit is used (most of them wait in line; the dispatcher keeps
     their time from a thread of its own, outside the pool's event loop)."""
-    pytest.importorskip(pool)
     with worker_nodes(redis_base, ("w1",), pool=pool, concurrency=50) as nodes:
         results = [capp.io_call.delay(i) for i in range(100)]
         rows = read_records(records, expect=100, timeout=60)

@@ -43,7 +43,6 @@ print(patched(), during, ended, round(time.perf_counter() - began, 3), t.is_aliv
     ("eventlet", "eventlet.monkey_patch()"),
 ])
 def test_a_native_thread_runs_beside_a_busy_green_loop(library: str, patch: str) -> None:
-    pytest.importorskip(library)
     script = textwrap.dedent(_SCRIPT).format(library=library, patch=patch)
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True,
                          text=True, timeout=60, check=True).stdout.split()
@@ -80,8 +79,6 @@ def test_the_dispatch_lead_defaults_longer_on_a_green_pool(
 ) -> None:
     """A green pool's loop delays a dispatched task's arrival while it takes in a burst: its
     node dispatches further ahead, unless the setting says otherwise."""
-    if patch:
-        pytest.importorskip(patch.split()[1].split(";")[0])
     script = textwrap.dedent(f"""
         {patch}
         from celery import Celery

@@ -618,7 +618,16 @@ def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> None
     headers = {**(request.headers or {}), HEADER: state.to_header()}
     # signature_from_request keeps id, args, queue/routing, priority, links,
     # chain, expires, time limits and `retries` (so max_retries is untouched).
-    task.signature_from_request(request, countdown=countdown, headers=headers).apply_async()
+    # Captured, then published as captured: apply_async itself would have the
+    # result backend subscribe to its result where joins do not block (see
+    # capture()), once per re-publish.
+    envelope = capture(task.signature_from_request(request, countdown=countdown,
+                                                   headers=headers))
+    app = task.app
+    queue = app.amqp.queues.get(envelope.routing_key)  # declared, as apply_async does
+    with app.producer_or_acquire() as producer:
+        envelope.publish(producer, declare=[queue] if queue is not None else None,
+                         retry_policy=app.conf.task_publish_retry_policy)
     faults.at("defer.after_republish", task)
 
 

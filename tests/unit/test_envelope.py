@@ -156,3 +156,44 @@ def test_deferrals_write_their_state_through_one_backend_per_process(redis_base:
     assert len(seen) == 3
     assert len({id(b) for b in seen}) == 1
     assert per_thread[0] is not seen[0]  # (the control: Celery's own is per thread)
+
+
+def test_a_countdown_re_publish_is_the_task_s_message_and_subscribes_to_no_result(
+    redis_base: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The countdown path re-publishes the running task's message with an ETA and this
+    package's header, its ignore_result as it was, without subscribing to its result."""
+    from celery import _state
+
+    from celery_throttle.integration.defer import _republish
+    from celery_throttle.room.header import WaitState
+
+    broker = f"{redis_base}/9"
+    app = Celery("envelope", broker=broker, backend=f"{redis_base}/9", set_as_current=False)
+
+    @app.task(name="envelope.again", shared=False, bind=True)
+    def again(self: Any, a: int) -> int:
+        return a
+
+    monkeypatch.setattr(_state, "_task_join_will_block", False)
+    with Connection(broker) as conn:
+        queue = conn.SimpleQueue("celery")
+        queue.clear()
+        again.push_request(id="t-again", args=(7,), kwargs={}, headers={}, retries=0,
+                           delivery_info={"exchange": "", "routing_key": "celery"},
+                           ignore_result=False)
+        try:
+            _republish(again, WaitState(deferrals=1), 30.0)
+        finally:
+            again.pop_request()
+        message = queue.get(timeout=5)
+        queue.close()
+    backend: Any = app.backend
+    subscribed = backend.result_consumer._pubsub
+    app.close()
+    headers: dict[str, Any] = message.headers
+    assert headers["id"] == "t-again"
+    assert headers["eta"] is not None
+    assert headers["ignore_result"] is False
+    assert headers["celery_throttle"]["deferrals"] == 1
+    assert subscribed is None

@@ -140,10 +140,19 @@ def check_window_bound(
 
 
 class PublishRecorder:
-    """Stands in for a signature in unit tests: records what would be published."""
+    """Stands in for a signature in unit tests: records the options it was made with.
+
+    The throttle captures what a signature publishes (``room.envelope.capture``)
+    and sends that: this one publishes a small message, which the test app's
+    broker keeps in a list of its own (``recorded``)."""
+
+    type = None  # (no task: the capture reads ignore_result from the options)
 
     def __init__(self, sink: list[dict[str, Any]], options: dict[str, Any]) -> None:
         self.sink, self.options = sink, options
 
-    def apply_async(self) -> None:
+    def apply_async(self, producer: Any = None, **_: Any) -> None:
         self.sink.append(self.options)
+        if producer is not None:
+            producer.publish({"recorded": True}, exchange="", routing_key="recorded",
+                             serializer="json", headers={"id": "recorded"})

@@ -624,9 +624,8 @@ def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> None
     envelope = capture(task.signature_from_request(request, countdown=countdown,
                                                    headers=headers))
     app = task.app
-    queue = app.amqp.queues.get(envelope.routing_key)  # declared, as apply_async does
     with app.producer_or_acquire() as producer:
-        envelope.publish(producer, declare=[queue] if queue is not None else None,
+        envelope.publish(producer, queues=app.amqp.queues,
                          retry_policy=app.conf.task_publish_retry_policy)
     faults.at("defer.after_republish", task)
 

@@ -132,9 +132,9 @@ def forget_dropped(app: Celery, runtime: Runtime, task_ids: list[str], reason: s
     return len(ids)
 
 
-def forget_revoked(app: Celery, request: Any, *, expired: bool) -> bool:
-    """A copy of a waiting task that the worker dropped, revoked or expired, before the
-    throttle saw it: True if it had waited.
+def forget_revoked(app: Celery, request: Any, *, expired: bool) -> None:
+    """A copy of a task that the worker dropped, revoked or expired, before the throttle saw
+    it: if it had waited, nothing is left of its wait.
 
     A copy dispatched from the waiting room is forgotten there as an arrival
     would (else the room would dispatch it again after
@@ -144,7 +144,7 @@ def forget_revoked(app: Celery, request: Any, *, expired: bool) -> bool:
     """
     state = WaitState.from_request(request)
     if not state.deferrals:
-        return False
+        return
     runtime = runtime_for(app)
     task_id = str(getattr(request, "id", "") or "")
     with contextlib.suppress(redis.RedisError):  # (the room's timeout sends it again)
@@ -158,4 +158,3 @@ def forget_revoked(app: Celery, request: Any, *, expired: bool) -> bool:
         except Exception as exc:  # as the THROTTLED event, best effort
             logger.warning("celery_throttle: task-dropped event not sent: %s",
                            type(exc).__name__)
-    return True

@@ -163,14 +163,12 @@ class Dispatcher:
             if isinstance(item, Served):
                 marks.update(charged=item.flag, slot=item.start or None)
             envelope = Envelope.loads(item.message).with_header(HEADER, **marks)
-            declare = None
-            if not envelope.exchange:  # addressed to its queue by name: use its lane
+            by_name = not envelope.exchange
+            if by_name:  # addressed to its queue by name: use its lane
                 envelope = envelope.to(lane_of(envelope.routing_key))
-                # Workers declare the lane when they consume it; declaring
-                # it here too is cached by kombu per channel.
-                lane = queues.get(envelope.routing_key)
-                declare = [lane] if lane is not None else None
-            envelope.publish(producer, declare=declare, retry_policy=policy)
+            # (Workers declare the lane when they consume it; the publish does too.)
+            envelope.publish(producer, queues=queues if by_name else None,
+                             retry_policy=policy)
             self.dispatched += 1
 
     def _producer(self) -> Any:

@@ -118,13 +118,19 @@ class Envelope:
         return Envelope(self.body, self.content_type, self.content_encoding, self.exchange,
                         routing_key, self.headers, self.properties)
 
-    def publish(self, producer: Any, *, declare: list[Any] | None = None,
+    def publish(self, producer: Any, *, queues: Any = None,
                 retry_policy: dict[str, Any] | None = None) -> None:
-        """Publish the message as captured (a kombu ``Producer``); no ETA, no re-serializing."""
+        """Publish the message as captured (a kombu ``Producer``); no ETA, no re-serializing.
+
+        ``queues`` (Celery's ``app.amqp.queues``): the queue its routing key names there
+        is declared with it, as ``apply_async`` declares its queue (cached by kombu per
+        channel)."""
+        queue = queues.get(self.routing_key) if queues is not None else None
         producer.publish(
             self.body, exchange=self.exchange, routing_key=self.routing_key,
             headers=self.headers, content_type=self.content_type,
-            content_encoding=self.content_encoding, declare=declare,
+            content_encoding=self.content_encoding,
+            declare=[queue] if queue is not None else None,
             retry=True, retry_policy=retry_policy, **self.properties)
 
 

@@ -40,9 +40,8 @@ class _Originals:
         self.start_new_thread, self.allocate_lock = start_new_thread, allocate_lock
 
 
-def _originals() -> _Originals:
-    """``_thread``'s thread start and lock as they were before any patching."""
-    library = patched()
+def _originals(library: str | None) -> _Originals:
+    """``_thread``'s thread start and lock as they were before ``library`` patched them."""
     if library == "gevent":
         from gevent import monkey
 
@@ -62,8 +61,9 @@ class NativeThread:
 
     def __init__(self, target: Callable[[NativeThread], None], name: str) -> None:
         self._target, self.name = target, name
-        originals = _originals()
-        self._green = patched() is not None
+        library = patched()
+        originals = _originals(library)
+        self._green = library is not None
         # Locks of the original kind: held while running / until stopped.
         self._running = originals.allocate_lock()
         self._stopping = originals.allocate_lock()

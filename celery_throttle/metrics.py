@@ -21,6 +21,7 @@ This module imports nothing from the package: every layer may count.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -69,6 +70,25 @@ _prom: _Prometheus | bool | None = None  # False: prometheus_client is not insta
 _wall = time.time  # the second a count is filed under (tests replace it)
 # Counts per wall-clock second, {second: {(field, limit): n}}, once keep_seconds(True).
 _seconds: dict[int, dict[tuple[str, str], float]] | None = None
+
+
+def _after_fork_in_child() -> None:
+    """A forked process counts its own decisions: its parent's counts stay the parent's.
+
+    A worker's main process counts too (tasks lined up on arrival,
+    ``integration/arrival.py``) and forks pool processes, again and again
+    where they are recycled: a child that kept the counts its parent had not
+    yet written would have its writer add them a second time.  The lock is
+    new too: another of the parent's threads may have held it at the fork.
+    """
+    global _lock, _seconds
+    _lock = threading.Lock()
+    _stats.clear()
+    if _seconds is not None:
+        _seconds = {}
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def keep_seconds(on: bool) -> None:

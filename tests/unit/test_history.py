@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Iterator
 
@@ -40,6 +41,27 @@ def test_counts_are_kept_per_second_only_once_asked(monkeypatch: pytest.MonkeyPa
     metrics.admitted(["a"])
     assert metrics.take_seconds() == {}
     assert metrics.snapshot()["a"]["admitted"] == 2  # the process's totals count on
+
+
+def test_a_forked_process_starts_with_none_of_its_parents_counts() -> None:
+    """A worker's main process counts too and forks pool processes: a child's writer must
+    not add the parent's pending counts a second time."""
+    metrics.deferred("a", 2.5)
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+
+    def child() -> None:
+        metrics.admitted(["b"])  # its own count is kept
+        child_end.send((metrics.take_seconds(), metrics.snapshot()))
+
+    process = ctx.Process(target=child)
+    process.start()
+    assert parent_end.poll(20)
+    seconds, totals = parent_end.recv()
+    process.join(10)
+    assert [set(counts) for counts in seconds.values()] == [{("admitted", "b")}]
+    assert set(totals) == {"b"}
+    assert ("deferred", "a") in next(iter(metrics.take_seconds().values()))  # the parent's
 
 
 def test_seconds_nobody_takes_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -83,6 +83,12 @@ SETTINGS: dict[str, tuple[object, str]] = {
     "throttle_dispatch_lead": (None, "the waiting room dispatches a task this many seconds before "
                               "its slot besides the measured broker trip (it sleeps the rest); "
                               "default: 0.05, or 0.15 on the gevent and eventlet pools"),
+    "throttle_line_on_arrival": (None, "with the scheduler, a task that arrives while its limit "
+                                 "has tasks in line joins the line in the worker's main "
+                                 "process, before it takes a pool process (one store call per "
+                                 "arriving task there); default: where pool processes are "
+                                 "recycled (worker_max_tasks_per_child or "
+                                 "worker_max_memory_per_child); True or False: always, never"),
     "throttle_dispatch_timeout": (60.0, "a dispatched task that has not reached a worker after "
                                  "this many seconds is dispatched again (only the first copy "
                                  "to arrive runs)"),
@@ -127,6 +133,8 @@ class Config:
     # limit name -> fair key value digest -> weight (values are never kept in clear)
     fair_weights: Mapping[str, Mapping[str, int]] = field(default_factory=dict, repr=False)
     dispatch_lead: float
+    # None: decided per worker (arrival.lines_up), by whether its pool recycles processes
+    line_on_arrival: bool | None
     dispatch_timeout: float
     gc_freeze: bool
     enforce: bool
@@ -285,6 +293,8 @@ def read_config(app: Celery) -> Config:
         high_priority_first=_amqp(conf.broker_url),
         fair_weights=_fair_weights(get("throttle_fair_weights")),
         dispatch_lead=_dispatch_lead(get("throttle_dispatch_lead")),
+        line_on_arrival=_optional_flag("throttle_line_on_arrival",
+                                       get("throttle_line_on_arrival")),
         dispatch_timeout=_at_least_one("throttle_dispatch_timeout",
                                       get("throttle_dispatch_timeout")),
         gc_freeze=_flag("throttle_gc_freeze", get("throttle_gc_freeze")),
@@ -359,6 +369,10 @@ def _flag(name: str, value: object, other: str = "") -> bool:
         raise ThrottleConfigError(f"setting {name}={value!r}: expected True or False"
                                   + (f" {other}" if other else ""))
     return value
+
+
+def _optional_flag(name: str, value: object) -> bool | None:
+    return None if value is None else _flag(name, value, "or None (the default)")
 
 
 def _is_server(url: str | None) -> bool:

@@ -33,7 +33,7 @@ from ..core.logs import logger
 from ..core.waiting import late_by
 from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import queue_of
-from ..room.envelope import capture
+from ..room.envelope import Envelope, capture
 from ..room.header import HEADER, WaitState, spacing_of
 from ..room.queues import MAX_AHEAD_US, entry_id
 from ..values import from_us, to_us
@@ -43,7 +43,8 @@ from .notes import NOTE_AFTER_MS, wait_note, write_note
 from .runtime import INSTALLED, Runtime
 from .visible import announce
 
-__all__ = ["admit", "admitted_late", "defer_after_start", "release_leases_of", "run_ended"]
+__all__ = ["admit", "admitted_late", "defer_after_start", "join_line_on_arrival",
+           "release_leases_of", "run_ended"]
 
 
 _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
@@ -408,39 +409,92 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     store failed.  Its place: its first wait plus its rank's ageing steps.
     """
     request = task.request
-    config = runtime.config
     blocking = cast(Limit, decision.limit)
     since = state.since or decision.now
-    new = WaitState(deferrals=state.deferrals + 1, since=since, copy=new_copy(),
-                    prev=state.copy_id, spacing=spacing_of(limits))
-    entry = _entry_of(task, new.prev)
+    new, entry = _next_in_line(task, state, since, limits)
     headers = {**(request.headers or {}), HEADER: replace(new, entry=entry).to_header()}
     envelope = capture(task.signature_from_request(request, headers=headers))
     due = decision.now + to_us(decision.retry_after)
     try:
         waiting = runtime.room.enqueue(
             entry, envelope.dumps(), str(request.id),
-            limits=[lim for lim in limits if isinstance(lim, Limit)], blocking=blocking,
-            place_us=since + _rank(task, runtime) * to_us(config.priority_ageing),
-            due_us=0 if decision.queued else due,
-            expires_us=decision.now + to_us(max(to_expiry, 0.0)) if to_expiry is not None
-            else 0,
-            deadline_us=since + to_us(max_wait) if max_wait is not None else 0,
-            weights=config.fair_weights)
+            **_line_args(task, runtime, limits, blocking, since, decision.now, to_expiry,
+                         max_wait),
+            due_us=0 if decision.queued else due)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _log_outage(runtime, exc, "re-published with a countdown instead of put in line")
         return
     if not waiting:
         _delivered_again(task)
+    _waits_in_line(task, runtime, state, new, blocking, decision.retry_after)
+    raise Ignore()
+
+
+def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
+                         max_wait: float | None, message: Any, now_us: int) -> bool:
+    """A fresh message of ``task`` (``task.request`` is its context) whose first limit has
+    tasks in line: put it behind them, as it is, before a pool process runs it
+    (``arrival.py``).  True when it waits in line (or waited already: the broker delivered
+    it again); False when that line is empty or it has expired (nothing written: the pool
+    gates it).  ``now_us``: the store's clock now, as near as the caller knows it.
+    Raises ``redis.RedisError`` when the store fails (nothing is acknowledged: the pool
+    gates it under the store-down policy).
+    """
+    request = task.request
+    runtime.counts.start()  # (once per process) as admit(): the dashboard's history
+    to_expiry = _seconds_to_expiry(request)
+    if not _in_line(task, runtime, list(limits)) or (to_expiry is not None and to_expiry <= 0):
+        return False
+    state = WaitState()
+    blocking = limits[0]
+    new, entry = _next_in_line(task, state, now_us, list(limits))
+    envelope = Envelope.of_message(message, {HEADER: replace(new, entry=entry).to_header()})
+    ahead = runtime.room.enqueue(
+        entry, envelope.dumps(), str(request.id),
+        **_line_args(task, runtime, list(limits), blocking, now_us, now_us, to_expiry, max_wait),
+        behind=True)
+    if ahead < 0:
+        return False
+    if ahead == 0:
+        logger.info("throttle: task %s[%s] dropped: its message was delivered again while it "
+                    "waits (the copy waiting goes on)", task.name, request.id)
+        return True
+    _waits_in_line(task, runtime, state, new, blocking,
+                   from_us(ahead * blocking.cost * blocking.rate.interval_us))
+    return True
+
+
+def _next_in_line(task: Task[Any, Any], state: WaitState, since: int,
+                  limits: list[AnyLimit]) -> tuple[WaitState, str]:
+    """The state of the task's copy that waits in line, and its entry there."""
+    new = WaitState(deferrals=state.deferrals + 1, since=since, copy=new_copy(),
+                    prev=state.copy_id, spacing=spacing_of(limits))
+    return new, _entry_of(task, new.prev)
+
+
+def _line_args(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+               blocking: Limit, since: int, now: int, to_expiry: float | None,
+               max_wait: float | None) -> dict[str, Any]:
+    """Where the task waits in line: its place (its first wait plus its rank's ageing
+    steps), its expiry and its ``max_wait`` deadline (server clock, us)."""
+    config = runtime.config
+    return {"limits": [lim for lim in limits if isinstance(lim, Limit)], "blocking": blocking,
+            "place_us": since + _rank(task, runtime) * to_us(config.priority_ageing),
+            "expires_us": now + to_us(max(to_expiry, 0.0)) if to_expiry is not None else 0,
+            "deadline_us": since + to_us(max_wait) if max_wait is not None else 0,
+            "weights": config.fair_weights}
+
+
+def _waits_in_line(task: Task[Any, Any], runtime: Runtime, state: WaitState, new: WaitState,
+                   blocking: Limit, wait: float) -> None:
+    """The task waits in ``blocking``'s line as ``new`` (about ``wait`` seconds): say so."""
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
-    metrics.deferred(blocking.name, decision.retry_after)
-    announce(task, limit=blocking.name, wait=decision.retry_after, deferrals=new.deferrals,
-             reason="limit")
+    metrics.deferred(blocking.name, wait)
+    announce(task, limit=blocking.name, wait=wait, deferrals=new.deferrals, reason="limit")
     logger.info("throttle: task %s[%s] waits in line for limit %r (~%.3fs; deferral %d)",
-                task.name, request.id, blocking.name, decision.retry_after, new.deferrals)
-    raise Ignore()
+                task.name, task.request.id, blocking.name, wait, new.deferrals)
 
 
 def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],

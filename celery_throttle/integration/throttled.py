@@ -31,9 +31,10 @@ from ..room.dispatcher import queue_of
 from ..values import check_cost, positive_int, seconds
 from . import memory
 from .defer import admit, admitted_late, defer_after_start, release_leases_of
-from .runtime import INSTALLED, runtime_for
+from .runtime import INSTALLED, Runtime, runtime_for
 
-__all__ = ["Throttle", "ensure_gated", "throttled"]
+__all__ = ["ORIGINAL_STRATEGY", "STRATEGY", "Call", "Throttle", "call_of", "ensure_gated",
+           "throttled"]
 
 
 T = TypeVar("T")
@@ -41,6 +42,10 @@ ArgFn = Callable[..., Any]
 
 _SPECS_ATTR = "__throttle_specs__"
 _ORIGINAL_RUN = "__throttle_run__"
+#: A gated task's Celery ``Strategy``: its messages may join a line as they arrive
+#: (``arrival.py``), its own strategy (kept under ORIGINAL_STRATEGY) handles the rest.
+STRATEGY = "celery_throttle.integration.arrival:strategy"
+ORIGINAL_STRATEGY = "__throttle_strategy__"
 # Shared tasks get one task object per app; the specs follow them by name.
 _shared_specs: dict[str, list[Throttle]] = {}
 
@@ -259,6 +264,33 @@ def specs_of(task: Task[Any, Any]) -> list[Throttle]:
     return list(task.__dict__.get(_SPECS_ATTR, ()))
 
 
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What one call of a throttled task is held to."""
+
+    limits: list[AnyLimit]
+    max_wait: float | None
+    estimated: set[str]  # the limits whose cost the task may settle
+    coded: dict[str, bool]  # limit name -> the decorator's enforce (shadow.py)
+
+
+def call_of(task: Task[Any, Any], runtime: Runtime, args: tuple[Any, ...],
+            kwargs: dict[str, Any], queue: str | None) -> Call:
+    """The limits of one call of ``task`` (its ``@throttled`` ones and its queue's), as the
+    pool process gating the run and the main process lining it up on arrival
+    (``arrival.py``) both see them."""
+    specs = task.__dict__.get(_SPECS_ATTR, ())
+    limits = [lim for spec in specs for lim in spec.limits(task.name, args, kwargs)]
+    queue_limit = runtime.config.queue_limit(queue)
+    if queue_limit is not None:
+        limits.append(queue_limit)
+    return Call(limits,
+                next((s.max_wait for s in specs if s.max_wait is not None),
+                     runtime.config.max_wait),
+                {(s.name or task.name) for s in specs if s.estimated},
+                {(s.name or task.name): s.enforce for s in specs if s.enforce is not None})
+
+
 def ensure_gated(task: Task[Any, Any]) -> None:
     """Put the gate in ``task``'s call path (idempotent).
 
@@ -269,6 +301,10 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         return
     run = task.run
     task.__dict__[_ORIGINAL_RUN] = run
+    # Its messages may join a line as they arrive, in the worker's main process
+    # (arrival.py); the task's own strategy handles the rest.
+    task.__dict__[ORIGINAL_STRATEGY] = task.Strategy
+    task.Strategy = STRATEGY
     # Failing past max_wait is the documented outcome, not a crash: Celery
     # logs an expected exception at INFO, without a traceback.
     if not issubclass(ThrottleTimeout, task.throws or ()):
@@ -280,21 +316,14 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         if request.called_directly or request.is_eager:
             return run(*args, **kwargs)
         memory.collect_after_deferral()
-        specs = task.__dict__.get(_SPECS_ATTR, ())
         runtime = runtime_for(task.app)
-        limits = [lim for spec in specs for lim in spec.limits(task.name, args, kwargs)]
-        queue_limit = runtime.config.queue_limit(_queue_of(request))
-        if queue_limit is not None:
-            limits.append(queue_limit)
-        if not limits:
+        call = call_of(task, runtime, args, kwargs, _queue_of(request))
+        if not call.limits:
             return run(*args, **kwargs)
-        max_wait = next((s.max_wait for s in specs if s.max_wait is not None),
-                        runtime.config.max_wait)
-        estimated = {(s.name or task.name) for s in specs if s.estimated}
-        coded = {(s.name or task.name): s.enforce for s in specs if s.enforce is not None}
+        limits = call.limits
         admitted = False
         with contextlib.suppress(Ignore):  # raised again below, shallow
-            admit(task, runtime, limits, max_wait, estimated, coded)
+            admit(task, runtime, limits, call.max_wait, call.estimated, call.coded)
             admitted = True
         if not admitted:
             _end_run()

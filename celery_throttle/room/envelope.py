@@ -62,6 +62,8 @@ _WBITS = -15  # raw deflate: no zlib header or checksum (Redis keeps the bytes i
 # Properties not replayed: "expiration" is relative to the capture (the
 # worker checks the `expires` header itself when the message arrives).
 _DROPPED = frozenset({"expiration"})
+# The properties Celery publishes a task with (Envelope.of_message keeps these).
+_PUBLISHED = frozenset({"correlation_id", "reply_to", "delivery_mode", "priority"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,27 @@ class Envelope:
     routing_key: str
     headers: dict[str, Any] = field(repr=False)
     properties: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of_message(cls, message: Any, headers: dict[str, Any]) -> Envelope:
+        """A received kombu ``message`` as it was published, with ``headers`` merged in.
+
+        kombu hands over the body decompressed: the ``compression`` header goes
+        too, as kombu's own re-delivery of a message drops it.  Only the
+        publisher's properties are kept (a transport adds its own: a delivery
+        tag, the body's encoding, ...).
+        """
+        info = message.delivery_info or {}
+        body = message.body
+        if isinstance(body, str):
+            body = body.encode(message.content_encoding or "utf-8")
+        merged = {**(message.headers or {}), **headers}
+        merged.pop("compression", None)
+        properties = {k: v for k, v in (message.properties or {}).items()
+                      if k in _PUBLISHED and v is not None}
+        return cls(body, message.content_type, message.content_encoding,
+                   str(info.get("exchange") or ""), str(info.get("routing_key") or ""),
+                   merged, properties)
 
     def dumps(self) -> bytes:
         """The envelope, compressed, to store (:meth:`loads` reads it)."""

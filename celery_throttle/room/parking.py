@@ -128,12 +128,16 @@ class WaitingRoom:
 
     def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[Limit],
                 blocking: Limit, place_us: int, due_us: int = 0, expires_us: int = 0,
-                deadline_us: int = 0, weights: Weights | None = None) -> int:
+                deadline_us: int = 0, weights: Weights | None = None,
+                behind: bool = False) -> int:
         """``Queues.enqueue`` (the same arguments and reply), acknowledged as a park is: once
-        ``throttle_park_replicas`` replicas have it."""
+        ``throttle_park_replicas`` replicas have it.  ``behind``: only behind the tasks in
+        ``blocking``'s line; the reply is then how many were there, 0 when ``entry`` waits
+        already, -1 when the line is empty (in both cases nothing was written)."""
         keys, args = self.queues.enqueue_call(
             entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
-            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights)
+            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights,
+            behind=behind)
         return int(self._replicated(self.queues.script, keys, args))
 
     def _replicated(self, script: Script, keys: Sequence[str | bytes],

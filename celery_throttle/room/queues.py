@@ -182,7 +182,8 @@ class Queues:
 
     def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[Limit],
                 blocking: Limit, place_us: int, due_us: int = 0, expires_us: int = 0,
-                deadline_us: int = 0, weights: Weights | None = None) -> int:
+                deadline_us: int = 0, weights: Weights | None = None,
+                behind: bool = False) -> int:
         """Put the task in line for ``blocking`` (one of its ``limits``) at ``place_us``,
         or, when ``blocking`` has a fair key value, at its value's next turn.
 
@@ -195,17 +196,19 @@ class Queues:
         again, not the user's own message, leaves a pointer to its entry in
         the notes hash).  (A worker
         enqueues through ``WaitingRoom.enqueue``, which also waits for the
-        store's replicas.)
+        store's replicas.)  ``behind``: only behind tasks already in that line: returns
+        how many there were instead of the time, -1 when none (nothing written).
         """
         keys, args = self.enqueue_call(
             entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
-            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights)
+            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights,
+            behind=behind)
         return int(self._enqueue(keys=keys, args=args))
 
     def enqueue_call(self, entry: str, message: bytes, task_id: str, *,
                      limits: Sequence[Limit], blocking: Limit, place_us: int, due_us: int = 0,
                      expires_us: int = 0, deadline_us: int = 0,
-                     weights: Weights | None = None,
+                     weights: Weights | None = None, behind: bool = False,
                      ) -> tuple[list[str | bytes], list[str | bytes | int | float]]:
         """The keys and arguments of :meth:`enqueue`'s script (``script``), to run it on
         another connection (a pipeline that also waits for replicas)."""
@@ -217,7 +220,8 @@ class Queues:
                             expires_us=expires_us, deadline_us=deadline_us, weights=weights)
         note = "" if entry == entry_id(task_id) else key_digest(task_id)
         args: list[str | bytes | int | float] = [
-            entry, in_line(record, message), place_us, due_us, note, fair, repr(units)]
+            entry, in_line(record, message), place_us, due_us, note, fair, repr(units),
+            "1" if behind else ""]
         return keys, args
 
     @property

@@ -1,4 +1,5 @@
-"""The threads, gevent and eventlet pools: one node, 50 threads, tasks that do I/O."""
+"""The threads, gevent and eventlet pools (one node, 50 threads, tasks that do I/O), and
+prefork with its processes recycled."""
 
 from __future__ import annotations
 
@@ -37,5 +38,34 @@ def test_one_process_pools_keep_the_bound_and_use_the_limit(
     # thread of its own this run measured 0.89-0.94.
     assert used >= 0.85
     assert in_line >= 50  # the waiting room was in use, not only sleeps
+    assert " ERROR" not in text
+    assert "Traceback" not in text
+
+
+def test_recycled_processes_keep_the_bound_and_tasks_wait_in_line_without_a_pool_run(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """``worker_max_tasks_per_child=3`` on two prefork nodes, 60 tasks at 10/s: each runs
+    once, the bound holds, and the tasks that arrive behind a line join it in the nodes'
+    main processes (no pool run spent on a wait: ``throttle_line_on_arrival``'s default
+    where processes are recycled)."""
+    with worker_nodes(redis_base, ("w1", "w2"), conf={"worker_max_tasks_per_child": 3},
+                      env={"CT_LINE_RATE": "10/s"}) as nodes:
+        results = [capp.in_line.delay(i) for i in range(60)]
+        rows = read_records(records, expect=60, timeout=60)
+        states = wait_results(results, timeout=30)
+        text = logs(nodes)
+    times = [r["t"] for r in rows]
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # each once
+    assert states == ["SUCCESS"] * 60
+    check_window_bound(times, rate=10, burst=1, period=1.0)
+    waits = [line for line in text.splitlines() if "waits in line for limit 'line'" in line]
+    in_main = sum(1 for line in waits if "/MainProcess]" in line)
+    used = (len(times) - 1) / (times[-1] - times[0]) / 10
+    print(f"\nrecycled: limit used {used:.3f}, {in_main} of {len(waits)} waits in line "
+          f"joined in a main process, {len({r['pid'] for r in rows})} pool processes ran one")
+    # The first arrivals find no line and are gated in a pool process (one of them starts
+    # the line); the rest arrive behind it.
+    assert in_main >= 40
     assert " ERROR" not in text
     assert "Traceback" not in text

@@ -197,3 +197,46 @@ def test_a_countdown_re_publish_is_the_task_s_message_and_subscribes_to_no_resul
     assert headers["ignore_result"] is False
     assert headers["celery_throttle"]["deferrals"] == 1
     assert subscribed is None
+
+
+@pytest.mark.parametrize(("serializer", "compression"), [("json", None), ("pickle", "zlib")])
+def test_a_received_message_is_published_again_as_it_was_sent(
+    redis_base: str, serializer: str, compression: str | None
+) -> None:
+    """A task's message as a worker receives it (kombu hands the body over decompressed)
+    becomes an envelope that publishes the same task: arguments, headers, priority, queue."""
+    broker = f"{redis_base}/9"
+    app = Celery("envelope", broker=broker, set_as_current=False)
+    app.conf.update(task_serializer=serializer, task_compression=compression,
+                    accept_content=[serializer])
+
+    @app.task(name="envelope.add", shared=False)
+    def add(a: int, b: int = 2) -> int:
+        return a + b
+
+    with Connection(broker) as conn:
+        received = conn.SimpleQueue("arrive-q", accept=[serializer])
+        again = conn.SimpleQueue("again-q", accept=[serializer])
+        received.clear()
+        again.clear()
+        add.apply_async((1,), {"b": 3}, queue="arrive-q", priority=4)
+        message = received.get(timeout=5)
+        envelope = Envelope.of_message(message, {"celery_throttle": {"entry": "e1"}})
+        Envelope.loads(envelope.dumps()).to("again-q").publish(conn.Producer())
+        copy = again.get(timeout=5)
+        body = copy.decode()
+        headers: dict[str, Any] = dict(copy.headers)
+        properties: dict[str, Any] = dict(copy.properties)
+        received.close()
+        again.close()
+    app.close()
+    assert envelope.routing_key == "arrive-q"
+    assert set(envelope.properties) <= {"correlation_id", "reply_to", "delivery_mode",
+                                        "priority"}
+    assert "compression" not in envelope.headers
+    assert (list(body[0]), body[1]) == ([1], {"b": 3})
+    assert headers["task"] == "envelope.add"
+    assert headers["id"] == message.headers["id"]
+    assert headers["celery_throttle"] == {"entry": "e1"}
+    assert properties["priority"] == 4
+    assert properties["correlation_id"] == message.headers["id"]

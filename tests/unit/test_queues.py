@@ -275,3 +275,24 @@ def test_tasks_put_in_line_by_the_earlier_layout_are_dispatched_and_found(
     assert client.exists(queues.entries) == 0
     assert client.hgetall(queues.messages) == {b"old": b"\x01m", b"new": b"\x01n"}  # claimed
     assert queues.waiting() == 0
+
+
+def test_a_task_lined_up_on_arrival_joins_only_a_line_that_has_tasks(
+        client: redis.Redis, prefix: str) -> None:
+    """Behind tasks in line: nothing written while the line is empty (-1); behind one task,
+    1 ahead; the same entry again (a message delivered twice), 0 and nothing written."""
+    queues = Queues(client, prefix)
+    limit = Limit("api", parse_rate("10/s"))
+    now = _now_us(client)
+    assert queues.enqueue("e0", b"m", "t0", limits=[limit], blocking=limit, place_us=now,
+                          behind=True) == -1
+    assert queues.waiting() == 0
+    assert client.hlen(queues.messages) == 0
+    queues.enqueue("e1", b"m", "t1", limits=[limit], blocking=limit, place_us=now)
+    assert queues.enqueue("e2", b"m", "t2", limits=[limit], blocking=limit, place_us=now + 1,
+                          behind=True) == 1
+    assert queues.enqueue("e2", b"m", "t2", limits=[limit], blocking=limit, place_us=now + 1,
+                          behind=True) == 0
+    assert queues.waiting() == 2
+    out = _serve_all(queues, within=3.0, want=2)
+    assert [e for e, _, _ in out] == ["e1", "e2"]

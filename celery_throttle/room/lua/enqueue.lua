@@ -26,13 +26,20 @@ ARGV[5]  the note's field in KEYS[5] (the task id's digest), or "": the
 ARGV[6]  its fair key value's digest for a fair queue (ordered by turn, not
          by place), or ""
 ARGV[7]  its cost / its value's weight: how far its turn moves the value on
+ARGV[8]  "1": only behind tasks already in the queue (a task lined up as it
+         arrives, integration/arrival.py); "": in any case
 
 Reply: now (us); 0 when the entry waits already (nothing written): the
-broker delivered the same message again
+broker delivered the same message again.  With ARGV[8] "1": how many tasks
+were in the queue before it, -1 when none (nothing written), or that 0
 ]]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local entry = ARGV[1]
+local ahead = ARGV[8] == '1' and redis.call('ZCARD', KEYS[2])
+if ahead == 0 then
+  return -1
+end
 if redis.call('HSETNX', KEYS[1], entry, ARGV[2]) == 0 then
   return 0
 end
@@ -60,4 +67,4 @@ end
 if ARGV[5] ~= '' then
   redis.call('HSET', KEYS[5], ARGV[5], '@' .. entry)
 end
-return now
+return ahead or now

@@ -1,0 +1,178 @@
+"""Lining a task up as it arrives: in the worker's main process, before a pool process.
+
+A task that must wait in line takes a pool process for one run when it is
+gated there, a run that ends in ``Ignore``.  Where pool processes are
+recycled (``worker_max_tasks_per_child``, ``worker_max_memory_per_child``)
+each such run brings a process's replacement closer, and a replacement takes
+Celery a second or more, while the tasks dispatched from the line need a
+process at their moment.  So where ``throttle_line_on_arrival`` is on (by
+default: where processes are recycled), the worker's consumer looks first:
+a fresh message of a throttled task whose first limit has tasks in line
+joins that line as it is (one store call, ``enqueue.lua`` with "behind",
+which writes nothing when the line is empty), its message is acknowledged,
+and no pool process sees it until its turn.
+
+Everything else goes on to the pool as before, where the gate decides: an
+empty line, a copy dispatched from the line, a message with an ETA, a
+concurrency limit, a limit in shadow mode, and any error (a store that
+fails is left alone for :data:`PAUSE_AFTER_ERROR_S`: the consumer must not
+wait on it message after message).
+
+It hooks in as the task's Celery ``Strategy``, the function Celery's
+consumer builds per task type to handle its messages: the task's own
+strategy is kept and called for every message not lined up here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from celery import Celery, Task
+from celery.app.task import Context
+from celery.utils.imports import instantiate
+from celery.worker import state as worker_state
+
+from ..core.gate import Limit
+from ..core.logs import logger
+from ..room.dispatcher import queue_of
+from ..room.header import HEADER
+from ..values import to_us
+from . import shadow
+from .defer import join_line_on_arrival
+from .runtime import Runtime, runtime_for
+from .throttled import ORIGINAL_STRATEGY, call_of
+
+__all__ = ["lines_up", "strategy"]
+
+#: After a store error, messages go straight to the pool for this long.
+PAUSE_AFTER_ERROR_S = 5.0
+#: How often the store's clock is read again (it is carried on this process's meanwhile).
+CLOCK_REFRESH_S = 10.0
+
+
+def lines_up(app: Celery, consumer: Any) -> bool:
+    """Does this worker line tasks up on arrival (``throttle_line_on_arrival``; by default
+    where its pool processes are recycled)?"""
+    config = runtime_for(app).config
+    if not config.scheduler:
+        return False  # (without it no task waits in a line)
+    if config.line_on_arrival is not None:
+        return config.line_on_arrival
+    controller = getattr(consumer, "controller", None)
+    return bool(getattr(controller, "max_tasks_per_child", None)
+                or getattr(controller, "max_memory_per_child", None))
+
+
+def strategy(task: Task[Any, Any], app: Celery, consumer: Any, **kwargs: Any) -> Any:
+    """The task's message handler (Celery's ``Task.Strategy``): its own, behind a look at
+    whether the message joins a line on arrival."""
+    own = instantiate(task.__dict__.get(ORIGINAL_STRATEGY) or type(task).Strategy,
+                      task, app, consumer, **kwargs)
+    if not lines_up(app, consumer):
+        return own
+    arrivals = _Arrivals(task, consumer)
+
+    def task_message_handler(message: Any, body: Any, ack: Callable[..., Any],
+                             reject: Callable[..., Any], callbacks: Any, **options: Any) -> Any:
+        if arrivals.lined_up(message):
+            ack(logger, consumer.connection_errors)
+            return None
+        return own(message, body, ack, reject, callbacks, **options)
+
+    return task_message_handler
+
+
+class _Arrivals:
+    """One task type's arrivals at one worker's consumer."""
+
+    def __init__(self, task: Task[Any, Any], consumer: Any) -> None:
+        self.task = task
+        self.consumer = consumer
+        self.paused_until = 0.0
+        self.clock: tuple[float, int] | None = None  # (monotonic, the store's us) when read
+
+    def lined_up(self, message: Any) -> bool:
+        """True when ``message`` now waits in line (to be acknowledged), else False."""
+        if time.monotonic() < self.paused_until:
+            return False
+        headers = message.headers
+        if not isinstance(headers, dict) or HEADER in headers or headers.get("eta"):
+            return False  # (dispatched from the line, re-published, or held by an ETA)
+        task_id = headers.get("id")
+        if not isinstance(task_id, str) or task_id in worker_state.revoked:
+            return False  # (Celery drops a revoked one)
+        try:
+            runtime = runtime_for(self.task.app)
+            payload = message.payload  # (decoded once: kombu keeps it for Celery's request)
+            if not (isinstance(payload, (list, tuple)) and len(payload) == 3):
+                return False  # (Celery's message protocol 1)
+            args, kwargs, embed = payload
+            return self._line_up(runtime, message, headers, tuple(args), dict(kwargs),
+                                 embed or {})
+        except redis.RedisError as exc:
+            self.paused_until = time.monotonic() + PAUSE_AFTER_ERROR_S
+            logger.warning("celery_throttle: tasks are not lined up on arrival for %.0fs: "
+                           "the store failed (%s); the pool gates them",
+                           PAUSE_AFTER_ERROR_S, type(exc).__name__)
+        except Exception as exc:  # the pool gates it, and reports what is wrong there
+            logger.debug("celery_throttle: task %s[%s] not lined up on arrival: %s: %s",
+                         self.task.name, task_id, type(exc).__name__, exc)
+        return False
+
+    def _line_up(self, runtime: Runtime, message: Any, headers: dict[str, Any],
+                 args: tuple[Any, ...], kwargs: dict[str, Any], embed: dict[str, Any]) -> bool:
+        info = message.delivery_info or {}
+        routing_key = info.get("routing_key")
+        call = call_of(self.task, runtime, args, kwargs,
+                       queue_of(str(routing_key)) if routing_key else None)
+        limits, shadowed = shadow.split(runtime, runtime.live.apply(call.limits), call.coded)
+        if shadowed or not limits or not all(isinstance(lim, Limit) for lim in limits):
+            return False
+        properties = message.properties or {}
+        # What the task's run would see as its request, as Celery's own request builds it.
+        context = Context({
+            **headers, **embed, "args": args, "kwargs": kwargs,
+            "delivery_info": {"exchange": info.get("exchange"), "routing_key": routing_key,
+                              "priority": properties.get("priority"),
+                              "redelivered": info.get("redelivered", False)},
+            "hostname": self.consumer.hostname, "reply_to": properties.get("reply_to"),
+            "correlation_id": properties.get("correlation_id"), "properties": properties,
+        })
+        self.task.request_stack.push(context)
+        try:
+            lined = join_line_on_arrival(self.task, runtime,
+                                         [lim for lim in limits if isinstance(lim, Limit)],
+                                         call.max_wait, message, self._now_us(runtime))
+        finally:
+            self.task.request_stack.pop()
+        if lined:
+            self._received(headers, context)
+        return lined
+
+    def _now_us(self, runtime: Runtime) -> int:
+        """The store's clock now (us): read every CLOCK_REFRESH_S, carried on this process's
+        monotonic clock meanwhile (a task's place in line is that precise: the round trip)."""
+        now = time.monotonic()
+        if self.clock is None or now - self.clock[0] > CLOCK_REFRESH_S:
+            sec, usec = runtime.gate.client.time()
+            after = time.monotonic()
+            self.clock = ((now + after) / 2, int(sec) * 1_000_000 + int(usec))
+            now = after
+        return self.clock[1] + to_us(now - self.clock[0])
+
+    def _received(self, headers: dict[str, Any], context: Context) -> None:
+        """Celery's ``task-received`` event, as its strategy sends it (Flower learns the
+        task's name and arguments from it), where the worker sends task events."""
+        eventer = self.consumer.event_dispatcher
+        if not (eventer and eventer.enabled and self.task.send_events):
+            return
+        with contextlib.suppress(Exception):  # (the task waits in line already)
+            eventer.send("task-received", uuid=context.id, name=self.task.name,
+                         args=headers.get("argsrepr"), kwargs=headers.get("kwargsrepr"),
+                         root_id=context.root_id, parent_id=context.parent_id,
+                         retries=headers.get("retries", 0), eta=None,
+                         expires=headers.get("expires"))

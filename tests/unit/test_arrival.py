@@ -1,0 +1,172 @@
+"""Lining a task up as it arrives, in a worker's main process: real Redis as broker and store.
+
+The consumer here is a stand-in for Celery's (its host name, its event
+dispatcher, its worker's recycling settings): what ``arrival.py`` reads of it.
+The messages are real ones, published by Celery and received through kombu.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+import redis
+from celery import Celery, Task
+from celery.utils.imports import symbol_by_name
+from kombu import Connection
+from kombu.message import Message
+
+from celery_throttle import HEADER, Limit, parse_rate, throttled
+from celery_throttle.integration.arrival import _Arrivals, lines_up, strategy
+from celery_throttle.integration.runtime import runtime_for
+from celery_throttle.integration.throttled import ORIGINAL_STRATEGY
+from celery_throttle.room.envelope import Envelope
+from celery_throttle.room.queues import entry_id
+
+from ..conftest import installed_app
+
+RATE = "1/s"
+
+
+def _consumer(max_tasks_per_child: int | None = 3) -> Any:
+    worker = SimpleNamespace(max_tasks_per_child=max_tasks_per_child, max_memory_per_child=None)
+    return SimpleNamespace(hostname="w1@test", event_dispatcher=None, connection_errors=(),
+                           controller=worker)
+
+
+@pytest.fixture
+def app(redis_url: str, prefix: str) -> Iterator[Celery]:
+    with installed_app("arrival", redis_url, prefix) as a:
+        yield a
+
+
+def _task(app: Celery) -> Task[Any, Any]:
+    @throttled(RATE, name="arrive", max_wait=600)
+    @app.task(name="arrival.summarize", bind=True, shared=False)
+    def summarize(self: Task[Any, Any], document: int) -> int:
+        return document
+
+    return summarize
+
+
+def _received(app: Celery, task: Task[Any, Any], *args: Any, **options: Any) -> Message:
+    """``task``'s message as a worker receives it."""
+    with Connection(app.conf.broker_url) as conn:
+        queue = conn.SimpleQueue("arrival-q")
+        queue.clear()
+        task.apply_async(args, queue="arrival-q", **options)
+        message: Message = queue.get(timeout=5)
+        message.ack()
+        queue.close()
+    return message
+
+
+def _someone_in_line(app: Celery) -> None:
+    limit = Limit("arrive", parse_rate(RATE))
+    room = runtime_for(app).room
+    sec, usec = room.client.time()
+    room.enqueue("before:-", b"\x01m", "before", limits=[limit], blocking=limit,
+                 place_us=int(sec) * 1_000_000 + int(usec))
+
+
+def test_a_task_arriving_behind_tasks_in_line_joins_them_as_it_was_sent(app: Celery) -> None:
+    """Behind a task in line, the message waits in line (no pool run): second in line, its
+    own message stored with the wait's header, its THROTTLED state in the result backend."""
+    app.conf.update(result_backend=app.conf.broker_url.rsplit("/", 1)[0] + "/15")
+    task = _task(app)
+    _someone_in_line(app)
+    message = _received(app, task, 7, priority=3)
+    task_id = message.headers["id"]
+    assert _Arrivals(task, _consumer()).lined_up(message)
+    room = runtime_for(app).room
+    first, second = room.queues.next_in_line(2, "arrive")
+    assert (first.entry, second.entry) == ("before:-", entry_id(task_id))
+    stored = Envelope.loads(second.message)
+    assert stored.body == cast(bytes, message.body)
+    assert stored.routing_key == "arrival-q"
+    assert stored.properties["priority"] == 3
+    header = stored.headers[HEADER]
+    assert header["entry"] == entry_id(task_id)
+    assert header["deferrals"] == 1
+    assert header["since"] > 0
+    assert stored.headers["id"] == task_id
+    assert str(app.AsyncResult(task_id).state) == "THROTTLED"
+    assert app.AsyncResult(task_id).info["limit"] == "arrive"
+    # Delivered again (a connection lost before the acknowledgement): it waits once.
+    assert _Arrivals(task, _consumer()).lined_up(message)
+    assert len(room.queues.next_in_line(10, "arrive")) == 2
+
+
+def test_a_task_whose_line_is_empty_goes_on_to_the_pool_and_nothing_is_written(
+        app: Celery, client: redis.Redis) -> None:
+    """With no task in line the gate decides in the pool process, as without the setting;
+    so do a copy dispatched from the line and a message with an ETA."""
+    task = _task(app)
+    arrivals = _Arrivals(task, _consumer())
+    assert not arrivals.lined_up(_received(app, task, 1))
+    assert client.hlen(runtime_for(app).room.queues.messages) == 0
+    _someone_in_line(app)
+    dispatched = _received(app, task, 2, headers={HEADER: {"entry": "x:-", "deferrals": 1}})
+    assert not arrivals.lined_up(dispatched)
+    assert not arrivals.lined_up(_received(app, task, 3, countdown=30))
+    assert len(runtime_for(app).room.queues.next_in_line(10, "arrive")) == 1
+
+
+def test_a_store_that_fails_sends_arrivals_to_the_pool_for_a_while(
+        redis_url: str, prefix: str) -> None:
+    """The store down: the message goes on to the pool (its store-down policy decides), and
+    the consumer stops asking for a few seconds rather than wait on it per message."""
+    with installed_app("arrival-down", redis_url, prefix,
+                       throttle_redis_url="redis://127.0.0.1:1/0") as down:
+        task = _task(down)
+        with Connection(redis_url + "/14") as conn:
+            queue = conn.SimpleQueue("arrival-q")
+            queue.clear()
+            task.apply_async((1,), queue="arrival-q")
+            message = queue.get(timeout=5)
+            message.ack()
+            queue.close()
+        arrivals = _Arrivals(task, _consumer())
+        assert not arrivals.lined_up(message)
+        assert arrivals.paused_until > 0
+
+
+@pytest.mark.parametrize(("setting", "max_tasks_per_child", "expected"),
+                         [(None, 3, True), (None, None, False), (False, 3, False),
+                          (True, None, True)])
+def test_lining_up_on_arrival_is_on_where_processes_are_recycled_unless_set(
+        redis_url: str, prefix: str, setting: bool | None, max_tasks_per_child: int | None,
+        expected: bool) -> None:
+    with installed_app("arrival-on", redis_url, prefix,
+                       throttle_line_on_arrival=setting) as a:
+        assert lines_up(a, _consumer(max_tasks_per_child)) is expected
+
+
+def test_the_stored_message_runs_the_task_it_was(app: Celery) -> None:
+    """What waits in line is the task's own message: its arguments read back as sent."""
+    task = _task(app)
+    _someone_in_line(app)
+    message = _received(app, task, 42)
+    assert _Arrivals(task, _consumer()).lined_up(message)
+    (_, mine) = runtime_for(app).room.queues.next_in_line(2, "arrive")
+    stored = Envelope.loads(mine.message)
+    args, kwargs, _ = json.loads(stored.body)
+    assert (args, kwargs) == ([42], {})
+
+
+def test_without_the_scheduler_no_task_is_lined_up_on_arrival(redis_url: str,
+                                                              prefix: str) -> None:
+    with installed_app("arrival-off", redis_url, prefix, throttle_scheduler=False,
+                       throttle_line_on_arrival=True) as a:
+        assert lines_up(a, _consumer(3)) is False
+
+
+def test_a_gated_task_s_messages_reach_this_strategy_and_then_its_own(app: Celery) -> None:
+    """Celery builds a task's message handler from its ``Strategy``: the gated task's names
+    the arrival strategy, which keeps the task's own (Celery's default here)."""
+    task = _task(app)
+    assert symbol_by_name(task.Strategy) is strategy
+    assert task.__dict__[ORIGINAL_STRATEGY] == "celery.worker.strategy:default"

@@ -1,0 +1,103 @@
+"""Flower beside a worker: a waiting task shows THROTTLED there, a purged one DROPPED.
+
+A real ``celery flower`` process reads the worker's task events; its HTTP API
+(``/api/tasks``) serves the states its pages show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+import redis
+
+from celery_throttle.testing import free_port
+
+from ..workers import ROOT, app_env, throttle_cli, wait_results, worker_nodes
+
+pytestmark = pytest.mark.integration
+
+
+def _tasks(url: str) -> dict[str, dict[str, Any]]:
+    with urllib.request.urlopen(f"{url}/api/tasks", timeout=10) as response:
+        found: dict[str, dict[str, Any]] = json.loads(response.read())
+    return found
+
+
+@contextlib.contextmanager
+def _flower(redis_base: str) -> Iterator[str]:
+    """``celery -A tests.celery_app flower`` on a free loopback port, its API open."""
+    port = free_port()
+    env = {**os.environ, **app_env(redis_base), "FLOWER_UNAUTHENTICATED_API": "true"}
+    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.celery_app", "flower",
+                             "--address=127.0.0.1", f"--port={port}"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                _tasks(url)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise AssertionError("flower did not start") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _states(url: str, ids: list[str]) -> dict[str, str]:
+    tasks = _tasks(url)
+    return {task_id: str(tasks.get(task_id, {}).get("state")) for task_id in ids}
+
+
+def test_flower_shows_waiting_tasks_throttled_and_purged_ones_dropped(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """Eight tasks at 1/s on a node sending task events: Flower shows the ones waiting in
+    line as THROTTLED; after `celery throttle purge --yes` those show DROPPED (the result
+    backend says REVOKED), and the ones that ran SUCCESS."""
+    with _flower(redis_base) as url, \
+            worker_nodes(redis_base, ("w1",), conf={"worker_send_task_events": True}):
+        results = [capp.patient.delay(i) for i in range(8)]
+        ids = [r.id for r in results]
+        deadline = time.monotonic() + 20
+        waiting: list[str] = []
+        while time.monotonic() < deadline and len(waiting) < 4:
+            waiting = [t for t, s in _states(url, ids).items() if s == "THROTTLED"]
+            time.sleep(0.2)
+        assert len(waiting) >= 4, _states(url, ids)
+        purged = throttle_cli(["purge", "--yes"], redis_base)
+        assert purged.returncode == 0, purged.stderr
+        states = wait_results(results, timeout=20)
+        deadline = time.monotonic() + 10
+        shown = _states(url, ids)
+        while time.monotonic() < deadline and (
+                sorted(shown.values()).count("DROPPED") < states.count("REVOKED")):
+            time.sleep(0.2)
+            shown = _states(url, ids)
+    dropped = {t for t, s in shown.items() if s == "DROPPED"}
+    revoked = {r.id for r in results if r.state == "REVOKED"}
+    print(f"\nflower: {len(waiting)} THROTTLED before the purge, then {shown}")
+    assert revoked, states  # the purge dropped tasks that waited in line
+    assert dropped == revoked
+    assert {shown[t] for t in ids if t not in dropped} == {"SUCCESS"}

@@ -3,6 +3,8 @@ prefork with its processes recycled."""
 
 from __future__ import annotations
 
+import re
+import time
 from collections import Counter
 from types import ModuleType
 
@@ -46,12 +48,21 @@ def test_recycled_processes_keep_the_bound_and_tasks_wait_in_line_without_a_pool
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """``worker_max_tasks_per_child=3`` on two prefork nodes, 60 tasks at 10/s: each runs
-    once, the bound holds, and the tasks that arrive behind a line join it in the nodes'
-    main processes (no pool run spent on a wait: ``throttle_line_on_arrival``'s default
-    where processes are recycled)."""
+    once and the bound holds.  The 40 sent once the limit has a line join it in the nodes'
+    main processes, without a pool run (``throttle_line_on_arrival``'s default where
+    processes are recycled)."""
+    from celery_throttle.integration.runtime import runtime_for
+
+    line = runtime_for(capp.app).room.queues
     with worker_nodes(redis_base, ("w1", "w2"), conf={"worker_max_tasks_per_child": 3},
                       env={"CT_LINE_RATE": "10/s"}) as nodes:
-        results = [capp.in_line.delay(i) for i in range(60)]
+        first = [capp.in_line.delay(i) for i in range(20)]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not line.next_in_line(1, "line"):
+            time.sleep(0.05)
+        assert line.next_in_line(1, "line"), "no task of the first 20 waited in line"
+        later = [capp.in_line.delay(i) for i in range(20, 60)]
+        results = first + later
         rows = read_records(records, expect=60, timeout=60)
         states = wait_results(results, timeout=30)
         text = logs(nodes)
@@ -59,13 +70,17 @@ def test_recycled_processes_keep_the_bound_and_tasks_wait_in_line_without_a_pool
     assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # each once
     assert states == ["SUCCESS"] * 60
     check_window_bound(times, rate=10, burst=1, period=1.0)
-    waits = [line for line in text.splitlines() if "waits in line for limit 'line'" in line]
-    in_main = sum(1 for line in waits if "/MainProcess]" in line)
+    # Where each later task first waited (the earliest line of any node's log): a main
+    # process, as it arrived behind the line.
+    waits = sorted(re.findall(r"^\[([\d:, -]+): INFO/([\w-]+)\] throttle: task \S+\[([0-9a-f-]+)"
+                              r"\] waits in line", text, re.M))
+    where: dict[str, str] = {}
+    for _, process, task_id in waits:
+        where.setdefault(task_id, process)
     used = (len(times) - 1) / (times[-1] - times[0]) / 10
-    print(f"\nrecycled: limit used {used:.3f}, {in_main} of {len(waits)} waits in line "
-          f"joined in a main process, {len({r['pid'] for r in rows})} pool processes ran one")
-    # The first arrivals find no line and are gated in a pool process (one of them starts
-    # the line); the rest arrive behind it.
-    assert in_main >= 40
+    print(f"\nrecycled: limit used {used:.3f}, "
+          f"{sum(1 for p in where.values() if p == 'MainProcess')} of {len(where)} tasks first "
+          f"waited in a main process, {len({r['pid'] for r in rows})} pool processes ran one")
+    assert [where.get(r.id) for r in later] == ["MainProcess"] * 40
     assert " ERROR" not in text
     assert "Traceback" not in text

@@ -59,6 +59,9 @@ class CountsWriter:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._lock = threading.Lock()
+        # One write at a time: a caller's write() returns once every count taken before
+        # it is in the store, also those the thread took a moment earlier.
+        self._writing = threading.Lock()
 
     def start(self) -> None:
         """Keep counts per second and write them every second from now on."""
@@ -83,21 +86,22 @@ class CountsWriter:
 
     def write(self) -> int:
         """Add the counts taken so far to the store now; returns how many seconds."""
-        taken = metrics.take_seconds()
-        if not taken:
-            return 0
-        pipe = self.client.pipeline(transaction=False)
-        for second, counts in taken.items():
-            key = counts_key(self.prefix, second)
-            for (field, name), n in counts.items():
-                pipe.hincrbyfloat(key, f"{field}:{name}", n)
-            pipe.expire(key, KEPT)
-        try:
-            pipe.execute()
-        except redis.RedisError as exc:
-            logger.debug("throttle: counts of %d second(s) not written: %s", len(taken),
-                         type(exc).__name__)
-        return len(taken)
+        with self._writing:
+            taken = metrics.take_seconds()
+            if not taken:
+                return 0
+            pipe = self.client.pipeline(transaction=False)
+            for second, counts in taken.items():
+                key = counts_key(self.prefix, second)
+                for (field, name), n in counts.items():
+                    pipe.hincrbyfloat(key, f"{field}:{name}", n)
+                pipe.expire(key, KEPT)
+            try:
+                pipe.execute()
+            except redis.RedisError as exc:
+                logger.debug("throttle: counts of %d second(s) not written: %s", len(taken),
+                             type(exc).__name__)
+            return len(taken)
 
     def _run(self) -> None:
         while not self._stopped.wait(_EVERY) and _writer is self:

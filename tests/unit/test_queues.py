@@ -101,8 +101,8 @@ def test_expired_revoked_and_timed_out_tasks_leave_uncharged(client: redis.Redis
     queues.enqueue("revoked", b"m", "t3", limits=[limit], blocking=limit, place_us=now + 2)
     queues.enqueue("waits", b"m", "t4", limits=[limit], blocking=limit, place_us=now + 3)
     wait, served = queues.serve_due(50, TIMEOUT_US, revoked=lambda task_id: task_id == "t3")
-    assert [(s.entry, s.flag) for s in served] == [("gone", "x"), ("late", "t"),
-                                                   ("revoked", "x")]
+    assert [(s.entry, s.flag) for s in served] == [("revoked", "x"), ("gone", "x"),
+                                                   ("late", "t")]
     assert wait is not None
     assert 55 < wait <= 60  # the next start of the limit
     assert queues.waiting() == 1
@@ -296,3 +296,22 @@ def test_a_task_lined_up_on_arrival_joins_only_a_line_that_has_tasks(
     assert queues.waiting() == 2
     out = _serve_all(queues, within=3.0, want=2)
     assert [e for e, _, _ in out] == ["e1", "e2"]
+
+
+def test_a_revoked_task_leaves_at_once_from_behind_tasks_that_wait(client: redis.Redis,
+                                                                  prefix: str) -> None:
+    """Revoked while two tasks wait ahead of it for a busy limit: it leaves at the next look,
+    uncharged, not when its turn comes; the others keep waiting."""
+    gate = Gate(client, prefix=prefix)
+    queues = Queues(client, prefix)
+    limit = Limit("slow", parse_rate("1/m"))
+    assert gate.acquire_many([limit]).allowed  # busy for a minute
+    now = _now_us(client)
+    for i, entry in enumerate(["first", "second", "revoked", "last"]):
+        queues.enqueue(entry, b"m", f"t{i}", limits=[limit], blocking=limit, place_us=now + i)
+    wait, served = queues.serve_due(50, TIMEOUT_US, revoked=lambda task_id: task_id == "t2")
+    assert [(s.entry, s.flag) for s in served] == [("revoked", "x")]
+    assert wait is not None
+    assert 55 < wait <= 60
+    assert [t.entry for t in queues.next_in_line(10, "slow")] == ["first", "second", "last"]
+    gate.close()

@@ -35,7 +35,8 @@ kept it in the entries hash, where it is still read (and deleted with it).
           served task has must be among them)
   ARGV[2] the most tasks dispatched
   ARGV[3] claim timeout, us (as dispatch.lua: not arrived by then, due again)
-  ARGV[4] entries to dispatch without a charge (revoked: the worker drops them)
+  ARGV[4] entries to dispatch without a charge, at once wherever they are in
+          their queue (revoked: the worker drops them)
   ARGV[5] the number of queues to serve
   ARGV[6] the most ahead, us; ARGV[7] the dispatch lead, us (as "look")
   ARGV[6] the most ahead, us (as for "look")
@@ -118,9 +119,10 @@ local messages, entries, ready, claimed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local specs, live = KEYS[8], KEYS[9]
 local batch = tonumber(ARGV[2])
 local deadline = now + tonumber(ARGV[3])
-local uncharged = {}
+local uncharged, uncharged_list = {}, {}
 for e in string.gmatch(ARGV[4], '%S+') do
   uncharged[e] = true
+  uncharged_list[#uncharged_list + 1] = e
 end
 local nq = tonumber(ARGV[5])
 local queue_of, turns_of, buckets = {}, {}, {}
@@ -201,6 +203,14 @@ end
 
 -- One queue: dispatch its best tasks while their limits admit them.
 local function serve(q)
+  -- Revoked tasks leave at once, wherever they wait in line (uncharged: the
+  -- worker drops them and marks them REVOKED), not when their turn comes.
+  for _, e in ipairs(uncharged_list) do
+    local place = served < batch and redis.call('ZSCORE', q, e)
+    if place then
+      dispatch(q, e, 'x', 0, place, false)
+    end
+  end
   while served < batch and steps > 0 do
     steps = steps - 1
     local head = redis.call('ZRANGE', q, 0, 0, 'WITHSCORES')

@@ -9,13 +9,14 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from celery_throttle.testing import WorkerProcess, max_in_window, workers
+from celery_throttle.testing import WorkerProcess, free_port, max_in_window, workers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,6 +58,38 @@ def throttle_cli(args: list[str], redis_base: str) -> subprocess.CompletedProces
     return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.celery_app", "throttle",
                            *args], env=env, capture_output=True, text=True, timeout=60,
                           cwd=ROOT, check=False)
+
+
+@contextlib.contextmanager
+def app_command(args: list[str], redis_base: str, env: Mapping[str, str], *, what: str,
+                ready: Callable[[str], object]) -> Iterator[str]:
+    """``celery -A tests.celery_app ARGS --port P`` (a web server of the test app) on a free
+    loopback port: its URL once ``ready(url)`` stops raising (30 s at most); stopped after."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.celery_app", *args,
+                             f"--port={port}"], env={**os.environ, **app_env(redis_base), **env},
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                ready(url)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise AssertionError(f"{what} did not start") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 @contextlib.contextmanager

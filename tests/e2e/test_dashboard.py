@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,10 +20,9 @@ import pytest
 import redis
 
 from celery_throttle.ops.dashboard import TOKEN_ENV
-from celery_throttle.testing import free_port
 
 from ..conftest import REQUIRE_SERVERS
-from ..workers import ROOT, app_env, throttle_cli, wait_results, worker_nodes
+from ..workers import ROOT, app_command, throttle_cli, wait_results, worker_nodes
 
 pytestmark = pytest.mark.integration
 
@@ -61,32 +58,9 @@ def _post(url: str, body: dict[str, Any]) -> Any:
 @contextlib.contextmanager
 def _dashboard(redis_base: str) -> Iterator[str]:
     """`celery -A tests.celery_app throttle dashboard` on a free port, with controls on."""
-    port = free_port()
-    env = {**os.environ, **app_env(redis_base), TOKEN_ENV: TOKEN}
-    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.celery_app",
-                             "throttle", "dashboard", "--port", str(port)], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                _get(f"{url}/api/meta")
-                break
-            except (urllib.error.URLError, ConnectionError):
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise AssertionError("the dashboard did not start") from None
-                time.sleep(0.1)
+    with app_command(["throttle", "dashboard"], redis_base, {TOKEN_ENV: TOKEN},
+                     what="the dashboard", ready=lambda url: _get(f"{url}/api/meta")) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def _render(chromium: str, url: str, shot: Path | None = None) -> str:

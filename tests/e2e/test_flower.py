@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,9 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_throttle.testing import free_port
-
-from ..workers import ROOT, app_env, throttle_cli, wait_results, worker_nodes
+from ..workers import app_command, throttle_cli, wait_results, worker_nodes
 
 pytestmark = pytest.mark.integration
 
@@ -37,32 +32,9 @@ def _tasks(url: str) -> dict[str, dict[str, Any]]:
 @contextlib.contextmanager
 def _flower(redis_base: str) -> Iterator[str]:
     """``celery -A tests.celery_app flower`` on a free loopback port, its API open."""
-    port = free_port()
-    env = {**os.environ, **app_env(redis_base), "FLOWER_UNAUTHENTICATED_API": "true"}
-    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.celery_app", "flower",
-                             "--address=127.0.0.1", f"--port={port}"], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                _tasks(url)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise AssertionError("flower did not start") from None
-                time.sleep(0.2)
+    with app_command(["flower", "--address=127.0.0.1"], redis_base,
+                     {"FLOWER_UNAUTHENTICATED_API": "true"}, what="flower", ready=_tasks) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def _states(url: str, ids: list[str]) -> dict[str, str]:

@@ -1,19 +1,23 @@
-"""Waiting for a slot outside Celery: one plan, driven by a sync and an async driver.
+"""The one waiting loop: for ``Gate.wait`` and its helpers, and for a task in a worker.
 
-``Gate.acquire`` answers "now or not"; code outside a worker (a web handler,
-a script, a notebook) then needs to wait, and a sleep-and-retry loop is the
-thundering herd.  :func:`plan` is that loop done once: it books the
-earliest slot (so N waiters get N distinct, evenly spaced slots), sleeps
-until it, claims it (a slot within :data:`NEAR` is admitted as it is
-booked: one script call per start), and gives up with :class:`~celery_throttle.ThrottleTimeout`
-when the wait would pass the timeout, before booking anything.  A waiter
-admitted for its slot just ahead sleeps until it and then checks it woke in
-time (:func:`late_by`): later than the grace, it claims the slot again rather
-than start late (the gate finds the slot lost and decides afresh).  The drivers
-(:func:`wait`, :func:`await_slot`) only do its I/O, so both behave alike; a
-waiter interrupted while it holds a booking (KeyboardInterrupt, asyncio
-cancellation) gives the booking back, and one interrupted after its
-admission gives back its leases too.
+``Gate.acquire`` answers "now or not"; a caller that must wait then needs a
+loop, and a sleep-and-retry loop is the thundering herd.  :func:`plan` is
+that loop, written once as steps (:class:`Ask` the gate, :class:`Sleep`):
+it books the earliest slot (so N waiters get N distinct, evenly spaced
+slots), sleeps until it, claims it (a slot within ``near`` is admitted as it
+is booked: one script call per start), and checks that it woke in time
+(:func:`late_by`): later than the grace, it claims the slot again rather
+than start late (the gate finds the slot lost and decides afresh).  A
+waiter with a deadline gives up with :class:`~celery_throttle.ThrottleTimeout`
+when the wait would pass it, before booking anything.
+
+A caller that can wait somewhere else (a task in a worker: parked in the
+waiting room, or re-published) says which waits it does not sleep here
+(``elsewhere``, and any wait in line): the plan then ends with that refusal
+for the caller to act on.  The drivers (:func:`drive`, :func:`adrive`) only do
+the I/O, so ``Gate.wait``, ``AsyncGate.wait`` and a worker's task wait alike;
+a waiter interrupted while it holds a booking (KeyboardInterrupt, asyncio
+cancellation, a worker's time limit) gives the booking back.
 """
 
 from __future__ import annotations
@@ -25,16 +29,23 @@ import inspect
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Iterator,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from ..errors import ThrottleTimeout
-from ..values import LONGEST_WAIT, renew_every
+from ..values import LONGEST_WAIT, from_us, renew_every
 from .limits import AnyLimit, Concurrency, Decision, Reservation
 
-__all__ = ["NEAR", "Ask", "Sleep", "ahold", "await_slot", "hold", "late_by", "limited", "plan",
-           "wait"]
+__all__ = ["NEAR", "Ask", "Outcome", "Sleep", "adrive", "ahold", "await_slot", "drive", "hold",
+           "late_by", "limited", "plan", "wait"]
 
 
 class Gate(Protocol):
@@ -42,7 +53,7 @@ class Gate(Protocol):
 
     def acquire_many(self, limits: Sequence[AnyLimit], *, reserve: float | None = ...,
                      claim: Reservation | None = ..., grace: float = ...,
-                     holder: str = ..., near: float = ...) -> Decision: ...
+                     holder: str = ..., in_line: bool = ..., near: float = ...) -> Decision: ...
     def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int: ...
     def extend(self, limits: Sequence[AnyLimit], holder: str) -> int: ...
     def release(self, limits: Sequence[AnyLimit], holder: str, ran_for: float = ...) -> int: ...
@@ -53,7 +64,8 @@ class AsyncGate(Protocol):
 
     async def acquire_many(self, limits: Sequence[AnyLimit], *, reserve: float | None = ...,
                            claim: Reservation | None = ..., grace: float = ...,
-                           holder: str = ..., near: float = ...) -> Decision: ...
+                           holder: str = ..., in_line: bool = ...,
+                           near: float = ...) -> Decision: ...
     async def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int: ...
     async def extend(self, limits: Sequence[AnyLimit], holder: str) -> int: ...
     async def release(self, limits: Sequence[AnyLimit], holder: str,
@@ -89,97 +101,166 @@ def late_by(asked: float, ahead: float, clock: Callable[[], float] = time.monoto
 
 @dataclass(frozen=True, slots=True)
 class Ask:
-    """Call ``acquire_many`` with these and send the decision back."""
+    """Call ``acquire_many`` with these and send the decision back.  ``late``: this ask
+    claims again a start the caller woke that many seconds too late for (0: it did not)."""
 
     reserve: float
     claim: Reservation | None
     near: float
+    grace: float
+    in_line: bool = False
+    late: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class Sleep:
-    """Sleep ``seconds``; ``booking`` is what to give back if the sleep is interrupted."""
+    """Sleep ``seconds``; ``booking`` is what to give back if the sleep is interrupted;
+    ``admitted``: the start is admitted for the end of this sleep (not a booked slot to
+    claim)."""
 
     seconds: float
     booking: Reservation | None
+    admitted: bool = False
 
 
-def plan(limits: Sequence[AnyLimit], timeout: float | None,
-         clock: Callable[[], float] = time.monotonic, grace: float = DEFAULT_GRACE,
-         near: float = NEAR) -> Generator[Ask | Sleep, Any, Decision]:
-    """The waiting loop as steps: yields :class:`Ask` and :class:`Sleep`, returns the admission.
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a plan ended: ``decision`` admitted (start now, ``late`` seconds after the
+    start it was admitted for: 0 on time or with no slot), or the refusal the caller
+    waits out elsewhere (``elsewhere``, or a wait in line)."""
 
-    Raises ThrottleTimeout, naming the limit and the wait, as soon as the next
-    start is further away than the time left (nothing is booked then).
-    ``grace``: as late as a start may come after its slot (the claims' grace);
+    decision: Decision
+    late: float = 0.0
+
+
+def _booked_in_all(limits: Sequence[AnyLimit], booked: int) -> bool:
+    """The slot is booked in every limit (none is a concurrency limit, which cannot be)."""
+    return all(not lim.leased and booked >> i & 1 for i, lim in enumerate(limits))
+
+
+def plan(limits: Sequence[AnyLimit], timeout: float | None = None,
+         clock: Callable[[], float] = time.monotonic,
+         grace: float | Callable[[int], float] = DEFAULT_GRACE, near: float = NEAR, *,
+         horizon: float = LONGEST_WAIT, claim: Reservation | None = None,
+         in_line: bool = False, elsewhere: Callable[[Decision], bool] | None = None,
+         check: Callable[[Decision], None] | None = None,
+         max_sleeps: int = _MAX_STEPS) -> Generator[Ask | Sleep, Any, Outcome]:
+    """The waiting loop as steps: yields :class:`Ask` and :class:`Sleep`, returns the
+    :class:`Outcome`.
+
+    ``timeout``: raises ThrottleTimeout, naming the limit and the wait, as soon as
+    the next start is further away than the time left (nothing is booked then).
+    ``grace``: as late as a start may come after its slot (the claims' grace), or
+    a function of the limits a slot is booked in (:attr:`Reservation.booked`).
     ``near``: a slot this close is admitted as it is booked (:data:`NEAR`).
+    ``horizon``: book no slot further ahead.  ``claim``: a slot booked before
+    (a task's previous arrival).  ``in_line``: the first ask does not start ahead
+    of tasks in line (a ``queued`` refusal ends the plan).  ``elsewhere``: the
+    refusals the caller waits out elsewhere; without it, a refusal with no slot
+    booked raises ThrottleTimeout.  ``check``: called with every other refusal
+    before it is waited (it may raise: a task's expiry or its ``max_wait``).
+    ``max_sleeps``: sleeps for a booked slot, at most; the refusal after them is
+    the caller's to wait elsewhere.
     """
+    grace_of = grace if callable(grace) else (lambda _booked, g=grace: g)
+    current = grace_of(claim.booked if claim is not None else 0)
     deadline = None if timeout is None else clock() + timeout
-    claim: Reservation | None = None
-    late_wakes = 0
+    late_wakes = slept = 0
+    late = 0.0
     for _ in range(_MAX_STEPS):
         left = LONGEST_WAIT if deadline is None else max(0.0, deadline - clock())
         asked = clock()
-        decision: Decision = yield Ask(reserve=left, claim=claim, near=near)
+        decision: Decision = yield Ask(reserve=min(horizon, left), claim=claim, near=near,
+                                       grace=current, in_line=in_line and claim is None,
+                                       late=late)
+        late = 0.0
         if decision.allowed:
-            if decision.retry_after > 0:  # admitted for its slot just ahead
-                yield Sleep(decision.retry_after, decision.reservation)
-                if (decision.reservation is not None and late_wakes < MAX_LATE_WAKES
-                        and late_by(asked, decision.retry_after, clock) > grace):
-                    late_wakes += 1
-                    claim = decision.reservation
-                    continue  # its claim again: lost, the gate decides afresh
-            return decision
+            if decision.retry_after <= 0:
+                # A claim honoured after its slot starts that late (a plain admission
+                # has no slot).
+                after = from_us(decision.now - decision.slot) if decision.slot and \
+                    decision.now else 0.0
+                return Outcome(decision, max(0.0, after))
+            # Admitted for its slot just ahead: the start is that moment.  Woken later
+            # than the grace, it claims the slot again (the gate finds it lost and
+            # decides afresh) rather than this start crowding the next.
+            yield Sleep(decision.retry_after, decision.reservation, admitted=True)
+            late = late_by(asked, decision.retry_after, clock)
+            if decision.reservation is not None and late_wakes < MAX_LATE_WAKES \
+                    and late > current:
+                late_wakes += 1
+                claim = decision.reservation
+                continue
+            return Outcome(decision, max(0.0, late))
+        if decision.queued:
+            return Outcome(decision)  # in line: the line's dispatch decides the rest
+        if check is not None:
+            check(decision)
         booking = decision.reservation
-        if booking is None or decision.retry_after > left:
-            name = decision.limit.name if decision.limit is not None else "?"
-            raise ThrottleTimeout(
-                f"waiting for limit {name!r} would take {decision.retry_after:.3f}s, past the "
-                f"timeout of {timeout:.3f}s" if timeout is not None else
-                f"limit {name!r} has no slot within the horizon", limit_name=name,
-                waited=decision.retry_after, max_wait=timeout or 0.0)
+        if elsewhere is None:
+            if booking is None or decision.retry_after > left:
+                name = decision.limit.name if decision.limit is not None else "?"
+                raise ThrottleTimeout(
+                    f"waiting for limit {name!r} would take {decision.retry_after:.3f}s, past "
+                    f"the timeout of {timeout:.3f}s" if timeout is not None else
+                    f"limit {name!r} has no slot within the horizon", limit_name=name,
+                    waited=decision.retry_after, max_wait=timeout or 0.0)
+        elif booking is None or slept >= max_sleeps or elsewhere(decision):
+            return Outcome(decision)
+        assert booking is not None
+        if claim is None or booking.slot != claim.slot:
+            # A new slot: its grace follows the limits it is booked in.  (An "early"
+            # answer for the same slot keeps the grace it was given.)
+            current = grace_of(booking.booked)
         # A full concurrency limit books nothing (booked == 0): come back then and ask.
         claim = booking if booking.booked else None
-        yield Sleep(decision.retry_after, claim)
+        # Booked in every limit, wake half a grace early: a claim up to the grace
+        # ahead is admitted for the slot itself, while one that lands after it (a
+        # sleep's overshoot, the round trip) would push the later slots back.  (With
+        # a limit it is not booked in, the gate can only admit it at the slot: an
+        # early claim would be told to wait again.)
+        ahead = current / 2 if _booked_in_all(limits, booking.booked) else 0.0
+        yield Sleep(max(0.0, decision.retry_after - ahead), claim)
+        slept += 1
     raise RuntimeError("unreachable: every round of the plan sleeps")
 
 
-def wait(gate: Gate, limits: Sequence[AnyLimit], *, timeout: float | None = None,
-         holder: str = "", grace: float = DEFAULT_GRACE) -> Decision:
-    """Block until ``limits`` admit one start (booked, so waiters never herd); return it."""
-    steps = plan(limits, timeout, grace=grace)
+def drive(steps: Generator[Ask | Sleep, Any, Outcome], ask: Callable[[Ask], Decision],
+          sleep: Callable[[Sleep], None] = lambda step: time.sleep(step.seconds),
+          give_back: Callable[[Reservation | None], None] = lambda booking: None) -> Outcome:
+    """Run a :func:`plan`: ``ask`` the gate, ``sleep``; interrupted (any exception,
+    including one of ``ask`` or the plan's own), ``give_back`` what a sleep held
+    (None: nothing booked), then raise."""
     reply: Any = None
     booking: Reservation | None = None
     try:
         while True:
             step = steps.send(reply)
             if isinstance(step, Ask):
-                reply = gate.acquire_many(limits, reserve=step.reserve, claim=step.claim,
-                                          grace=grace, holder=holder, near=step.near)
+                reply = ask(step)
             else:
                 booking = step.booking
-                time.sleep(step.seconds)
+                sleep(step)
                 booking, reply = None, None
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
     except BaseException:
-        _give_back(gate.cancel, gate.release, limits, booking, holder)
+        give_back(booking)
         raise
 
 
-async def await_slot(gate: AsyncGate, limits: Sequence[AnyLimit], *,
-                     timeout: float | None = None, holder: str = "",
-                     grace: float = DEFAULT_GRACE) -> Decision:
-    """:func:`wait` for asyncio: the same plan, awaiting the gate and ``asyncio.sleep``."""
-    steps = plan(limits, timeout, grace=grace)
+async def adrive(steps: Generator[Ask | Sleep, Any, Outcome],
+                 ask: Callable[[Ask], Awaitable[Decision]],
+                 give_back: Callable[[Reservation | None], Awaitable[None]]) -> Outcome:
+    """:func:`drive` for asyncio: awaits ``ask`` and ``asyncio.sleep``; cancelled, it
+    gives back on a task of its own, which the cancellation cannot reach."""
     reply: Any = None
     booking: Reservation | None = None
     try:
         while True:
             step = steps.send(reply)
             if isinstance(step, Ask):
-                reply = await gate.acquire_many(limits, reserve=step.reserve, claim=step.claim,
-                                                grace=grace, holder=holder, near=step.near)
+                reply = await ask(step)
             else:
                 booking = step.booking
                 await asyncio.sleep(step.seconds)
@@ -187,9 +268,36 @@ async def await_slot(gate: AsyncGate, limits: Sequence[AnyLimit], *,
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
     except BaseException:
-        # Cancelled: give back on a task of its own, which the cancellation cannot reach.
-        await asyncio.shield(_agive_back(gate, limits, booking, holder))
+        await asyncio.shield(give_back(booking))
         raise
+
+
+def wait(gate: Gate, limits: Sequence[AnyLimit], *, timeout: float | None = None,
+         holder: str = "", grace: float = DEFAULT_GRACE) -> Decision:
+    """Block until ``limits`` admit one start (booked, so waiters never herd); return it."""
+    def ask(step: Ask) -> Decision:
+        return gate.acquire_many(limits, reserve=step.reserve, claim=step.claim,
+                                 grace=step.grace, holder=holder, near=step.near)
+
+    def give_back(booking: Reservation | None) -> None:
+        _give_back(gate.cancel, gate.release, limits, booking, holder)
+
+    return drive(plan(limits, timeout, grace=grace), ask, give_back=give_back).decision
+
+
+async def await_slot(gate: AsyncGate, limits: Sequence[AnyLimit], *,
+                     timeout: float | None = None, holder: str = "",
+                     grace: float = DEFAULT_GRACE) -> Decision:
+    """:func:`wait` for asyncio: the same plan, awaiting the gate and ``asyncio.sleep``."""
+    async def ask(step: Ask) -> Decision:
+        return await gate.acquire_many(limits, reserve=step.reserve, claim=step.claim,
+                                       grace=step.grace, holder=holder, near=step.near)
+
+    async def give_back(booking: Reservation | None) -> None:
+        await _agive_back(gate, limits, booking, holder)
+
+    outcome = await adrive(plan(limits, timeout, grace=grace), ask, give_back)
+    return outcome.decision
 
 
 def _give_back(cancel: Callable[..., Any], release: Callable[..., Any],

@@ -15,6 +15,7 @@ copies are told apart by the copy pointer (``copies.py``).  Expiry,
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import random
 import time
@@ -27,10 +28,10 @@ from celery import Task
 from celery.exceptions import Ignore
 
 from .. import faults, metrics
-from ..core.gate import AnyLimit, Concurrency, Decision, Limit
+from ..core import waiting
+from ..core.gate import AnyLimit, Concurrency, Decision, Limit, Reservation
 from ..core.keys import waiters_key
 from ..core.logs import logger
-from ..core.waiting import late_by
 from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import queue_of
 from ..room.envelope import Envelope, capture
@@ -48,7 +49,7 @@ __all__ = ["admit", "admitted_late", "defer_after_start", "join_line_on_arrival"
 
 
 _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
-_MAX_SLEEPS = 3
+_MAX_SLEEPS = 2  # sleeps for a booked slot in a worker; lost again after them: wait outside
 _STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of a started copy
 _LEASED = "_celery_throttle_leased"  # request attribute: the leases.Held of this run
 _SHADOW_LEASED = "_celery_throttle_shadow_leased"  # ... its shadow leases (shadow.py)
@@ -256,76 +257,65 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     if in_line:
         # Book only what is near: a longer wait waits in line, unbooked.
         horizon = min(horizon, config.max_sleep)
-    claim = state.claim_under(limits)
-    # A short wait is slept, then the booked slot claimed: the claim is what
-    # charges the limits the slot is not booked in.  Bounded: if the slot is
-    # lost again and again, the task waits outside the worker instead.
-    grace = _grace(runtime, limits, claim.booked if claim is not None else 0)
-    # A copy dispatched from the waiting room arrives up to the dispatch lead
-    # early: it sleeps that, whatever throttle_max_sleep says (parking it
-    # again for less would loop).
+    # A short wait is slept, then the booked slot claimed (the claim is what charges
+    # the limits the slot is not booked in): the waiting loop of every waiter
+    # (core/waiting.py).  Bounded: if the slot is lost again and again, the task
+    # waits outside the worker instead.  A copy dispatched from the waiting room
+    # arrives up to the dispatch lead early: it sleeps that, whatever
+    # throttle_max_sleep says (parking it again for less would loop).
     max_sleep = max(config.max_sleep, config.dispatch_lead + 0.1) if arrived \
         else config.max_sleep
-    # At most _MAX_SLEEPS sleeps for a slot, and as many late wake-ups.
-    slept = 0
-    for attempt in range(2 * _MAX_SLEEPS):
-        asked = time.monotonic()
-        try:
-            decision = runtime.gate.acquire_many(
-                limits, reserve=horizon, claim=claim, grace=grace, holder=holder,
-                in_line=in_line and claim is None)
-        except redis.RedisError as exc:
-            metrics.store_error([lim.name for lim in limits])
-            _store_failed(task, runtime, state, exc)
-            return False
-        if decision.allowed:
-            if decision.retry_after <= 0:
-                # A claim honoured after its slot (the plain admission has no slot).
-                if decision.slot and decision.now:
-                    _late(task, from_us(decision.now - decision.slot))
-                return True
-            # Admitted for its slot, just ahead: the start is that moment.  Woken
-            # later than the grace, it claims the slot again: the gate finds it
-            # lost and decides afresh, rather than this start crowding the next.
-            late = _slept_to_start(task, asked, decision.retry_after)
-            if late <= grace or attempt == 2 * _MAX_SLEEPS - 1:
-                _late(task, late)
-                return True  # (late again and again: this machine cannot do better)
-            logger.info("throttle: task %s[%s] ready %.3fs after its slot; asking again",
-                        task.name, request.id, late)
-            continue
-        if claim is not None and claim.booked and not decision.early:
-            # Arrived after its slot's grace, or a limit it was not booked in
-            # is busy: the slot is lost (a little throughput) rather than used
-            # late (that could burst).
-            logger.info("throttle: task %s[%s] lost its slot (%.3fs ago); asking again",
-                        task.name, request.id, from_us(decision.now - claim.slot))
-        if decision.queued:
-            break  # (its expiry and max_wait are the dispatch's to enforce)
+
+    def elsewhere(decision: Decision) -> bool:
+        return decision.retry_after > max_sleep or _queues_for_slot(task, runtime, decision)
+
+    def check(decision: Decision) -> None:
         waited = from_us(decision.now - state.since) if state.since else 0.0
         if to_expiry is not None and decision.retry_after > to_expiry:
             _expire(task, decision)
         if max_wait is not None and waited + decision.retry_after > max_wait:
             raise ThrottleTimeout.exceeded(task.name, _limit_name(decision, limits),
                                            waited + decision.retry_after, max_wait)
-        if (decision.reservation is None or decision.retry_after > max_sleep
-                or slept == _MAX_SLEEPS - 1 or attempt == 2 * _MAX_SLEEPS - 1
-                or _queues_for_slot(task, runtime, decision)):
-            break
-        if claim is None or decision.slot != claim.slot:
-            # A new slot: its grace follows the limits it is booked in.  (An
-            # "early" answer for the same slot keeps the grace it was given.)
-            grace = _grace(runtime, limits, decision.reservation.booked)
-        # Our slot is booked: a short wait is cheaper slept than re-published.
-        # Booked in every limit, wake half a grace early: a claim up to the
-        # grace ahead is admitted for the slot itself, while one that lands
-        # after it (a sleep's overshoot, the round trip) would push the later
-        # slots back.  (With a limit it is not booked in, the gate can only
-        # admit it at the slot: an early claim would be told to wait again.)
-        ahead = grace / 2 if _booked_in_all(limits, decision.reservation.booked) else 0.0
-        time.sleep(max(0.0, decision.retry_after - ahead))
-        slept += 1
-        claim = decision.reservation
+
+    def ask(step: waiting.Ask) -> Decision:
+        if step.late:
+            logger.info("throttle: task %s[%s] ready %.3fs after its slot; asking again",
+                        task.name, request.id, step.late)
+        decision = runtime.gate.acquire_many(limits, reserve=step.reserve, claim=step.claim,
+                                             grace=step.grace, holder=holder,
+                                             in_line=step.in_line, near=step.near)
+        if step.claim is not None and step.claim.booked and not decision.allowed \
+                and not decision.early:
+            # Arrived after its slot's grace, or a limit it was not booked in is busy:
+            # the slot is lost (a little throughput) rather than used late (that
+            # could burst).
+            logger.info("throttle: task %s[%s] lost its slot (%.3fs ago); asking again",
+                        task.name, request.id, from_us(decision.now - step.claim.slot))
+        return decision
+
+    def sleep(step: waiting.Sleep) -> None:
+        time.sleep(step.seconds)
+        if step.admitted:
+            faults.at("defer.start_slept", task)
+
+    def give_back(booking: Reservation | None) -> None:
+        if booking is not None:  # (interrupted: a time limit, a shutdown)
+            with contextlib.suppress(redis.RedisError):
+                runtime.gate.cancel(limits, booking)
+
+    steps = waiting.plan(limits, grace=lambda booked: _grace(runtime, limits, booked), near=0.0,
+                         horizon=horizon, claim=state.claim_under(limits), in_line=in_line,
+                         elsewhere=elsewhere, check=check, max_sleeps=_MAX_SLEEPS)
+    try:
+        outcome = waiting.drive(steps, ask, sleep, give_back)
+    except redis.RedisError as exc:
+        metrics.store_error([lim.name for lim in limits])
+        _store_failed(task, runtime, state, exc)
+        return False
+    decision = outcome.decision
+    if decision.allowed:
+        _late(task, outcome.late)
+        return True
     if in_line and decision.reservation is None and isinstance(decision.limit, Limit):
         _join_line(task, runtime, limits, decision, state, to_expiry, max_wait)
     if decision.slot is not None:
@@ -367,11 +357,6 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
                 task.name, request.id, decision.retry_after, name, new.deferrals,
                 ", parked" if parked else "")
     raise Ignore()
-
-
-def _booked_in_all(limits: list[AnyLimit], booked: int) -> bool:
-    """The slot is booked in every limit (none is a concurrency limit, which cannot be)."""
-    return all(not lim.leased and booked >> i & 1 for i, lim in enumerate(limits))
 
 
 def _room_open(task: Task[Any, Any], runtime: Runtime) -> bool:
@@ -531,7 +516,7 @@ def _slept_to_start(task: Task[Any, Any], asked: float, ahead: float) -> float:
     if ahead > 0:
         time.sleep(ahead)
     faults.at("defer.start_slept", task)
-    return late_by(asked, ahead)
+    return waiting.late_by(asked, ahead)
 
 
 def _entry_of(task: Task[Any, Any], copy: str) -> str:

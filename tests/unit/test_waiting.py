@@ -26,7 +26,7 @@ from celery_throttle import (
     ThrottleTimeout,
     parse_rate,
 )
-from celery_throttle.core.waiting import NEAR, Ask, Sleep, plan
+from celery_throttle.core.waiting import NEAR, Ask, Sleep, drive, plan
 
 RATE = Limit("api", parse_rate("20/s"))
 INTERVAL_US = 50_000
@@ -85,7 +85,9 @@ def _admitted_ahead(gate: Gate, grace: float) -> tuple[Any, Decision, Decision] 
     assert booked.reservation is not None
     sleep = steps.send(booked)
     assert isinstance(sleep, Sleep)
-    time.sleep(max(0.0, sleep.seconds - 0.03))  # claims 30 ms early ...
+    # The plan wakes half a grace early (booked in every limit) ...
+    assert sleep.seconds == pytest.approx(booked.retry_after - grace / 2)
+    time.sleep(max(0.0, sleep.seconds - 0.01))  # ... and this sleep 10 ms more
     ask = steps.send(None)
     assert isinstance(ask, Ask)
     assert ask.claim == booked.reservation
@@ -122,7 +124,7 @@ def test_a_waiter_woken_late_for_its_admitted_slot_claims_it_again(sgate: Gate) 
         else:
             with pytest.raises(StopIteration) as done:
                 steps.send(None)
-            assert done.value.value is admitted
+            assert done.value.value.decision is admitted
         time.sleep(0.1)  # (the next round starts on a free limit)
 
 
@@ -172,7 +174,7 @@ def test_a_near_admission_woken_late_claims_its_slot_again(sgate: Gate) -> None:
     assert fresh.retry_after == 0
     with pytest.raises(StopIteration) as done:
         steps.send(fresh)
-    assert done.value.value is fresh
+    assert done.value.value.decision is fresh
 
 
 def test_async_waiters_get_distinct_spaced_slots(redis_url: str, prefix: str) -> None:
@@ -222,6 +224,92 @@ def test_an_interrupted_waiter_gives_its_slot_back(sgate: Gate) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     # Without the give-back the next start would be one interval later (2 s).
+    assert sgate.inspect(slow).next_free <= free_at
+
+
+def test_a_caller_that_waits_elsewhere_gets_the_refusal_back(sgate: Gate) -> None:
+    """A worker's options: a wait ``elsewhere`` says it does not sleep ends the plan with
+    that refusal (its slot booked, to claim on its next arrival); ``check`` sees every
+    refusal first and may raise; after ``max_sleeps`` the next refusal ends it too."""
+    slow = Limit("slow-elsewhere", parse_rate("1/s"))
+    assert sgate.acquire_many([slow]).allowed
+    seen: list[Decision] = []
+    steps = plan([slow], horizon=5, near=0.0, elsewhere=lambda d: d.retry_after > 0.5,
+                 check=seen.append, grace=lambda booked: 0.01 * (booked + 1))
+    ask = next(steps)
+    assert isinstance(ask, Ask)
+    assert (ask.reserve, ask.grace, ask.in_line) == (5, 0.01, False)
+    refused = sgate.acquire_many([slow], reserve=ask.reserve, grace=ask.grace)
+    assert not refused.allowed
+    assert refused.reservation is not None
+    with pytest.raises(StopIteration) as done:
+        steps.send(refused)
+    assert done.value.value.decision is refused
+    assert seen == [refused]
+
+    # Nothing elsewhere, no sleep allowed: the first refusal ends it all the same.
+    steps = plan([slow], horizon=5, near=0.0, elsewhere=lambda d: False, max_sleeps=0)
+    ask = next(steps)
+    assert isinstance(ask, Ask)
+    again = sgate.acquire_many([slow], reserve=ask.reserve)
+    with pytest.raises(StopIteration) as done:
+        steps.send(again)
+    assert done.value.value.decision is again
+
+    # check raises: the plan ends with its error, nothing slept.
+    def too_long(decision: Decision) -> None:
+        raise ThrottleTimeout(f"{decision.retry_after:.3f}s is too long")
+
+    steps = plan([slow], horizon=5, elsewhere=lambda d: False, check=too_long)
+    next(steps)
+    with pytest.raises(ThrottleTimeout, match="is too long"):
+        steps.send(sgate.acquire_many([slow], reserve=5))
+
+
+def test_a_new_slot_takes_its_grace_from_the_limits_it_is_booked_in(sgate: Gate) -> None:
+    """``grace`` as a function of the booking: the claim of a slot booked in every limit
+    carries that slot's grace, and the sleep wakes half of it early."""
+    slow = Limit("slow-grace", parse_rate("2/s"))
+    assert sgate.acquire_many([slow]).allowed
+    steps = plan([slow], near=0.0, grace=lambda booked: 0.1 if booked else 0.02)
+    ask = next(steps)
+    assert isinstance(ask, Ask)
+    assert ask.grace == 0.02  # nothing booked yet
+    booked = sgate.acquire_many([slow], reserve=ask.reserve, grace=ask.grace)
+    sleep = steps.send(booked)
+    assert isinstance(sleep, Sleep)
+    assert sleep.booking == booked.reservation
+    assert sleep.seconds == pytest.approx(booked.retry_after - 0.05)
+    claim = steps.send(None)
+    assert isinstance(claim, Ask)
+    assert (claim.claim, claim.grace) == (booked.reservation, 0.1)
+    steps.close()
+    assert booked.reservation is not None
+    sgate.cancel([slow], booked.reservation)
+
+
+def test_drive_gives_back_the_booking_its_sleep_held(sgate: Gate) -> None:
+    """The worker's driver: a sleep interrupted (a time limit, a shutdown) hands the
+    booking it held to ``give_back``, which frees the slot."""
+    slow = Limit("slow-drive", parse_rate("1/s"))
+    assert sgate.acquire_many([slow]).allowed
+    free_at = sgate.inspect(slow).next_free
+    given: list[Any] = []
+
+    def interrupted(step: Sleep) -> None:
+        raise KeyboardInterrupt
+
+    def give_back(booking: Any) -> None:
+        given.append(booking)
+        sgate.cancel([slow], booking)
+
+    with pytest.raises(KeyboardInterrupt):
+        drive(plan([slow], near=0.0, elsewhere=lambda d: False),
+              lambda ask: sgate.acquire_many([slow], reserve=ask.reserve, claim=ask.claim,
+                                             grace=ask.grace),
+              interrupted, give_back)
+    assert len(given) == 1
+    assert given[0] is not None
     assert sgate.inspect(slow).next_free <= free_at
 
 

@@ -5,7 +5,8 @@ gevent or eventlet worker loads nothing but Celery and this package after
 patching.  Configured from the environment: POOLS_REDIS (server URL; broker
 db 1, store db 2, results db 3, records db 4), POOLS_RATE (per second),
 POOLS_WORK (seconds of I/O per task after its start) and
-POOLS_MAX_TASKS_PER_CHILD (prefork's recycling; unset: none).
+POOLS_MAX_TASKS_PER_CHILD (prefork's recycling; unset: none) and POOLS_POOL_CHECK
+(``throttle_pool_check_interval``; unset: its default).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ app.conf.update(throttle_redis_url=f"{REDIS}/2", broker_connection_retry_on_star
                 result_expires=600, worker_hijack_root_logger=False)
 if os.environ.get("POOLS_MAX_TASKS_PER_CHILD"):
     app.conf.worker_max_tasks_per_child = int(os.environ["POOLS_MAX_TASKS_PER_CHILD"])
+if os.environ.get("POOLS_POOL_CHECK"):
+    app.conf.throttle_pool_check_interval = float(os.environ["POOLS_POOL_CHECK"])
 celery_throttle.install(app)
 
 _records = redis.Redis.from_url(f"{REDIS}/4")

@@ -89,6 +89,11 @@ SETTINGS: dict[str, tuple[object, str]] = {
                                  "arriving task there); default: where pool processes are "
                                  "recycled (worker_max_tasks_per_child or "
                                  "worker_max_memory_per_child); True or False: always, never"),
+    "throttle_pool_check_interval": (None, "where prefork pool processes are recycled, the "
+                                    "worker also checks this often for an exited process and "
+                                    "starts its replacement (Celery's own check runs every 5 s, "
+                                    "and a task sent to a process just before it exited waits "
+                                    "for it); default: 0.25; 0: Celery's check only"),
     "throttle_dispatch_timeout": (60.0, "a dispatched task that has not reached a worker after "
                                  "this many seconds is dispatched again (only the first copy "
                                  "to arrive runs)"),
@@ -135,6 +140,7 @@ class Config:
     dispatch_lead: float
     # None: decided per worker (arrival.lines_up), by whether its pool recycles processes
     line_on_arrival: bool | None
+    pool_check_interval: float | None  # None: recycling.DEFAULT_INTERVAL
     dispatch_timeout: float
     gc_freeze: bool
     enforce: bool
@@ -295,6 +301,8 @@ def read_config(app: Celery) -> Config:
         dispatch_lead=_dispatch_lead(get("throttle_dispatch_lead")),
         line_on_arrival=_optional_flag("throttle_line_on_arrival",
                                        get("throttle_line_on_arrival")),
+        pool_check_interval=_seconds("throttle_pool_check_interval",
+                                     get("throttle_pool_check_interval"), allow_none=True),
         dispatch_timeout=_at_least_one("throttle_dispatch_timeout",
                                       get("throttle_dispatch_timeout")),
         gc_freeze=_flag("throttle_gc_freeze", get("throttle_gc_freeze")),

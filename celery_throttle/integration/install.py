@@ -42,6 +42,7 @@ from .defer import run_ended
 from .exporter import serve
 from .memory import freeze_inherited
 from .notes import forget_revoked
+from .recycling import keep_pool_full
 from .runtime import INSTALLED, forget, runtime_for
 from .throttled import ensure_gated
 
@@ -117,6 +118,7 @@ def install(app: Celery) -> Celery:
                 except redis.RedisError as exc:
                     logger.warning("celery_throttle: could not record the limits' rates: %s",
                                    type(exc).__name__)
+            keep_pool_full(app, sender)
             if config.waiting_room and not dispatchers:
                 dispatcher = Dispatcher(app, config.connect, config.prefix,
                                         timeout=config.dispatch_timeout,

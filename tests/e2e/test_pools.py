@@ -50,7 +50,8 @@ def test_recycled_processes_keep_the_bound_and_tasks_wait_in_line_without_a_pool
     """``worker_max_tasks_per_child=3`` on two prefork nodes, 60 tasks at 10/s: each runs
     once and the bound holds.  The 40 sent once the limit has a line join it in the nodes'
     main processes, without a pool run (``throttle_line_on_arrival``'s default where
-    processes are recycled)."""
+    processes are recycled), and each node replaces an exited process within 0.25 s
+    (``throttle_pool_check_interval``'s default)."""
     from celery_throttle.integration.runtime import runtime_for
 
     line = runtime_for(capp.app).room.queues
@@ -82,5 +83,7 @@ def test_recycled_processes_keep_the_bound_and_tasks_wait_in_line_without_a_pool
           f"{sum(1 for p in where.values() if p == 'MainProcess')} of {len(where)} tasks first "
           f"waited in a main process, {len({r['pid'] for r in rows})} pool processes ran one")
     assert [where.get(r.id) for r in later] == ["MainProcess"] * 40
+    # Each node checks for exited processes itself too, not only at Celery's 5 s timer.
+    assert text.count("pool processes are recycled: replaced within 0.250s of their exit") == 2
     assert " ERROR" not in text
     assert "Traceback" not in text

@@ -40,6 +40,8 @@ from celery_throttle.testing import free_port
         ("throttle_fair_weights", ["a"], "throttle_fair_weights: expected a dict"),
         ("throttle_fair_weights", {"openai": {"acme": 0}},
          r"throttle_fair_weights\['openai'\]: weight 0: expected an integer >= 1"),
+        ("throttle_pool_check_interval", -1, r"throttle_pool_check_interval=-1: expected "
+                                              r"seconds >= 0 or None"),
         ("throttle_fair_weights", {"openai": {1.5: 2}},
          r"throttle_fair_weights\['openai'\]: invalid key value of type float"),
     ],
@@ -63,6 +65,7 @@ def test_config_defaults(app: Celery) -> None:
     assert config.max_countdown == 300.0
     assert "redis://" not in repr(config)  # the URL (and any password) stays out of reprs
     assert config.park_replicas == 0  # one server: nothing to wait for
+    assert config.pool_check_interval is None  # (recycling.DEFAULT_INTERVAL where recycled)
 
 
 def test_sentinel_broker_is_the_default_store_with_its_master_name(app: Celery) -> None:

@@ -450,6 +450,13 @@ def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[Li
     return True
 
 
+def _place(task: Task[Any, Any], runtime: Runtime, since: int) -> int:
+    """A waiting task's place (us), in a limit's queue and among a concurrency limit's
+    waiters alike: when it first waited (``since``, server clock) plus its priority's rank
+    times the ageing step, so rank 0 goes first and the others age toward it."""
+    return since + _rank(task, runtime) * to_us(runtime.config.priority_ageing)
+
+
 def _next_in_line(task: Task[Any, Any], state: WaitState, since: int,
                   limits: list[AnyLimit]) -> tuple[WaitState, str]:
     """The state of the task's copy that waits in line, and its entry there."""
@@ -465,7 +472,7 @@ def _line_args(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     steps), its expiry and its ``max_wait`` deadline (server clock, us)."""
     config = runtime.config
     return {"limits": [lim for lim in limits if isinstance(lim, Limit)], "blocking": blocking,
-            "place_us": since + _rank(task, runtime) * to_us(config.priority_ageing),
+            "place_us": _place(task, runtime, since),
             "expires_us": now + to_us(max(to_expiry, 0.0)) if to_expiry is not None else 0,
             "deadline_us": since + to_us(max_wait) if max_wait is not None else 0,
             "weights": config.fair_weights}
@@ -592,8 +599,8 @@ def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: in
         waiters = (waiters_key(runtime.config.prefix, seat_of.name, seat_of.key)
                    if seat_of is not None else "")
         at = runtime.room.park(entry, envelope.dumps(), str(request.id), at_us=at_us,
-                               delay_us=delay_us, note=note,
-                               waiters=waiters, was=was)
+                               delay_us=delay_us, note=note, waiters=waiters, was=was,
+                               place_us=_place(task, runtime, state.since or 0))
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _log_outage(runtime, exc, "re-published with a countdown instead of parked")

@@ -107,22 +107,25 @@ class WaitingRoom:
         self.queues = Queues(client, prefix)  # the limits' queues share the messages
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
-             delay_us: int = 0, note: str = "", waiters: str = "", was: str = "") -> int:
+             delay_us: int = 0, note: str = "", waiters: str = "", was: str = "",
+             place_us: int = 0) -> int:
         """Park ``message`` until ``at_us`` (server clock), or ``delay_us`` from now.
 
         ``note``: the wait note to leave for ``celery throttle why`` under
         ``task_id``, kept while it waits (its arrival moves it, :meth:`arrive`).
-        ``waiters``: a concurrency limit's waiters list (``keys.waiters_key``)
-        to join, so a freed seat is handed to this task (``task_id`` is the
-        lease holder); ``was``: the entry it had there before, whose turn it
-        keeps.  Returns the dispatch time (server clock, microseconds), or 0 when
-        ``entry`` is parked already (nothing written).
+        ``waiters``: a concurrency limit's waiters (``keys.waiters_key``) to
+        join at ``place_us`` (when it first waited plus its priority's ageing
+        steps, as in a limit's queue), so a freed seat is handed to this task
+        when it is first (``task_id`` is the lease holder); ``was``: the entry
+        it had there before, whose turn it keeps.  Returns the dispatch time
+        (server clock, microseconds), or 0 when ``entry`` is parked already
+        (nothing written).
         """
         keys = [self.parked, self.messages, self.wake, self.notes, waiters or self.wake]
         args: list[str | bytes | int] = [entry, message, at_us, delay_us, note,
                                          key_digest(task_id),
                 f"{entry} {task_id}" if waiters else "",
-                f"{was} {task_id}" if waiters and was else ""]
+                f"{was} {task_id}" if waiters and was else "", place_us]
         at, _now = self._replicated(self._park, keys, args)
         return int(at)
 

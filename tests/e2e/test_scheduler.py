@@ -8,6 +8,7 @@ start records and the result backend, as in test_waiting_room.py.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -86,6 +87,28 @@ def test_urgent_task_starts_ahead_of_a_waiting_batch(
     assert re.findall(r"^tests\.celery_app\.in_line\[[-\w]+\] waits in line for limit "
                       r"'line': place (\d)$", listed.stdout, flags=re.MULTILINE) == \
         ["0", "1", "2"], listed.stdout
+
+
+def test_a_freed_concurrency_seat_goes_to_an_urgent_waiter_first(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """concurrency=1: four batch tasks wait for the seat, then an urgent one: the urgent
+    task is handed the next seat freed, and the batch follows in its order."""
+    with worker_nodes(redis_base, ("w1", "w2"), conf=LINE):
+        first = capp.one_slot.apply_async((2.0,), priority=BATCH)
+        time.sleep(0.3)  # the first holds the seat before the others arrive
+        batch = []
+        for _ in range(4):
+            batch.append(capp.one_slot.apply_async((0.3,), priority=BATCH))
+            time.sleep(0.1)  # they wait in this order
+        urgent = capp.one_slot.apply_async((0.3,), priority=URGENT)
+        states = wait_results([first, *batch, urgent], timeout=30)
+        rows = read_records(records, expect=6, timeout=5)
+    assert states == ["SUCCESS"] * 6
+    assert [r["id"] for r in rows] == [first.id, urgent.id] + [b.id for b in batch]
+    gaps = [b["t"] - (a["t"] + a["seconds"]) for a, b in itertools.pairwise(rows)]
+    assert min(gaps) > 0, gaps  # never two at once
+    assert max(gaps) < 0.25, gaps  # each seat handed over at once
 
 
 @pytest.mark.parametrize("how", ["purge", "revoke"])

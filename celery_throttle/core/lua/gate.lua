@@ -45,8 +45,10 @@ KEYS[n+1] the prefix's epoch (epoch.lua): set once (no TTL) when first needed.  
           count (honouring them next to fresh starts would double the rate).
 KEYS[n+1+j] the meta hash of the j-th concurrency limit among the n
 With op "release" only (m = the number of concurrency limits):
-KEYS[n+1+m+j] the j-th concurrency limit's waiters: a list of "entry holder",
-          tasks parked in the waiting room for a slot, oldest first
+KEYS[n+1+m+j] the j-th concurrency limit's waiters: a sorted set of "entry
+          holder", tasks parked in the waiting room for a slot, by place (when
+          first waiting plus priority ageing steps); an earlier version's list,
+          oldest first, is emptied first
 KEYS[n+2+2m], KEYS[n+3+2m], KEYS[n+4+2m] the waiting room's parked set,
           messages hash and wake list (room/parking.py)
 With op "q" only (rate limits only, m = 0):
@@ -269,10 +271,21 @@ local function take(lim)
   keep_at_least(lim.meta, META_TTL_MS)
 end
 
--- A freed seat goes to the oldest task parked for it (FIFO), within this
--- call, so no newcomer can take it first: its lease is taken in its name
--- and it is due for release now.  Waiters that left the waiting room (ran,
--- expired, lost) are skipped, a few per call.
+-- A freed seat goes to the first task parked for it (best priority, then
+-- the longest waiting), within this call, so no newcomer can take it first:
+-- its lease is taken in its name and it is due for release now.  Waiters
+-- that left the waiting room (ran, expired, lost) are skipped, a few per call.
+local function next_waiter(lim)
+  if redis.call('TYPE', lim.waiters).ok == 'list' then
+    return redis.call('LPOP', lim.waiters) -- (an earlier version's list)
+  end
+  local first = redis.call('ZRANGE', lim.waiters, 0, 0)[1]
+  if first then
+    redis.call('ZREM', lim.waiters, first)
+  end
+  return first
+end
+
 local function hand_off(lim)
   local parked, messages, wake = KEYS[n + 2 + 2 * m], KEYS[n + 3 + 2 * m], KEYS[n + 4 + 2 * m]
   reclaim(lim)
@@ -280,7 +293,7 @@ local function hand_off(lim)
     if redis.call('ZCARD', lim.key) >= lim.slots then
       return
     end
-    local item = redis.call('LPOP', lim.waiters)
+    local item = next_waiter(lim)
     if not item then
       return
     end

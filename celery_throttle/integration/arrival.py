@@ -43,6 +43,7 @@ from ..room.header import HEADER
 from ..values import to_us
 from . import shadow
 from .defer import join_line_on_arrival
+from .recycling import recycles
 from .runtime import Runtime, runtime_for
 from .throttled import ORIGINAL_STRATEGY, call_of
 
@@ -62,9 +63,7 @@ def lines_up(app: Celery, consumer: Any) -> bool:
         return False  # (without it no task waits in a line)
     if config.line_on_arrival is not None:
         return config.line_on_arrival
-    controller = getattr(consumer, "controller", None)
-    return bool(getattr(controller, "max_tasks_per_child", None)
-                or getattr(controller, "max_memory_per_child", None))
+    return recycles(consumer)
 
 
 def strategy(task: Task[Any, Any], app: Celery, consumer: Any, **kwargs: Any) -> Any:

@@ -24,13 +24,21 @@ from celery import Celery
 from ..core.logs import logger
 from .runtime import runtime_for
 
-__all__ = ["DEFAULT_INTERVAL", "keep_pool_full"]
+__all__ = ["DEFAULT_INTERVAL", "keep_pool_full", "recycles"]
 
 #: Seconds between the worker's checks for exited pool processes, where they are
 #: recycled: a task sent to a process that exits waits at most about this long
 #: for its replacement.
 DEFAULT_INTERVAL = 0.25
 _KEPT = "_celery_throttle_kept_full"  # pool attribute: its maintenance runs in the loop
+
+
+def recycles(consumer: Any) -> bool:
+    """Does the worker of this ``consumer`` recycle its pool processes
+    (``worker_max_tasks_per_child`` or ``worker_max_memory_per_child``)?"""
+    controller = getattr(consumer, "controller", None)
+    return bool(getattr(controller, "max_tasks_per_child", None)
+                or getattr(controller, "max_memory_per_child", None))
 
 
 def keep_pool_full(app: Celery, consumer: Any) -> float:
@@ -40,11 +48,9 @@ def keep_pool_full(app: Celery, consumer: Any) -> float:
     hub = getattr(controller, "hub", None)
     pool = getattr(getattr(controller, "pool", None), "_pool", None)
     maintain = getattr(pool, "maintain_pool", None)
-    recycled = bool(getattr(controller, "max_tasks_per_child", None)
-                    or getattr(controller, "max_memory_per_child", None))
     configured = runtime_for(app).config.pool_check_interval
     interval = DEFAULT_INTERVAL if configured is None else configured
-    if not (recycled and interval > 0 and hub is not None and callable(maintain)):
+    if not (recycles(consumer) and interval > 0 and hub is not None and callable(maintain)):
         return 0.0
     if getattr(pool, _KEPT, False):
         return interval  # (the consumer started again: the loop runs it already)

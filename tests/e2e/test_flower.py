@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import redis
 
+from celery_throttle.integration.runtime import runtime_for
+
 from ..workers import app_command, throttle_cli, wait_results, worker_nodes
 
 pytestmark = pytest.mark.integration
@@ -54,8 +56,17 @@ def test_flower_shows_waiting_tasks_throttled_and_purged_ones_dropped(
     conf: dict[str, object] = {"worker_send_task_events": True}
     if recycled:
         conf["worker_max_tasks_per_child"] = 3
+    line = runtime_for(capp.app).room.queues
     with _flower(redis_base) as url, worker_nodes(redis_base, ("w1",), conf=conf) as nodes:
-        results = [capp.patient.delay(i) for i in range(8)]
+        # Two first (one runs, one waits in line), the rest once the line is there: a
+        # node lines a task up as it arrives only behind a line (arrival.py), and eight
+        # sent at once can all reach it before any waits.
+        results = [capp.patient.delay(i) for i in range(2)]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not line.next_in_line(1, "patient"):
+            time.sleep(0.05)
+        assert line.next_in_line(1, "patient"), "the second task never waited in line"
+        results += [capp.patient.delay(i) for i in range(2, 8)]
         ids = [r.id for r in results]
         deadline = time.monotonic() + 20
         waiting: list[str] = []

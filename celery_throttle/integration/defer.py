@@ -345,7 +345,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     parked = _send_back(task, runtime, new, countdown, at_us=max(dispatch_at, 1),
                         seat_of=seat_of, was=arrived,
                         note=wait_note(task, name, decision, new,
-                                       parked_until=max(dispatch_at, 1)))
+                                       parked_until=max(dispatch_at, 1),
+                                       entry=_entry_of(task, new.prev)))
     if not parked:  # (a parked task's note was written by the script that parked it)
         write_note(task, runtime, wait_note(task, name, decision, new), decision.retry_after)
     if getattr(task, "acks_late", False):

@@ -15,7 +15,8 @@ Receivers (all idempotent, all for this app only):
   warn if the store may evict bucket keys (:func:`store_warnings`), say
   whether waiting tasks may wait in the store (``room/durability.py``:
   a warning naming the reason when they may not), and start the node's dispatcher
-  (``throttle_waiting_room``: one per node, in its main process).
+  (``throttle_waiting_room``: one per node, in its main process), which also
+  hears the node's revoke commands (``revokes.py``).
 * ``worker_process_shutdown`` / ``worker_shutdown``: close the connection
   (and stop the dispatcher).
 * ``task_revoked``: a task revoked or expired while it waited is forgotten
@@ -36,6 +37,7 @@ from ..core.gate import Limit
 from ..core.logs import logger
 from ..room.dispatcher import Dispatcher, add_lanes
 from ..room.durability import Verdict
+from . import revokes
 from .config import read_config
 from .declared import known_limits, limits_in_force
 from .defer import run_ended
@@ -125,6 +127,7 @@ def install(app: Celery) -> Celery:
                                         lead=config.dispatch_lead, revoked=_revoked)
                 dispatcher.start()
                 dispatchers.append(dispatcher)
+                revokes.listen(app, dispatcher.cancel)
                 logger.info("celery_throttle: waiting room on: this node dispatches parked tasks "
                             "%.3fs before their slot", config.dispatch_lead)
 
@@ -138,7 +141,9 @@ def install(app: Celery) -> Celery:
 
     def on_worker_shutdown(sender: Any = None, **_: Any) -> None:
         while dispatchers:
-            dispatchers.pop().stop()
+            dispatcher = dispatchers.pop()
+            revokes.unlisten(app, dispatcher.cancel)
+            dispatcher.stop()
         forget(app)
 
     def _preload() -> None:

@@ -40,12 +40,13 @@ NOTE_AFTER_MS = 60_000
 
 
 def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitState,
-              parked_until: int = 0) -> str:
+              parked_until: int = 0, entry: str = "") -> str:
     """Why and until when the task waits, for ``celery throttle why`` (JSON).
 
     ``parked_until``: when the waiting room dispatches it (server clock, us);
-    0 when it waits as a countdown.  (A task waiting in line writes none: its
-    entry is its note, see :func:`read_wait`.)
+    0 when it waits as a countdown.  ``entry``: its entry there, noted as
+    "parked_as" (a revoked task is found by it: ``WaitingRoom.cancel``).  (A task waiting in line
+    writes none: its entry is its note, see :func:`read_wait`.)
     """
     due = decision.now + to_us(decision.retry_after)
     # Compact, defaults left out (read_wait puts them back): a note is kept
@@ -56,6 +57,8 @@ def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitS
         note["booked"] = True
     if parked_until:
         note["parked_until"] = parked_until
+    if entry:
+        note["parked_as"] = entry
     return json.dumps(note, separators=(",", ":"))
 
 

@@ -20,6 +20,10 @@ pools (``native.py``), with a store client and a broker connection of its
 own: in their event loop it would keep time only as well as the busiest
 task greenlet lets it.
 
+A revoked task leaves at once (:meth:`Dispatcher.cancel`, handed the ids of
+each revoke command the node receives): one in line is dispatched without a
+charge, wherever it waits, and its worker drops it and marks it REVOKED.
+
 Nothing is lost if a dispatcher dies or the broker refuses a publish: a
 claimed entry stays in the store until its message reaches a worker, and is
 dispatched again after ``throttle_dispatch_timeout``.  The arrival takes only
@@ -30,11 +34,13 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 from celery import Celery
+from celery.worker.state import REVOKES_MAX
 from kombu import Queue
 
 from .. import faults
@@ -57,6 +63,8 @@ BATCH = 200
 _FINE = 0.25
 # After a store or broker error, wait this long before trying again.
 _BACKOFF = 1.0
+#: The most revoked task ids looked for per script call.
+CANCEL_BATCH = 500
 #: The suffix of a queue's lane for dispatched tasks.
 LANE = ".dispatched"
 
@@ -115,6 +123,10 @@ class Dispatcher:
         # warm shutdown does not wait out a blocking pop of up to IDLE seconds.
         self._bell = room_key(prefix, f"bell:{uuid.uuid4().hex}")
         self.dispatched = 0
+        # Ids to look for (cancel(); a deque's ends are thread-safe).  Bounded as
+        # Celery's own revoked set is: past it, a task still leaves at its turn.
+        self._revoked: deque[str] = deque(maxlen=REVOKES_MAX)
+        self._ringer: Any = None  # a client of the callers', made by the first ring
         self._thread = NativeThread(self._run, "celery-throttle-dispatcher")
         self._connection: Any = None  # to the broker, made by the first publish
         self._publisher: Any = None
@@ -126,22 +138,34 @@ class Dispatcher:
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the thread (it finishes the batch it is publishing; it closes its clients)."""
         self._thread.stop()
-        # A client of the caller's: the thread's own may be blocked in its pop,
-        # and under a green pool belongs to the thread's hub.
-        ringer = self._connect(socket_timeout=2, socket_connect_timeout=2)
+        self._ring()
+        self._thread.join(timeout)
+        if self._ringer is not None:
+            self._ringer.close()
+
+    def cancel(self, task_ids: Sequence[str]) -> None:
+        """These tasks were revoked: those waiting leave the waiting room at once (the thread
+        looks for them before its next dispatch, woken now)."""
+        if task_ids:
+            self._revoked.extend(task_ids)
+            self._ring()
+
+    def _ring(self) -> None:
+        """Wake the thread from its blocking pop, on a client of the caller's: the thread's
+        own may be blocked in that pop, and under a green pool belongs to its hub."""
         try:
-            with ringer.pipeline(transaction=False) as pipe:
+            if self._ringer is None:
+                self._ringer = self._connect(socket_timeout=2, socket_connect_timeout=2)
+            with self._ringer.pipeline(transaction=False) as pipe:
                 # Expires on its own if the thread was not asleep to pop it.
                 pipe.rpush(self._bell, 1).pexpire(self._bell, int(IDLE * 2000)).execute()
         except redis.RedisError:
-            pass  # the store is down: the pop fails on its own, or the join times out
-        finally:
-            ringer.close()
-        self._thread.join(timeout)
+            pass  # the store is down: the pop fails on its own, or wakes within IDLE
 
     def dispatch_due(self) -> float | None:
         """Claim and publish one batch of parked tasks, and one of the limits' queues; return
         seconds until the next is due (0: more now; None: nothing waits)."""
+        self._cancel_revoked()
         wait, parked = self.room.claim_due(BATCH, self.timeout_us)
         if parked:
             faults.at("dispatch.before_publish", parked)
@@ -153,6 +177,23 @@ class Dispatcher:
             self._publish(served)
         waits = [w for w in (wait, turn) if w is not None]
         return min(waits) if waits else None
+
+    def _cancel_revoked(self) -> None:
+        """Revoked tasks that wait leave: those in line are published uncharged now."""
+        while self._revoked:
+            ids = [self._revoked.popleft()
+                   for _ in range(min(CANCEL_BATCH, len(self._revoked)))]
+            try:
+                served, parked = self.room.cancel(ids, self.timeout_us)
+            except Exception:
+                self._revoked.extendleft(reversed(ids))  # looked for again after the backoff
+                raise
+            if served:
+                faults.at("dispatch.before_publish", served)
+                self._publish(served)
+            if served or parked:
+                logger.info("throttle: %d revoked task(s) left the waiting room at once (%d in "
+                            "line, %d parked)", len(served) + parked, len(served), parked)
 
     def _publish(self, parked: Sequence[Parked | Served]) -> None:
         policy = self.app.conf.task_publish_retry_policy

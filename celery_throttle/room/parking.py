@@ -42,9 +42,9 @@ from ..core.keys import epoch_key, key_digest, room_key, task_key
 from ..core.limits import Limit
 from ..core.logs import logger
 from ..core.scripts import EPOCH, joined, source
-from ..values import US_PER_SECOND, from_us
+from ..values import US_PER_SECOND, from_us, text
 from .envelope import Envelope
-from .queues import Queues, Weights, entry_id
+from .queues import Queues, Served, Weights, entry_id, queues_of
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 
@@ -196,6 +196,29 @@ class WaitingRoom:
                                        self.trip, self.queues.entries, self.notes, wait],
                                  args=[entry, token, marker_ttl_ms, epoch,
                                        key_digest(task_id) if task_id else "", note_ttl_ms]))
+
+    def cancel(self, task_ids: Sequence[str], timeout_us: int) -> tuple[list[Served], int]:
+        """Revoked tasks leave the waiting room at once, wherever they wait: those in line are
+        taken out of their queue and returned to be dispatched without a charge (their
+        worker drops them, and marks them REVOKED), parked ones become due now.  Returns
+        those to publish and how many parked ones were made due.  Two calls: the first
+        finds the entries and their queues (a script may touch only the keys it is given).
+        Tasks that wait nowhere here (started, or waiting as a countdown) are left alone."""
+        args: list[str] = ["where"]
+        for task_id in task_ids:
+            args += [key_digest(task_id), entry_id(task_id)]
+        reply = self._look(keys=[self.notes, self.messages, self.parked], args=args)
+        in_line: dict[str, list[str]] = {}
+        parked = []
+        for i in range(0, len(reply), 3):
+            entry, where = text(reply[i]), text(reply[i + 1])
+            if where == "p":
+                parked.append(entry)
+            elif where == "q":
+                in_line[entry] = queues_of(reply[i + 2])
+        if not in_line and not parked:
+            return [], 0
+        return self.queues.cancel(in_line, parked, self.parked, timeout_us)
 
     def sleep(self, seconds: float, bell: str | None = None) -> bool:
         """Wait up to ``seconds`` for a wake token (a new earliest entry), or for anything

@@ -64,7 +64,7 @@ from ..values import from_us, text
 from .envelope import in_line, split_record
 
 __all__ = ["MAX_AHEAD_US", "InLine", "Line", "Queues", "Served", "Weights", "entry_id",
-           "entry_json", "fair_of"]
+           "entry_json", "fair_of", "queues_of"]
 
 #: The most queues looked at per round, and the waiting tasks read per queue.
 LOOK_QUEUES, LOOK_HEADS = 64, 8
@@ -278,10 +278,20 @@ class Queues:
                   self.wake, self.specs, self.live, *triples],
             args=["serve", batch, timeout_us, " ".join(uncharged), len(own), MAX_AHEAD_US,
                   lead_us])
-        wait, epoch, items = int(reply[0]), int(reply[1]), reply[2:]
-        served = [Served(text(items[k]), text(items[k + 1]), epoch, text(items[k + 2]),
-                         int(items[k + 3]), items[k + 4]) for k in range(0, len(items), 5)]
-        return (None if wait < 0 else from_us(wait)), served
+        wait = int(reply[0])
+        return (None if wait < 0 else from_us(wait)), _served(int(reply[1]), reply[2:])
+
+    def cancel(self, in_line: Mapping[str, Sequence[str]], parked: Sequence[str],
+               parked_key: str, timeout_us: int) -> tuple[list[Served], int]:
+        """Take the ``in_line`` entries (entry -> the queues it may wait in) out of their
+        queues, to be dispatched without a charge, and make the ``parked`` ones due now
+        (``parked_key``: the waiting room's parked set); ``WaitingRoom.cancel`` finds them."""
+        queues = list(dict.fromkeys(q for found in in_line.values() for q in found))
+        reply = self._serve(
+            keys=[self.messages, self.entries, self.claimed, self.epoch, parked_key, self.wake,
+                  *queues],
+            args=["cancel", timeout_us, " ".join(in_line), " ".join(parked)])
+        return _served(int(reply[1]), reply[2:]), int(reply[0])
 
     def lines(self, intervals: Mapping[str, int], *, most: int = 10_000,
               top: int = 5) -> list[Line]:
@@ -400,6 +410,18 @@ class Queues:
         # cluster client splits a multi-key DEL anyway.
         for key in [*queues, *(sibling_key(q, "t") for q in queues), self.ready, self.entries]:
             self.client.delete(key)
+
+
+def _served(epoch: int, items: Sequence[Any]) -> list[Served]:
+    """serve.lua's dispatched tasks: entry, token, flag, start, message, one after another."""
+    return [Served(text(items[k]), text(items[k + 1]), epoch, text(items[k + 2]),
+                   int(items[k + 3]), items[k + 4]) for k in range(0, len(items), 5)]
+
+
+def queues_of(record: bytes | str) -> list[str]:
+    """The queues of a waiting task's limits, from its record (one of them holds it)."""
+    task = _task(record)
+    return [sibling_key(bucket, "q") for bucket in _limits_of(task)] if task else []
 
 
 def _task(raw: bytes | str) -> dict[str, Any] | None:

@@ -138,6 +138,37 @@ def test_cancelling_the_waiting_tasks_frees_the_limit_at_once(
     assert len(rows) <= 11  # the dropped tasks never ran
 
 
+def test_revoked_tasks_leave_their_line_at_once_wherever_they_wait(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """150 tasks wait in line at 1/s (150 s of turns), all revoked: a new task of the same
+    priority sent just after starts within ~1 interval, none of them takes a turn of the
+    limit, and each is REVOKED within seconds, not at its turn."""
+    with worker_nodes(redis_base, ("w1",), conf=LINE, env={"CT_LINE_RATE": "1/s"}) as nodes:
+        batch = [capp.in_line.apply_async((i,), priority=BATCH) for i in range(150)]
+        _in_line(redis_base, 145, timeout=30)
+        revoked = time.time()
+        capp.app.control.revoke([r.id for r in batch])
+        time.sleep(0.5)  # the revoke broadcast reaches the node
+        sent = time.time()
+        fresh = capp.in_line.apply_async((1000,), priority=BATCH)
+        assert wait_results([fresh], timeout=30) == ["SUCCESS"]
+        states = wait_results(batch, timeout=20)
+        settled = time.time() - revoked
+        rows = read_records(records, expect=1, timeout=1)
+        text = logs(nodes)
+    ran = [r["i"] for r in rows if r["i"] != 1000]
+    start = next(r["t"] for r in rows if r["i"] == 1000)
+    print(f"\nall 150 revoked: a new task started {start - sent:.3f}s after it was sent; "
+          f"{states.count('REVOKED')} REVOKED within {settled:.3f}s ({len(ran)} had started)")
+    assert states.count("REVOKED") + len(ran) == 150, Counter(states)
+    assert states.count("REVOKED") >= 140
+    assert start - sent <= 2.5  # one interval (1 s) and the trips, not 15 s of heads
+    assert settled <= 8  # each at once (0.7 s), not 9 per interval (15 s)
+    assert "revoked task(s) left the waiting room at once" in text
+    assert " ERROR" not in text
+
+
 def test_waiting_tasks_follow_a_new_rate_in_the_code(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:

@@ -168,6 +168,9 @@ PROCESS_STATE = {
     "integration.history._writer": "the one writer taking this process's counts per second",
     "metrics._seconds": "this process's counts per second, until the history writer takes them",
     "metrics._wall": "the wall clock the counts per second are filed by (tests replace it)",
+    "integration.revokes._listeners": "each app's listeners of the revoke commands its "
+                                      "worker node receives (Celery's command registry is "
+                                      "process-wide too)",
     "integration.runtime._cache": "each app's runtime (settings, client) in this process, "
                                   "weakly keyed",
     "integration.runtime._lock": "the threads pool may build a runtime concurrently",

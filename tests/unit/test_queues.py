@@ -12,7 +12,7 @@ from celery_throttle import Gate, Limit, parse_rate
 from celery_throttle.core.keys import key_digest
 from celery_throttle.room.envelope import split_record
 from celery_throttle.room.parking import WaitingRoom
-from celery_throttle.room.queues import Queues
+from celery_throttle.room.queues import Queues, entry_id
 
 TIMEOUT_US = 60_000_000
 
@@ -314,4 +314,40 @@ def test_a_revoked_task_leaves_at_once_from_behind_tasks_that_wait(client: redis
     assert wait is not None
     assert 55 < wait <= 60
     assert [t.entry for t in queues.next_in_line(10, "slow")] == ["first", "second", "last"]
+    gate.close()
+
+
+def test_revoked_tasks_leave_from_deep_in_line_and_parked_at_once(client: redis.Redis,
+                                                                  prefix: str) -> None:
+    """``WaitingRoom.cancel``: revoked tasks found by their ids leave at once, however deep
+    in line (uncharged: the limit's next start stays where it was), or become due when
+    parked; a copy in line is found through its note; others stay, unknown ids are
+    ignored."""
+    gate = Gate(client, prefix=prefix)
+    room = WaitingRoom(client, prefix)
+    limit = Limit("slow", parse_rate("1/m"))
+    assert gate.acquire_many([limit]).allowed  # busy for a minute
+    now = _now_us(client)
+    ids = [f"t{i}" for i in range(30)]
+    for i, task_id in enumerate(ids):
+        room.queues.enqueue(entry_id(task_id), b"m", task_id, limits=[limit],
+                            blocking=limit, place_us=now + i)
+    # A copy in line (its entry named by another copy) and a parked task.
+    room.queues.enqueue(entry_id("copied", "c1"), b"m", "copied", limits=[limit],
+                        blocking=limit, place_us=now + 100)
+    room.park(entry_id("parked", "c2"), b"p", "parked", delay_us=60_000_000,
+              note=json.dumps({"limit": "slow", "parked_as": entry_id("parked", "c2")}))
+    served, parked = room.cancel(["t25", "t3", "copied", "parked", "nowhere"], TIMEOUT_US)
+    assert sorted(s.entry for s in served) == sorted(
+        [entry_id("t25"), entry_id("t3"), entry_id("copied", "c1")])
+    assert {s.flag for s in served} == {"x"}
+    assert {s.message for s in served} == {b"m"}  # the message, not the record
+    assert parked == 1
+    _, due = room.claim_due(10, TIMEOUT_US)
+    assert [p.entry for p in due] == [entry_id("parked", "c2")]
+    left = [t.entry for t in room.queues.next_in_line(40, "slow")]
+    assert left == [entry_id(t) for t in ids if t not in ("t3", "t25")]
+    # Nothing was charged: the limit still admits its next start in about a minute.
+    assert 55 < gate.acquire_many([limit]).retry_after <= 60
+    assert room.cancel(["t3", "copied"], TIMEOUT_US) == ([], 0)  # (gone already)
     gate.close()

@@ -22,6 +22,13 @@ ARGV[1]  the operation:
            (a task that started, or waits as a countdown), else the field,
            else "@" and that entry if it waits in line (its record is its
            note: enqueue.lua)
+  "where"  KEYS[1] the waiting tasks' notes, KEYS[2] messages, KEYS[3] parked;
+           ARGV[2], ARGV[3], ...: per task, its field in KEYS[1] (its id's
+           digest) and the entry of its own message
+           -> {entry, where, record, ...} per task: where "q" (in line: its
+              record's JSON follows), "p" (parked: "") or "" (not here).  A
+              task waiting in line as a copy noted "@" and its entry; a parked
+              one noted its entry in its JSON note ("parked_as")
 record.lua comes first (the loader joins them).
 Scores are microseconds on the server clock, returned as strings.
 ]]
@@ -52,5 +59,27 @@ elseif op == 'note' then
     note = (stored and split_record(stored)) and ('@' .. ARGV[3]) or ''
   end
   return {t[1], t[2], note}
+elseif op == 'where' then
+  local out = {}
+  for i = 2, #ARGV, 2 do
+    local note, entry = redis.call('HGET', KEYS[1], ARGV[i]), ARGV[i + 1]
+    if note and string.sub(note, 1, 1) == '@' then
+      entry = string.sub(note, 2)
+    elseif note then
+      entry = string.match(note, '"parked_as":%s*"([^"]+)"') or entry
+    end
+    local where, record = '', ''
+    if redis.call('ZSCORE', KEYS[3], entry) then
+      where = 'p'
+    else
+      local stored = redis.call('HGET', KEYS[2], entry)
+      record = stored and split_record(stored)
+      where, record = record and 'q' or '', record or ''
+    end
+    out[#out + 1] = entry
+    out[#out + 1] = where
+    out[#out + 1] = record
+  end
+  return out
 end
 return redis.error_reply('look.lua: unknown operation ' .. tostring(op))

@@ -39,7 +39,6 @@ kept it in the entries hash, where it is still read (and deleted with it).
           their queue (revoked: the worker drops them)
   ARGV[5] the number of queues to serve
   ARGV[6] the most ahead, us; ARGV[7] the dispatch lead, us (as "look")
-  ARGV[6] the most ahead, us (as for "look")
   A task's turn: its limits (at their live rate, else the declared one, else
   the one it was enqueued with) admit it within `ahead`: every one is charged for that moment
   and the task is dispatched.  The limit that blocks it is another one: it
@@ -49,6 +48,19 @@ kept it in the entries hash, where it is still read (and deleted with it).
   Reply: { wait, epoch, entry, token, flag, start, message, ... }: wait as
          dispatch.lua's (0: call again now; -1: nothing due later); start:
          the moment its limits were charged for (us; 0 uncharged)
+
+"cancel" revoked tasks leave at once, wherever they wait (room/parking.py's
+  WaitingRoom.cancel found their entries).
+  KEYS[1] messages hash   KEYS[2] entries hash   KEYS[3] claimed set
+  KEYS[4] epoch           KEYS[5] parked set     KEYS[6] wake list
+  KEYS[7..] the queues the entries in line wait in (each in one of them)
+  ARGV[2] claim timeout, us (as "serve")
+  ARGV[3] entries in line (space-separated): taken out of their queue and
+          dispatched without a charge (flag "x"), the worker drops them
+  ARGV[4] parked entries (space-separated): due now (dispatch.lua claims
+          them next), so their worker drops them now, not at their time
+  Reply: { parked entries made due, epoch, entry, token, flag, start, message,
+         ... } (start 0)
 
 Ahead: a queue is served ahead of its limit's next start by the dispatch
 lead plus the trip from dispatch to arrival (parking.py's estimate), as a
@@ -111,6 +123,52 @@ if op == 'heads' then
   return out
 end
 
+-- Claim a waiting task for dispatch (the caller took it out of its queue):
+-- it goes out as a parked task does (dispatch.lua dispatches it again if no
+-- copy arrives by `deadline`).  Appends { entry, token, flag, start, message }
+-- to `out`; false once its message is gone (purged).
+local function hand_out(out, messages, entries, claimed, deadline, entry, flag, at)
+  redis.call('HDEL', entries, entry)
+  local stored = redis.call('HGET', messages, entry)
+  if not stored then
+    return false
+  end
+  local record, message = split_record(stored)
+  if record then
+    redis.call('HSET', messages, entry, message)
+  end
+  redis.call('ZADD', claimed, deadline, entry)
+  out[#out + 1] = entry
+  out[#out + 1] = string.format('%d.%d', now, #out)
+  out[#out + 1] = flag
+  out[#out + 1] = at
+  out[#out + 1] = message
+  return true
+end
+
+if op == 'cancel' then
+  local out = { 0, tonumber(epoch_of(KEYS[4], now)) }
+  local deadline = now + tonumber(ARGV[2])
+  for e in string.gmatch(ARGV[3], '%S+') do
+    local taken = false
+    for j = 7, #KEYS do
+      taken = redis.call('ZREM', KEYS[j], e) == 1 or taken
+    end
+    if taken then
+      hand_out(out, KEYS[1], KEYS[2], KEYS[3], deadline, e, 'x', 0)
+    end
+  end
+  for e in string.gmatch(ARGV[4], '%S+') do
+    out[1] = out[1] + redis.call('ZADD', KEYS[5], 'XX', 'CH', now, e)
+  end
+  if out[1] > 0 then -- (one token, as park.lua)
+    redis.call('LPUSH', KEYS[6], '1')
+    redis.call('LTRIM', KEYS[6], 0, 0)
+    redis.call('PEXPIRE', KEYS[6], 60000)
+  end
+  return out
+end
+
 if op ~= 'serve' then
   return redis.error_reply('celery_throttle serve.lua: unknown op ' .. tostring(op))
 end
@@ -151,22 +209,8 @@ local function dispatch(q, entry, flag, at, place, fair)
     redis.call('HSET', turns_of[q], '~', place)
   end
   redis.call('ZREM', q, entry)
-  redis.call('HDEL', entries, entry)
-  local stored = redis.call('HGET', messages, entry)
-  if stored then
-    local record, message = split_record(stored)
-    if record then
-      -- Claimed, it is a dispatched message as a parked one is (dispatch.lua
-      -- dispatches it again if no copy arrives).
-      redis.call('HSET', messages, entry, message)
-    end
+  if hand_out(out, messages, entries, claimed, deadline, entry, flag, at) then
     served = served + 1
-    redis.call('ZADD', claimed, deadline, entry)
-    out[#out + 1] = entry
-    out[#out + 1] = string.format('%d.%d', now, served)
-    out[#out + 1] = flag
-    out[#out + 1] = at
-    out[#out + 1] = message
   end
 end
 

@@ -7,8 +7,9 @@ every call takes 0.5 s.  Contenders (benchmarks/bench_app.py), each on fresh
 workers (2 nodes x 4 processes) against the same Redis:
 
 * ``@throttled(concurrency=4)``: leases in the gate script; with the waiting room (the
-  default) a freed slot is handed to the oldest parked waiter, without it waiters are
-  paced by countdowns;
+  default) a freed slot is handed to the oldest parked waiter, with
+  ``throttle_seats_in_line`` the waiters wait in the limit's line for a seat and the
+  dispatcher gives it, without the room waiters are paced by countdowns;
 * a hand-written Redis counter (INCR/DECR) that retries after 0.1 s;
 * no limit: call and retry after the provider's Retry-After.
 
@@ -70,9 +71,10 @@ def _run(url: str, name: str, n: int, provider: MockProvider, **env_extra: str
             "publishes": publishes}
 
 
-def _crash(url: str, provider: MockProvider, name: str) -> tuple[float | None, int]:
+def _crash(url: str, provider: MockProvider, name: str, **env_extra: str
+           ) -> tuple[float | None, int]:
     """Kill the node holding 4 long calls; seconds until a new call starts (None: never)."""
-    _, task, records, env = _fresh(url, provider, name, BENCH_CALL_SECONDS="3")
+    _, task, records, env = _fresh(url, provider, name, BENCH_CALL_SECONDS="3", **env_extra)
     with workers("benchmarks.bench_app", ("k1",), concurrency=4, queues=("q-kill",),
                  cwd=ROOT, env=env) as (doomed,), \
             workers("benchmarks.bench_app", ("k2",), concurrency=4, queues=("q-live",),
@@ -104,10 +106,13 @@ def main(argv: list[str] | None = None) -> None:
             os.environ["BENCH_REDIS"], os.environ["BENCH_PROVIDER"] = url, provider.url
             rows = {name: _run(url, name, args.n, provider)
                     for name in ("inflight_ours", "inflight_counter", "inflight_retry")}
+            rows["in_line"] = _run(url, "inflight_ours", args.n, provider,
+                                   BENCH_SEATS_IN_LINE="1")
             rows["countdown"] = _run(url, "inflight_ours", args.n, provider,
                                      BENCH_WAITING_ROOM="0")
             crash = {name: _crash(url, provider, name)
                      for name in ("inflight_ours", "inflight_counter")}
+            crash["in_line"] = _crash(url, provider, "inflight_ours", BENCH_SEATS_IN_LINE="1")
     finally:
         provider.stop()
     print(f"{args.n} calls of 0.5 s each; the provider takes 4 at once (ideal drain "
@@ -116,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
           "slots | publishes / task |")
     print("|---|---|---:|---:|---:|---:|---:|")
     labels = {"inflight_ours": "`@throttled(concurrency=4)` (waiting room: hand-off)",
+              "in_line": "`@throttled(concurrency=4)`, `throttle_seats_in_line=True` (the "
+                         "seat's line)",
               "countdown": "`@throttled(concurrency=4)`, `throttle_waiting_room=False` (paced "
                            "countdowns)",
               "inflight_counter": "Redis INCR/DECR counter, retry 0.1 s",

@@ -39,7 +39,7 @@ from .limits import (
 )
 from .packed import AsyncPackedPath, Call, PackedPath, Plain
 from .rates import Rate, parse_rate
-from .scripts import BUCKET, EPOCH, joined
+from .scripts import BUCKET, EPOCH, LEASE, joined
 
 # The records live in limits.py; they are re-exported here, where they were first.
 __all__ = ["DEFAULT_LEASE", "SCRIPT", "AnyLimit", "BucketState", "Clock",
@@ -48,7 +48,7 @@ __all__ = ["DEFAULT_LEASE", "SCRIPT", "AnyLimit", "BucketState", "Clock",
 
 #: gate.lua, the one copy of the algorithm (Gate and AsyncGate both run it), after the
 #: rate bucket and the epoch it shares with the waiting room's dispatch.
-SCRIPT = joined(BUCKET, EPOCH, (__package__, "gate.lua"))
+SCRIPT = joined(BUCKET, EPOCH, LEASE, (__package__, "gate.lua"))
 
 # Reply status codes of gate.lua (0 denied and 2 reserved are told apart by the booking).
 _ALLOWED, _EARLY, _QUEUED = 1, 3, 4
@@ -124,9 +124,7 @@ class GateCalls:
             raise ValueError("a Concurrency limit needs a holder (the lease owner's id)")
         keys = self._keys(limits)
         if in_line:
-            if any(lim.leased for lim in limits):
-                raise ValueError("in_line takes rate limits only")
-            keys += [lim.queue_in(self.prefix) for lim in limits if isinstance(lim, Limit)]
+            keys += [lim.queue_in(self.prefix) for lim in limits]
         args = list(_head_args(now=self._now_us(),
                                horizon=_NEVER if reserve is None else to_us(reserve),
                                claim=claim, grace=to_us(grace), holder=holder,
@@ -159,6 +157,9 @@ class GateCalls:
             keys += [k for lim in limits for k in lim.waiter_keys(self.prefix)]
             keys += [room_key(self.prefix, part).encode() for part in ("parked", "messages",
                                                                        "wake")]
+            # A seat given back: the tasks in line for one are due at once.
+            keys += [lim.queue_in(self.prefix) for lim in limits if lim.leased]
+            keys.append(room_key(self.prefix, "ready").encode())
         return keys, args + self._limit_args(limits)
 
     def _cancel_call(self, limits: Sequence[AnyLimit], booking: Reservation) -> Call:
@@ -306,9 +307,10 @@ class Gate(GateCalls):
         asking again keeps its one lease).  A full concurrency limit books
         nothing: with ``reserve`` the decision is ``reserved`` with nothing
         booked (``Reservation.booked == 0``) at the holder's paced return time.
-        ``in_line`` (rate limits only, no claim): while a limit has tasks
-        waiting in its queue (``room/queues.py``), do not start ahead of them;
-        the decision is ``queued``, naming that limit, with the estimated wait.
+        ``in_line`` (no claim): while a limit has tasks waiting in its queue
+        (``room/queues.py``; a concurrency limit's queue for a seat, unless
+        ``holder`` holds one already), do not start ahead of them; the
+        decision is ``queued``, naming that limit, with the estimated wait.
         ``near`` (with ``reserve``): a slot booked at most this many seconds
         ahead in every limit is ``allowed`` at once for itself, with
         ``retry_after`` until it (sleep, then start: one call, no claim); a

@@ -5,7 +5,9 @@ A limit's keys: ``{<prefix>}:<kind>:<digest>:<name>``, where ``kind`` is
 turns of a fair queue), ``h`` (why a provider's report holds it back),
 ``o`` (an operator paused it),
 ``l`` (a concurrency limit's leases), ``m`` (its meta
-hash) or ``w`` (its waiters list), and ``digest`` is the hashed key
+hash), ``k`` and ``u`` (its queue of tasks waiting for a seat, and that
+queue's turns) or ``w`` (its waiters as an earlier version parked them),
+and ``digest`` is the hashed key
 value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
 one.  The name comes last, after two parts of fixed form, so a limit name
 can hold any character (``:`` included) and still never be the key of
@@ -37,8 +39,9 @@ import hashlib
 import uuid
 
 __all__ = ["bucket_key", "copy_key", "counts_key", "enforce_key", "epoch_key", "held_key",
-           "key_digest", "leases_key", "live_key", "meta_key", "operator_key", "queue_key",
-           "room_key", "sibling_key", "split_limit_key", "task_key", "turns_key",
+           "key_digest", "leases_key", "limit_of", "line_of", "live_key", "meta_key",
+           "operator_key", "queue_key", "room_key", "seat_queue_key", "seat_turns_key",
+           "sibling_key", "split_limit_key", "task_key", "turns_key",
            "validate_name", "validate_prefix", "waiters_key"]
 
 _MAX_NAME = 200
@@ -98,6 +101,33 @@ def bucket_key(prefix: str, name: str, key: object = None) -> str:
 def queue_key(prefix: str, name: str, key: object = None) -> str:
     """The queue of tasks waiting for rate limit ``name`` (and ``key``): a sorted set."""
     return _limit_key("q", prefix, name, key)
+
+
+def seat_queue_key(prefix: str, name: str, key: object = None) -> str:
+    """The queue of tasks waiting for a seat of concurrency limit ``name``: a sorted set."""
+    return _limit_key("k", prefix, name, key)
+
+
+def seat_turns_key(prefix: str, name: str, key: object = None) -> str:
+    """The turns of that queue, as :func:`turns_key` for a rate limit's."""
+    return _limit_key("u", prefix, name, key)
+
+
+#: A limit key's kind -> the kinds of its queue and of that queue's turns: a rate
+#: bucket's line (``q``, ``t``) and a concurrency limit's line for a seat (``k``, ``u``).
+LINES = {"b": ("q", "t"), "l": ("k", "u")}
+
+
+def line_of(key: str) -> tuple[str, str]:
+    """The queue and turns keys of the limit whose bucket or leases key is ``key``."""
+    queue, turns = LINES[split_limit_key(key)[0]]
+    return sibling_key(key, queue), sibling_key(key, turns)
+
+
+def limit_of(queue: str) -> str:
+    """The bucket or leases key of the limit whose queue is ``queue`` (:func:`line_of`)."""
+    kind = split_limit_key(queue)[0]
+    return sibling_key(queue, next(k for k, (q, _) in LINES.items() if q == kind))
 
 
 def split_limit_key(key: str) -> tuple[str, str, str]:

@@ -20,6 +20,8 @@ from .keys import (
     leases_key,
     meta_key,
     queue_key,
+    seat_queue_key,
+    seat_turns_key,
     turns_key,
     validate_name,
     waiters_key,
@@ -142,8 +144,16 @@ class Concurrency:
         """The meta hash: average run, holders' starts, pacing cursor, pause."""
         return (_key_bytes(meta_key, prefix, self.name, self.key),)
 
+    def queue_in(self, prefix: str) -> bytes:
+        """The queue of tasks waiting in line for a seat (``room/queues.py``)."""
+        return _key_bytes(seat_queue_key, prefix, self.name, self.key)
+
+    def turns_in(self, prefix: str) -> bytes:
+        """The turns of that queue (fair share is a rate limit's: unused for now)."""
+        return _key_bytes(seat_turns_key, prefix, self.name, self.key)
+
     def waiter_keys(self, prefix: str) -> tuple[bytes, ...]:
-        """The list of tasks parked for a seat, handed a freed one in order."""
+        """The tasks parked for a seat, handed a freed one in order."""
         return (_key_bytes(waiters_key, prefix, self.name, self.key),)
 
 

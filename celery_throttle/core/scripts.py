@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 
-__all__ = ["BUCKET", "EPOCH", "joined", "source"]
+__all__ = ["BUCKET", "EPOCH", "LEASE", "joined", "source"]
 
 
 @functools.cache
@@ -32,3 +32,5 @@ def joined(*parts: tuple[str, str]) -> str:
 BUCKET = (__package__, "bucket.lua")
 #: The prefix's epoch, read or set (``lua/epoch.lua``), likewise.
 EPOCH = (__package__, "epoch.lua")
+#: A concurrency limit's seats (``lua/lease.lua``), after ``BUCKET``, likewise.
+LEASE = (__package__, "lease.lua")

@@ -74,6 +74,11 @@ SETTINGS: dict[str, tuple[object, str]] = {
                            "line, in the queue of the limit that blocks them, and are "
                            "dispatched when it admits them, best priority first (see the "
                            "scheduler); False: they book their slot when they arrive"),
+    "throttle_seats_in_line": (False, "with the scheduler, a task with a concurrency limit "
+                               "waits in line too: for its rate limits, and for a seat in the "
+                               "concurrency limit's own line (handed the next seat given back, "
+                               "best priority first); False: it books its rate slots when it "
+                               "arrives and is parked for a seat"),
     "throttle_priority_ageing": (3600.0, "with the scheduler, seconds of waiting that are worth "
                                  "one priority level: a waiting task moves up one level per "
                                  "step, so urgent work never starves the rest for ever"),
@@ -134,6 +139,7 @@ class Config:
     # throttle_waiting_room = "always": park whatever the store keeps (room/durability.py)
     park_anywhere: bool
     scheduler: bool
+    seats_in_line: bool
     priority_ageing: float
     # limit name -> fair key value digest -> weight (values are never kept in clear)
     fair_weights: Mapping[str, Mapping[str, int]] = field(default_factory=dict, repr=False)
@@ -294,6 +300,7 @@ def read_config(app: Celery) -> Config:
         store_is_broker=url == broker,
         broker_redis_url=broker if _is_server(broker) else None,
         scheduler=_flag("throttle_scheduler", get("throttle_scheduler")),
+        seats_in_line=_flag("throttle_seats_in_line", get("throttle_seats_in_line")),
         priority_ageing=_at_least_one("throttle_priority_ageing",
                                       get("throttle_priority_ageing")),
         high_priority_first=_amqp(conf.broker_url),

@@ -316,7 +316,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     if decision.allowed:
         _late(task, outcome.late)
         return True
-    if in_line and decision.reservation is None and isinstance(decision.limit, Limit):
+    if in_line and _line_for(decision):
         _join_line(task, runtime, limits, decision, state, to_expiry, max_wait)
     if decision.slot is not None:
         countdown = decision.retry_after
@@ -368,10 +368,22 @@ def _room_open(task: Task[Any, Any], runtime: Runtime) -> bool:
 
 
 def _in_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit]) -> bool:
-    """Does the task wait in line (the scheduler)?  Rate limits only, for now: a task
-    with a concurrency limit waits as before (its seat is handed over in order)."""
-    return (runtime.config.scheduler and all(isinstance(lim, Limit) for lim in limits)
+    """Does the task wait in line (the scheduler)?  A task with a concurrency limit does
+    with ``throttle_seats_in_line``; else it waits as before (booked, or parked for a
+    seat, which is handed over in order)."""
+    config = runtime.config
+    return (config.scheduler
+            and (config.seats_in_line or all(isinstance(lim, Limit) for lim in limits))
             and _room_open(task, runtime))
+
+
+def _line_for(decision: Decision) -> bool:
+    """A refusal the task waits out in line: the limit has tasks in line, or its wait is
+    beyond what may be booked (a rate limit, nothing booked), or it is a full concurrency
+    limit (nothing is booked for a seat)."""
+    booking = decision.reservation
+    return decision.queued or (booking is None and isinstance(decision.limit, Limit)) or (
+        isinstance(decision.limit, Concurrency) and (booking is None or not booking.booked))
 
 
 def _rank(task: Task[Any, Any], runtime: Runtime) -> int:
@@ -395,8 +407,14 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     store failed.  Its place: its first wait plus its rank's ageing steps.
     """
     request = task.request
-    blocking = cast(Limit, decision.limit)
+    blocking = cast(AnyLimit, decision.limit)
     since = state.since or decision.now
+    seats = [lim for lim in limits if isinstance(lim, Concurrency)]
+    if seats:
+        # A seat it may hold (taken for a turn it came too late for) is not kept
+        # idle while it waits: the next in line for one gets it.
+        with contextlib.suppress(redis.RedisError):
+            runtime.gate.release(seats, str(request.id))
     new, entry = _next_in_line(task, state, since, limits)
     headers = {**(request.headers or {}), HEADER: replace(new, entry=entry).to_header()}
     envelope = capture(task.signature_from_request(request, headers=headers))
@@ -406,7 +424,7 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             entry, envelope.dumps(), str(request.id),
             **_line_args(task, runtime, limits, blocking, since, decision.now, to_expiry,
                          max_wait),
-            due_us=0 if decision.queued else due)
+            due_us=0 if decision.queued or isinstance(blocking, Concurrency) else due)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _log_outage(runtime, exc, "re-published with a countdown instead of put in line")
@@ -467,12 +485,12 @@ def _next_in_line(task: Task[Any, Any], state: WaitState, since: int,
 
 
 def _line_args(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
-               blocking: Limit, since: int, now: int, to_expiry: float | None,
+               blocking: AnyLimit, since: int, now: int, to_expiry: float | None,
                max_wait: float | None) -> dict[str, Any]:
     """Where the task waits in line: its place (its first wait plus its rank's ageing
     steps), its expiry and its ``max_wait`` deadline (server clock, us)."""
     config = runtime.config
-    return {"limits": [lim for lim in limits if isinstance(lim, Limit)], "blocking": blocking,
+    return {"limits": limits, "blocking": blocking,
             "place_us": _place(task, runtime, since),
             "expires_us": now + to_us(max(to_expiry, 0.0)) if to_expiry is not None else 0,
             "deadline_us": since + to_us(max_wait) if max_wait is not None else 0,
@@ -480,7 +498,7 @@ def _line_args(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
 
 
 def _waits_in_line(task: Task[Any, Any], runtime: Runtime, state: WaitState, new: WaitState,
-                   blocking: Limit, wait: float) -> None:
+                   blocking: AnyLimit, wait: float) -> None:
     """The task waits in ``blocking``'s line as ``new`` (about ``wait`` seconds): say so."""
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)

@@ -39,7 +39,7 @@ from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
 from ..core.keys import epoch_key, key_digest, room_key, task_key
-from ..core.limits import Limit
+from ..core.limits import AnyLimit
 from ..core.logs import logger
 from ..core.scripts import EPOCH, joined, source
 from ..values import US_PER_SECOND, from_us, text
@@ -129,9 +129,9 @@ class WaitingRoom:
         at, _now = self._replicated(self._park, keys, args)
         return int(at)
 
-    def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[Limit],
-                blocking: Limit, place_us: int, due_us: int = 0, expires_us: int = 0,
-                deadline_us: int = 0, weights: Weights | None = None,
+    def enqueue(self, entry: str, message: bytes, task_id: str, *,
+                limits: Sequence[AnyLimit], blocking: AnyLimit, place_us: int, due_us: int = 0,
+                expires_us: int = 0, deadline_us: int = 0, weights: Weights | None = None,
                 behind: bool = False) -> int:
         """``Queues.enqueue`` (the same arguments and reply), acknowledged as a park is: once
         ``throttle_park_replicas`` replicas have it.  ``behind``: only behind the tasks in

@@ -53,13 +53,15 @@ from redis.commands.core import Script
 from ..core.keys import (
     epoch_key,
     key_digest,
+    limit_of,
+    line_of,
     live_key,
     room_key,
     sibling_key,
     split_limit_key,
 )
-from ..core.limits import Limit
-from ..core.scripts import BUCKET, EPOCH, joined
+from ..core.limits import AnyLimit, Concurrency, Limit
+from ..core.scripts import BUCKET, EPOCH, LEASE, joined
 from ..values import from_us, text
 from .envelope import in_line, split_record
 
@@ -128,24 +130,27 @@ def entry_id(task_id: str, copy: str = "") -> str:
 Weights = Mapping[str, Mapping[str, int]]
 
 
-def fair_of(limit: Limit, weights: Weights) -> tuple[str, float]:
+def fair_of(limit: AnyLimit, weights: Weights) -> tuple[str, float]:
     """A limit's fair key value digest ("" for none) and the turn one task of it takes
-    (its cost / its value's weight)."""
-    if limit.fair is None:
+    (its cost / its value's weight).  (A concurrency limit's line is not fair.)"""
+    if not isinstance(limit, Limit) or limit.fair is None:
         return "", 0.0
     digest = key_digest(limit.fair)
     return digest, limit.cost / weights.get(limit.name, {}).get(digest, 1)
 
 
-def entry_json(task_id: str, limits: Sequence[Limit], prefix: str, *, place_us: int = 0,
+def entry_json(task_id: str, limits: Sequence[AnyLimit], prefix: str, *, place_us: int = 0,
                expires_us: int = 0, deadline_us: int = 0, weights: Weights | None = None
                ) -> str:
     """What the dispatch needs of a waiting task: its id, its expiry and ``max_wait``
     deadlines (server clock, us; 0: none), each limit's bucket (its name is in it), rate,
     cost and fair key value (digest and turn), and its place when a limit is fair (a fair
     queue orders by turn; any other keeps the place as the task's score)."""
-    rows = []
+    rows: list[list[str | int | float]] = []
     for lim in limits:
+        if isinstance(lim, Concurrency):  # (interval 0: a seat, for its lease)
+            rows.append([lim.key_in(prefix).decode(), 0, lim.seats, lim.lease_us])
+            continue
         fair, units = fair_of(lim, weights or {})
         row: list[str | int | float] = [lim.key_in(prefix).decode(), lim.rate.interval_us,
                                         lim.burst, lim.cost]
@@ -154,7 +159,7 @@ def entry_json(task_id: str, limits: Sequence[Limit], prefix: str, *, place_us: 
         rows.append(row)
     # One per waiting task: what the dispatch can do without is left out.
     task: dict[str, object] = {"t": task_id, "l": rows}
-    if any(lim.fair is not None for lim in limits):
+    if any(isinstance(lim, Limit) and lim.fair is not None for lim in limits):
         task["p"] = place_us
     if expires_us:
         task["e"] = expires_us
@@ -177,11 +182,11 @@ class Queues:
         self.live = live_key(prefix)
         turns, record = (__package__, "turns.lua"), (__package__, "record.lua")
         self._enqueue = client.register_script(joined(turns, (__package__, "enqueue.lua")))
-        self._serve = client.register_script(joined(BUCKET, EPOCH, turns, record,
+        self._serve = client.register_script(joined(BUCKET, EPOCH, LEASE, turns, record,
                                                     (__package__, "serve.lua")))
 
-    def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[Limit],
-                blocking: Limit, place_us: int, due_us: int = 0, expires_us: int = 0,
+    def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[AnyLimit],
+                blocking: AnyLimit, place_us: int, due_us: int = 0, expires_us: int = 0,
                 deadline_us: int = 0, weights: Weights | None = None,
                 behind: bool = False) -> int:
         """Put the task in line for ``blocking`` (one of its ``limits``) at ``place_us``,
@@ -206,7 +211,8 @@ class Queues:
         return int(self._enqueue(keys=keys, args=args))
 
     def enqueue_call(self, entry: str, message: bytes, task_id: str, *,
-                     limits: Sequence[Limit], blocking: Limit, place_us: int, due_us: int = 0,
+                     limits: Sequence[AnyLimit], blocking: AnyLimit, place_us: int,
+                     due_us: int = 0,
                      expires_us: int = 0, deadline_us: int = 0,
                      weights: Weights | None = None, behind: bool = False,
                      ) -> tuple[list[str | bytes], list[str | bytes | int | float]]:
@@ -268,14 +274,13 @@ class Queues:
                     uncharged.append(entry)
                 for lim in _limits_of(task):
                     others[lim] = None
-        own = [sibling_key(q, "b") for q in queues]
+        own = [limit_of(q) for q in queues]
         for bucket in own:
             others.pop(bucket, None)
-        triples = [k for b in [*own, *others]
-                   for k in (b, sibling_key(b, "q"), sibling_key(b, "t"))]
+        quads = [k for b in [*own, *others] for k in (b, *line_of(b), sibling_key(b, "m"))]
         reply = self._serve(
             keys=[self.messages, self.entries, self.ready, self.claimed, self.epoch, self.trip,
-                  self.wake, self.specs, self.live, *triples],
+                  self.wake, self.specs, self.live, *quads],
             args=["serve", batch, timeout_us, " ".join(uncharged), len(own), MAX_AHEAD_US,
                   lead_us])
         wait = int(reply[0])
@@ -304,17 +309,20 @@ class Queues:
             pipe.zcard(q)
         counts = [int(c) for c in pipe.execute()] if queues else []
         by_name: dict[str, list[tuple[str, int]]] = {}
+        seats: set[str] = set()  # names with a line for a seat: no drain estimate
         for q, count in zip(queues, counts, strict=True):
             try:
-                _, digest, name = split_limit_key(q)
+                kind, digest, name = split_limit_key(q)
             except ValueError:
                 continue
             if count:
                 by_name.setdefault(name, []).append((digest, count))
+                if kind != "q":
+                    seats.add(name)
         out = []
         for name, found in by_name.items():
             found.sort(key=lambda item: -item[1])
-            interval = intervals.get(name)
+            interval = None if name in seats else intervals.get(name)
             out.append(Line(name, sum(c for _, c in found), tuple(found[:top]),
                             from_us(found[0][1] * interval) if interval else None))
         return sorted(out, key=lambda line: -line.waiting)
@@ -358,24 +366,31 @@ class Queues:
         if task is None:
             return None
         rows = _rows_of(task)
-        queues = [sibling_key(bucket, "q") for bucket, _ in rows]
+        queues = [line_of(bucket)[0] for bucket, _, _ in rows]
         # One more round trip: its place in each of its limits' queues (it is in
-        # one), and each limit's live and declared rates.
+        # one), each limit's live and declared rates, and a concurrency limit's
+        # average run.
         pipe = self.client.pipeline(transaction=False)
         for q in queues:
             pipe.zrank(q, entry)
-        for q in queues:
+        for (bucket, _, _), q in zip(rows, queues, strict=True):
             name = split_limit_key(q)[2]
             pipe.hget(self.live, name)
             pipe.hget(self.specs, name)
+            pipe.hget(sibling_key(bucket, "m"), "run")
         replies, n = pipe.execute(), len(queues)
         places, specs = replies[:n], replies[n:]
-        for j, ((_, enqueued), q, place) in enumerate(zip(rows, queues, places, strict=True)):
+        for j, ((_, enqueued, burst), q, place) in enumerate(
+                zip(rows, queues, places, strict=True)):
             if place is None:
                 continue
             _, digest, name = split_limit_key(q)
-            spec = specs[2 * j] or specs[2 * j + 1]
-            interval = int(text(spec).split()[0]) if spec else enqueued
+            if enqueued:
+                spec = specs[3 * j] or specs[3 * j + 1]
+                interval = int(text(spec).split()[0]) if spec else enqueued
+            else:  # a seat's line: a turn per average run and seat (0: none ended yet)
+                run = specs[3 * j + 2]
+                interval = int(float(text(run))) // max(burst, 1) if run else 0
             return InLine(entry, name, digest, int(place), message), interval
         return None
 
@@ -408,7 +423,8 @@ class Queues:
         queues = [text(q) for q in cast(list[bytes], self.client.zrange(self.ready, 0, -1))]
         # One DEL per key: on a Cluster they share a slot, but redis-py's
         # cluster client splits a multi-key DEL anyway.
-        for key in [*queues, *(sibling_key(q, "t") for q in queues), self.ready, self.entries]:
+        turns = [line_of(limit_of(q))[1] for q in queues]
+        for key in [*queues, *turns, self.ready, self.entries]:
             self.client.delete(key)
 
 
@@ -421,7 +437,7 @@ def _served(epoch: int, items: Sequence[Any]) -> list[Served]:
 def queues_of(record: bytes | str) -> list[str]:
     """The queues of a waiting task's limits, from its record (one of them holds it)."""
     task = _task(record)
-    return [sibling_key(bucket, "q") for bucket in _limits_of(task)] if task else []
+    return [line_of(bucket)[0] for bucket in _limits_of(task)] if task else []
 
 
 def _task(raw: bytes | str) -> dict[str, Any] | None:
@@ -439,25 +455,27 @@ def _name_of(queue: str) -> str | None:
         return None
 
 
-def _rows_of(task: dict[str, Any]) -> list[tuple[str, int]]:
-    """A waiting task's limits, the readable ones: (bucket key, interval when enqueued, us).
+def _rows_of(task: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """A waiting task's limits, the readable ones: (bucket key, interval when enqueued, us,
+    burst: a concurrency limit's seats).""
 
     A row is [bucket, interval, burst, cost, ...]; an earlier version's had the
-    limit's name second (serve.lua reads both)."""
+    limit's name second (serve.lua reads both).  A concurrency limit's is
+    [leases, 0, seats, lease]: interval 0."""
     limits = task.get("l")
     if not isinstance(limits, list):
         return []
     out = []
     for row in limits:
-        if not (isinstance(row, list) and len(row) >= 3 and isinstance(row[0], str)
-                and ":b:" in row[0]):
+        if not (isinstance(row, list) and len(row) >= 4 and isinstance(row[0], str)
+                and (":b:" in row[0] or ":l:" in row[0])):
             continue
-        interval = row[2] if isinstance(row[1], str) else row[1]
+        interval, burst = (row[2], row[3]) if isinstance(row[1], str) else (row[1], row[2])
         if isinstance(interval, int):
-            out.append((row[0], interval))
+            out.append((row[0], interval, burst if isinstance(burst, int) else 1))
     return out
 
 
 def _limits_of(task: dict[str, Any]) -> list[str]:
     """The bucket keys of a waiting task's limits (none of an unreadable record)."""
-    return [bucket for bucket, _ in _rows_of(task)]
+    return [bucket for bucket, _, _ in _rows_of(task)]

@@ -89,12 +89,15 @@ def test_urgent_task_starts_ahead_of_a_waiting_batch(
         ["0", "1", "2"], listed.stdout
 
 
+@pytest.mark.parametrize("seats", ["parked", "in-line"])
 def test_a_freed_concurrency_seat_goes_to_an_urgent_waiter_first(
-    capp: ModuleType, records: redis.Redis, redis_base: str
+    capp: ModuleType, records: redis.Redis, redis_base: str, seats: str
 ) -> None:
     """concurrency=1: four batch tasks wait for the seat, then an urgent one: the urgent
-    task is handed the next seat freed, and the batch follows in its order."""
-    with worker_nodes(redis_base, ("w1", "w2"), conf=LINE):
+    task is handed the next seat freed, and the batch follows in its order (parked for a
+    seat, or in the seat's line with ``throttle_seats_in_line``)."""
+    conf = {**LINE, "throttle_seats_in_line": seats == "in-line"}
+    with worker_nodes(redis_base, ("w1", "w2"), conf=conf):
         first = capp.one_slot.apply_async((2.0,), priority=BATCH)
         time.sleep(0.3)  # the first holds the seat before the others arrive
         batch = []

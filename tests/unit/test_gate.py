@@ -133,8 +133,16 @@ def test_in_line_decision_sees_the_queues_in_the_same_call(gate: Gate,
     assert gate.acquire_many([tenant, shared]).allowed  # not in line: not held back
     client.delete(shared.queue_in(gate.prefix), tenant.queue_in(gate.prefix))
     assert gate.acquire_many([tenant, shared], in_line=True).allowed
-    with pytest.raises(ValueError, match="rate limits only"):
-        gate.acquire_many([Concurrency("seats", 1)], holder="h", in_line=True)
+    # A concurrency limit's line for a seat holds a fresh start back too, not one that
+    # holds a seat already; with a free seat and no line it admits.
+    seats = Concurrency("seats", 2)
+    assert gate.acquire_many([shared, seats], holder="h1", in_line=True).allowed
+    client.zadd(seats.queue_in(gate.prefix), {"e": 1})
+    queued = gate.acquire_many([shared, seats], holder="h2", in_line=True)
+    assert queued.queued
+    assert queued.limit == seats
+    assert client.zscore(seats.key_in(gate.prefix), "h2") is None  # no seat taken
+    assert gate.acquire_many([seats], holder="h1", in_line=True).allowed
 
 
 def test_denied_call_writes_nothing(gate: Gate, client: redis.Redis) -> None:

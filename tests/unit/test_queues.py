@@ -8,7 +8,7 @@ import time
 
 import redis
 
-from celery_throttle import Gate, Limit, parse_rate
+from celery_throttle import Concurrency, Gate, Limit, parse_rate
 from celery_throttle.core.keys import key_digest
 from celery_throttle.room.envelope import split_record
 from celery_throttle.room.parking import WaitingRoom
@@ -350,4 +350,67 @@ def test_revoked_tasks_leave_from_deep_in_line_and_parked_at_once(client: redis.
     # Nothing was charged: the limit still admits its next start in about a minute.
     assert 55 < gate.acquire_many([limit]).retry_after <= 60
     assert room.cancel(["t3", "copied"], TIMEOUT_US) == ([], 0)  # (gone already)
+    gate.close()
+
+
+def test_a_seat_given_back_goes_to_the_first_in_the_seat_line(client: redis.Redis,
+                                                               prefix: str) -> None:
+    """concurrency=1 held: two tasks wait in the seat's line (the urgent one, placed first,
+    arrived last); nothing leaves until the seat is given back, then the first takes it
+    at once, in its own name, and the second waits for the next one."""
+    gate = Gate(client, prefix=prefix)
+    queues = Queues(client, prefix)
+    seat = Concurrency("llm", 1, lease=30)
+    rate = Limit("api", parse_rate("100/s"))
+    assert gate.acquire_many([seat], holder="running").allowed
+    now = _now_us(client)
+    queues.enqueue("batch", b"m", "t-batch", limits=[rate, seat], blocking=seat,
+                   place_us=now + 1000)
+    queues.enqueue("urgent", b"m", "t-urgent", limits=[rate, seat], blocking=seat,
+                   place_us=now)
+    wait, served = queues.serve_due(50, TIMEOUT_US)
+    assert served == []
+    assert wait is not None
+    assert 25 < wait <= 30  # (the earliest lease's end: the fallback for a killed holder)
+    assert gate.release([seat], "running") == 1
+    wait, served = queues.serve_due(50, TIMEOUT_US)
+    assert [(s.entry, s.flag) for s in served] == [("urgent", "c")]
+    assert client.zscore(seat.key_in(prefix), "t-urgent") is not None  # its lease, taken
+    assert client.zscore(seat.key_in(prefix), "running") is None
+    assert [t.entry for t in queues.next_in_line(5, "llm")] == ["batch"]
+    found = queues.find("batch")  # (`throttle why`: a turn per average run and seat)
+    assert found is not None
+    line, interval = found
+    assert (line.limit, line.place) == ("llm", 0)
+    assert 0 < interval < 5_000_000  # the one run given back so far: milliseconds
+    assert gate.release([seat], "t-urgent") == 1
+    out = _serve_all(queues, within=3.0, want=1)  # (at the rate limit's pace)
+    assert [e for e, _, _ in out] == ["batch"]
+    gate.close()
+
+
+def test_a_task_whose_seat_is_full_at_its_turn_moves_to_the_seat_line_in_its_place(
+        client: redis.Redis, prefix: str) -> None:
+    """A task in a rate limit's line whose concurrency limit is full at its turn moves to
+    the seat's line, ahead of a later one there, and charges nothing meanwhile; a fresh
+    start is queued behind the seat's line unless it holds a seat already."""
+    gate = Gate(client, prefix=prefix)
+    queues = Queues(client, prefix)
+    seat = Concurrency("llm", 1, lease=30)
+    rate = Limit("api", parse_rate("100/s"))
+    assert gate.acquire_many([seat], holder="running").allowed
+    now = _now_us(client)
+    queues.enqueue("early", b"m", "t1", limits=[rate, seat], blocking=rate, place_us=now)
+    queues.enqueue("late", b"m", "t2", limits=[rate, seat], blocking=seat, place_us=now + 10)
+    _, served = queues.serve_due(50, TIMEOUT_US)
+    assert served == []
+    assert client.zrange(seat.queue_in(prefix), 0, -1) == [b"early", b"late"]
+    assert gate.inspect(rate).next_free == 0  # the rate limit was not charged
+    fresh = gate.acquire_many([rate, seat], holder="fresh", in_line=True)
+    assert fresh.queued
+    assert fresh.limit == seat
+    assert gate.acquire_many([rate, seat], holder="running", in_line=True).allowed
+    gate.release([seat], "running")
+    out = _serve_all(queues, within=3.0, want=1)
+    assert [e for e, _, _ in out] == ["early"]
     gate.close()

@@ -51,8 +51,12 @@ KEYS[n+1+m+j] the j-th concurrency limit's waiters: a sorted set of "entry
           oldest first, is emptied first
 KEYS[n+2+2m], KEYS[n+3+2m], KEYS[n+4+2m] the waiting room's parked set,
           messages hash and wake list (room/parking.py)
-With op "q" only (rate limits only, m = 0):
-KEYS[n+1+i] limit i's queue of waiting tasks (room/queues.py), i = 1..n
+KEYS[n+4+2m+j] the j-th concurrency limit's queue of tasks waiting in line
+          for a seat (room/queues.py): due at once when a seat is given back
+KEYS[n+5+3m] the limits' queues' ready index (room/queues.py)
+With op "q" only:
+KEYS[n+1+m+i] limit i's queue of waiting tasks (room/queues.py), i = 1..n: a
+          rate limit's, or a concurrency limit's queue for a seat
 With op "follow" and "inspect" (rate limits only):
 KEYS[n+1+i] limit i's hold note (keys.py "h"): why a provider's report holds
           it back, "remaining reset_us reported_us", expiring at the reset
@@ -155,7 +159,6 @@ local n = (#ARGV - HEAD) / 3
 local epoch_key = KEYS[n + 1]
 -- A waiter's return is paced by the expected run: at least this long.
 local MIN_RUN, UNKNOWN_RUN = 50000, 1000000
-local META_TTL_MS = 86400000
 
 local function booked_in(m, i)
   return math.floor(m / 2 ^ (i - 1)) % 2 == 1
@@ -163,7 +166,7 @@ end
 
 -- The limits, read once.  A rate limit: { key, interval, burst, cost }; a
 -- concurrency limit (interval 0 in ARGV): { key, concurrent, slots, lease,
--- meta, waiters }, waiters only with op "release".
+-- meta, waiters, line }, waiters and line (its queue) only with op "release".
 local L = {}
 local m = 0 -- concurrency limits among the n
 for i = 1, n do
@@ -178,9 +181,12 @@ for i = 1, n do
              cost = tonumber(ARGV[base]) }
   end
 end
-for i = 1, n do
-  if L[i].concurrent then
-    L[i].waiters = KEYS[n + 1 + m + L[i].nth] -- nil unless op is "release"
+if op == 'release' then
+  for i = 1, n do
+    if L[i].concurrent then
+      L[i].waiters = KEYS[n + 1 + m + L[i].nth]
+      L[i].line = KEYS[n + 4 + 2 * m + L[i].nth]
+    end
   end
 end
 
@@ -194,11 +200,8 @@ end
 -- full decision below, which reads the buckets again.
 local in_line = op == 'q'
 if in_line then
-  if m > 0 then
-    return redis.error_reply('celery_throttle gate.lua: op q takes rate limits only')
-  end
   for i = 1, n do
-    L[i].queue = KEYS[n + 1 + i]
+    L[i].queue = KEYS[n + 1 + m + i]
   end
 end
 if (op == 'a' or in_line) and claim == 0 and m == 0 then
@@ -224,25 +227,7 @@ end
 -- ---------------------------------------------------------------------------
 -- Concurrency limits.
 
-local function keep_at_least(key, ms)
-  if redis.call('PTTL', key) < ms then
-    redis.call('PEXPIRE', key, ms)
-  end
-end
-
-local function meta_num(lim, field)
-  return tonumber(redis.call('HGET', lim.meta, field) or 0)
-end
-
--- Leases past their expiry are reclaimed (their holders stopped renewing:
--- killed), with the start times kept for them in the meta hash.
-local function reclaim(lim)
-  local gone = redis.call('ZRANGEBYSCORE', lim.key, '-inf', now)
-  for _, h in ipairs(gone) do
-    redis.call('ZREM', lim.key, h)
-    redis.call('HDEL', lim.meta, 's:' .. h)
-  end
-end
+-- (keep_at_least, meta_num, reclaim and take: lease.lua.)
 
 -- How far apart waiters come back: the expected run / slots.  The expected
 -- run is the average of released runs (at least MIN_RUN).  Before any run
@@ -261,14 +246,6 @@ local function step_of(lim)
     run = math.min(run, UNKNOWN_RUN)
   end
   return math.ceil(math.max(run, MIN_RUN) / lim.slots)
-end
-
--- Give holder a lease in concurrency limit `lim`, noting when it started.
-local function take(lim)
-  redis.call('ZADD', lim.key, now + lim.lease, holder)
-  keep_at_least(lim.key, math.ceil(lim.lease / 1000))
-  redis.call('HSETNX', lim.meta, 's:' .. holder, us(now))
-  keep_at_least(lim.meta, META_TTL_MS)
 end
 
 -- A freed seat goes to the first task parked for it (best priority, then
@@ -299,8 +276,7 @@ local function hand_off(lim)
     end
     local entry, who = string.match(item, '^(%S+) (.+)$')
     if entry and redis.call('HEXISTS', messages, entry) == 1 then
-      redis.call('ZADD', lim.key, now + lim.lease, who)
-      redis.call('HSET', lim.meta, 's:' .. who, us(now))
+      take(lim, who, now)
       if redis.call('ZADD', parked, 'XX', 'CH', now, entry) == 1 then
         redis.call('LPUSH', wake, '1')
         redis.call('LTRIM', wake, 0, 0)
@@ -308,6 +284,23 @@ local function hand_off(lim)
       end
       return
     end
+  end
+end
+
+-- A seat given back: the tasks waiting in line for one are due now (the
+-- dispatcher serves the queue, room/lua/serve.lua), not when the earliest
+-- lease would have expired.
+local function line_due(lim)
+  if redis.call('EXISTS', lim.line) == 0 then
+    return
+  end
+  local ready, wake = KEYS[n + 5 + 3 * m], KEYS[n + 4 + 2 * m]
+  local current = tonumber(redis.call('ZSCORE', ready, lim.line))
+  if not current or current > now then
+    redis.call('ZADD', ready, now, lim.line)
+    redis.call('LPUSH', wake, '1') -- (one token, as park.lua)
+    redis.call('LTRIM', wake, 0, 0)
+    redis.call('PEXPIRE', wake, 60000)
   end
 end
 
@@ -341,6 +334,7 @@ local function release()
       end
       if lim.waiters then
         hand_off(lim)
+        line_due(lim)
       end
     end
   end
@@ -357,7 +351,7 @@ local function extend()
       reclaim(lim)
       if redis.call('ZSCORE', lim.key, holder)
           or redis.call('ZCARD', lim.key) < lim.slots then
-        take(lim)
+        take(lim, holder, now)
       else
         count = count + 1
       end
@@ -547,9 +541,15 @@ local function decide()
   if in_line and claim == 0 then
     local behind, at = 0, 0
     for i = 1, n do
-      local ahead = redis.call('ZCARD', L[i].queue)
+      local lim = L[i]
+      local ahead = redis.call('ZCARD', lim.queue)
+      if lim.concurrent and redis.call('ZSCORE', lim.key, holder) then
+        ahead = 0 -- its seat is taken already (its turn came in that line)
+      end
       if ahead > 0 then
-        local est = math.max(waits[i], 0) + ahead * L[i].cost * L[i].interval
+        -- (a seat: one expected run per seat for each task ahead)
+        local est = math.max(waits[i], 0)
+                    + ahead * (lim.concurrent and step_of(lim) or lim.cost * lim.interval)
         if est > behind then
           behind, at = est, i
         end
@@ -565,7 +565,7 @@ local function decide()
   local function charge(i, at)
     local lim = L[i]
     if lim.concurrent then
-      take(lim)
+      take(lim, holder, now)
       return
     end
     write_rate(lim.key, charged(lim, tats[i], at), paused[i], shifts[i])

@@ -1,8 +1,8 @@
 --[[
 Serve the limits' queues: dispatch each queue's best waiting task when its
-limits admit it (see room/queues.py).  bucket.lua, epoch.lua, turns.lua and
-record.lua come first (the loader joins them): the charge here is the gate's
-own.
+limits admit it (see room/queues.py).  bucket.lua, epoch.lua, lease.lua,
+turns.lua and record.lua come first (the loader joins them): the charge here
+is the gate's own.
 
 Three operations, ARGV[1]:
 
@@ -29,10 +29,12 @@ kept it in the entries hash, where it is still read (and deleted with it).
   KEYS[4] claimed set     KEYS[5] epoch          KEYS[6] trip estimate
   KEYS[7] wake list       KEYS[8] specs hash (limit name -> "interval burst")
   KEYS[9] live overrides (limit name -> "interval burst rate", core/live.py)
-  KEYS[7+3j], KEYS[8+3j], KEYS[9+3j]  a bucket, its queue and the queue's
-          turns (turns.lua), j = 1..; the first ARGV[5] are the queues to
-          serve, the rest are other limits of their tasks (every limit a
-          served task has must be among them)
+  KEYS[6+4j], KEYS[7+4j], KEYS[8+4j], KEYS[9+4j]  a limit's key (a rate
+          bucket, or a concurrency limit's leases), its queue, the queue's
+          turns (turns.lua) and its meta hash (a concurrency limit's: its
+          holders' starts and pause), j = 1..; the first ARGV[5] are the
+          queues to serve, the rest are other limits of their tasks (every
+          limit a served task has must be among them)
   ARGV[2] the most tasks dispatched
   ARGV[3] claim timeout, us (as dispatch.lua: not arrived by then, due again)
   ARGV[4] entries to dispatch without a charge, at once wherever they are in
@@ -40,9 +42,13 @@ kept it in the entries hash, where it is still read (and deleted with it).
   ARGV[5] the number of queues to serve
   ARGV[6] the most ahead, us; ARGV[7] the dispatch lead, us (as "look")
   A task's turn: its limits (at their live rate, else the declared one, else
-  the one it was enqueued with) admit it within `ahead`: every one is charged for that moment
-  and the task is dispatched.  The limit that blocks it is another one: it
-  moves to that limit's queue with its place in line.  Its expiry or its
+  the one it was enqueued with) admit it within `ahead`: every one is charged
+  for that moment (a concurrency limit: a seat is free, or it holds one; its
+  lease is taken in the task's id) and the task is dispatched.  A full
+  concurrency limit admits it when a seat is given back (gate.lua's release
+  makes its queue due) or, failing that, when its earliest lease ends.  The
+  limit that blocks it is another one: it moves to that limit's queue with
+  its place in line.  Its expiry or its
   max_wait passed: dispatched without a charge (flag "x" or "t"), so the
   worker ends it at once.
   Reply: { wait, epoch, entry, token, flag, start, message, ... }: wait as
@@ -184,9 +190,10 @@ for e in string.gmatch(ARGV[4], '%S+') do
 end
 local nq = tonumber(ARGV[5])
 local queue_of, turns_of, buckets = {}, {}, {}
-for j = 1, (#KEYS - 9) / 3 do
-  local b, q = KEYS[7 + 3 * j], KEYS[8 + 3 * j]
-  queue_of[b], turns_of[q], buckets[j] = q, KEYS[9 + 3 * j], b
+local meta_of = {}
+for j = 1, (#KEYS - 9) / 4 do
+  local b, q = KEYS[6 + 4 * j], KEYS[7 + 4 * j]
+  queue_of[b], turns_of[q], meta_of[b], buckets[j] = q, KEYS[8 + 4 * j], KEYS[9 + 4 * j], b
 end
 local ahead = ahead_of(KEYS[6], ARGV[6], ARGV[7])
 local out = { 0, tonumber(epoch_of(KEYS[5], now)) }
@@ -216,12 +223,13 @@ end
 
 -- A record's limit row: { bucket, interval, burst, cost[, fair, units] }, the
 -- limit's name read from its bucket key (keys.py's split_limit_key); an
--- earlier version's row had the name second.
+-- earlier version's row had the name second.  A concurrency limit's row is
+-- { leases, 0, seats, lease (us) }.
 local function row_of(l)
   if type(l[2]) == 'string' then
     return l[1], l[2], l[3], l[4], l[5], l[6], l[7]
   end
-  return l[1], string.match(l[1], '^[^}]*}:b:[^:]*:(.*)$'), l[2], l[3], l[4], l[5], l[6]
+  return l[1], string.match(l[1], '^[^}]*}:[bl]:[^:]*:(.*)$'), l[2], l[3], l[4], l[5], l[6]
 end
 
 -- The task's limits as they are now; nil when one of its buckets was not
@@ -233,14 +241,19 @@ local function limits_of(task)
     if not queue_of[key] then
       return nil
     end
-    local spec = redis.call('HGET', live, name) or redis.call('HGET', specs, name)
-    if spec then
-      local ti, bu = string.match(spec, '^(%d+) (%d+)')
-      interval, burst = tonumber(ti) or interval, tonumber(bu) or burst
+    if interval == 0 then -- a seat (no live rate applies)
+      lims[i] = { key = key, concurrent = true, slots = burst, lease = cost,
+                  meta = meta_of[key], fair = '' }
+    else
+      local spec = redis.call('HGET', live, name) or redis.call('HGET', specs, name)
+      if spec then
+        local ti, bu = string.match(spec, '^(%d+) (%d+)')
+        interval, burst = tonumber(ti) or interval, tonumber(bu) or burst
+      end
+      -- A burst lowered below the cost could never admit it: the cost is capped.
+      lims[i] = { key = key, interval = interval, burst = burst,
+                  cost = math.min(cost, burst), fair = fair or '', units = units or 1 }
     end
-    -- A burst lowered below the cost could never admit it: the cost is capped.
-    lims[i] = { key = key, interval = interval, burst = burst, cost = math.min(cost, burst),
-                fair = fair or '', units = units or 1 }
   end
   return lims
 end
@@ -284,9 +297,15 @@ local function serve(q)
         if queue_of[lim.key] == q then
           own = lim
         end
-        local tat, paused, shift = read_rate(lim.key)
-        state[i] = { math.max(tat, now), paused, shift }
-        local w = rate_wait(lim, state[i][1], paused)
+        local w
+        if lim.concurrent then
+          reclaim(lim)
+          w = seat_wait(lim, task.t)
+        else
+          local tat, paused, shift = read_rate(lim.key)
+          state[i] = { math.max(tat, now), paused, shift }
+          w = rate_wait(lim, state[i][1], paused)
+        end
         if w > wait then
           wait, blocking = w, i
         end
@@ -294,7 +313,11 @@ local function serve(q)
       if wait <= ahead then
         local at = now + math.max(wait, 0)
         for i, lim in ipairs(lims) do
-          write_rate(lim.key, charged(lim, state[i][1], at), state[i][2], state[i][3])
+          if lim.concurrent then
+            take(lim, task.t, at)
+          else
+            write_rate(lim.key, charged(lim, state[i][1], at), state[i][2], state[i][3])
+          end
         end
         dispatch(q, entry, 'c', at, place, own ~= nil and own.fair ~= '')
       else

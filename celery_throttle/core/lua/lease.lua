@@ -1,0 +1,52 @@
+--[[
+celery_throttle lease.lua: a concurrency limit's seats, one copy for every
+script that takes one (gate.lua decides a start, room/lua/serve.lua
+dispatches a waiting task).  The loader puts this text after bucket.lua
+(which declares `now` and `us`) and in front of theirs.
+
+A concurrency limit here is a table { key, slots, lease (us), meta }: key a
+sorted set of leases (holder -> expiry, us), meta a hash of its pause, its
+average run and its holders' starts ("s:<holder>").
+]]
+local META_TTL_MS = 86400000
+
+local function keep_at_least(key, ms)
+  if redis.call('PTTL', key) < ms then
+    redis.call('PEXPIRE', key, ms)
+  end
+end
+
+local function meta_num(lim, field)
+  return tonumber(redis.call('HGET', lim.meta, field) or 0)
+end
+
+-- Leases past their expiry are reclaimed (their holders stopped renewing:
+-- killed), with the start times kept for them in the meta hash.
+local function reclaim(lim)
+  local gone = redis.call('ZRANGEBYSCORE', lim.key, '-inf', now)
+  for _, h in ipairs(gone) do
+    redis.call('ZREM', lim.key, h)
+    redis.call('HDEL', lim.meta, 's:' .. h)
+  end
+end
+
+-- Give `who` a lease in `lim` from `at` (us; its start is noted then).
+local function take(lim, who, at)
+  redis.call('ZADD', lim.key, at + lim.lease, who)
+  keep_at_least(lim.key, math.ceil((at - now + lim.lease) / 1000))
+  redis.call('HSETNX', lim.meta, 's:' .. who, us(at))
+  keep_at_least(lim.meta, META_TTL_MS)
+end
+
+-- How long until `who` may take a seat of `lim` (after reclaim): 0 while it
+-- holds one or one is free, else until the earliest lease ends (its holder
+-- gives it back sooner, as a rule: the release says so), or the pause.
+local function seat_wait(lim, who)
+  local wait = meta_num(lim, 'pause') - now
+  if not redis.call('ZSCORE', lim.key, who)
+      and redis.call('ZCARD', lim.key) >= lim.slots then
+    local first = redis.call('ZRANGE', lim.key, 0, 0, 'WITHSCORES')
+    wait = math.max(wait, tonumber(first[2]) - now)
+  end
+  return math.max(wait, 0)
+end

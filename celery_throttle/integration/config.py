@@ -74,7 +74,7 @@ SETTINGS: dict[str, tuple[object, str]] = {
                            "line, in the queue of the limit that blocks them, and are "
                            "dispatched when it admits them, best priority first (see the "
                            "scheduler); False: they book their slot when they arrive"),
-    "throttle_seats_in_line": (False, "with the scheduler, a task with a concurrency limit "
+    "throttle_seats_in_line": (True, "with the scheduler, a task with a concurrency limit "
                                "waits in line too: for its rate limits, and for a seat in the "
                                "concurrency limit's own line (handed the next seat given back, "
                                "best priority first); False: it books its rate slots when it "

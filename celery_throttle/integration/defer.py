@@ -522,8 +522,8 @@ def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     sleep: the server's clock now is at most its time at the arrival plus
     what this process's clock counted since it asked (``asked``, monotonic).
     """
-    if not state.slot or not arrived_at:
-        return True
+    if not state.slot or not arrived_at or not any(isinstance(lim, Limit) for lim in limits):
+        return True  # (a seat alone: its lease is taken already, lateness spends nothing)
     late = _slept_to_start(task, asked, min(from_us(state.slot - arrived_at),
                                             from_us(MAX_AHEAD_US)))
     if late <= _grace(runtime, limits, (1 << len(limits)) - 1):

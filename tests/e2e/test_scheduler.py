@@ -110,6 +110,8 @@ def test_a_freed_concurrency_seat_goes_to_an_urgent_waiter_first(
     assert states == ["SUCCESS"] * 6
     assert [r["id"] for r in rows] == [first.id, urgent.id] + [b.id for b in batch]
     gaps = [b["t"] - (a["t"] + a["seconds"]) for a, b in itertools.pairwise(rows)]
+    print(f"\nseats {seats}: gaps between one run's end and the next start "
+          f"{[round(g, 3) for g in gaps]}")
     assert min(gaps) > 0, gaps  # never two at once
     assert max(gaps) < 0.25, gaps  # each seat handed over at once
 

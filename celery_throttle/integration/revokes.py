@@ -19,7 +19,7 @@ not seen here: those tasks leave when their turn comes, as before.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
@@ -58,7 +58,8 @@ def _wrap() -> None:
     @functools.wraps(original)
     def revoke(state: Any, *args: Any, **kwargs: Any) -> Any:
         reply = original(state, *args, **kwargs)
-        ids = [str(i) for i in _ids(args[0] if args else kwargs.get("task_id")) if i]
+        ids = [str(i) for i in maybe_list(args[0] if args else kwargs.get("task_id")) or []
+               if i]
         for listener in list(_listeners.get(id(getattr(state, "app", None)), ())):
             try:
                 listener(ids)
@@ -69,7 +70,3 @@ def _wrap() -> None:
 
     setattr(revoke, _MARK, True)
     Panel.data["revoke"] = revoke
-
-
-def _ids(value: Any) -> Iterable[Any]:
-    return maybe_list(value) or []

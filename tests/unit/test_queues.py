@@ -353,17 +353,22 @@ def test_revoked_tasks_leave_from_deep_in_line_and_parked_at_once(client: redis.
     gate.close()
 
 
+def _seat_held(client: redis.Redis, prefix: str
+               ) -> tuple[Gate, Queues, Concurrency, Limit, int]:
+    """A concurrency=1 limit whose seat "running" holds, a fast rate limit beside it, and
+    the server's time now."""
+    gate = Gate(client, prefix=prefix)
+    seat = Concurrency("llm", 1, lease=30)
+    assert gate.acquire_many([seat], holder="running").allowed
+    return gate, Queues(client, prefix), seat, Limit("api", parse_rate("100/s")), _now_us(client)
+
+
 def test_a_seat_given_back_goes_to_the_first_in_the_seat_line(client: redis.Redis,
                                                                prefix: str) -> None:
     """concurrency=1 held: two tasks wait in the seat's line (the urgent one, placed first,
     arrived last); nothing leaves until the seat is given back, then the first takes it
     at once, in its own name, and the second waits for the next one."""
-    gate = Gate(client, prefix=prefix)
-    queues = Queues(client, prefix)
-    seat = Concurrency("llm", 1, lease=30)
-    rate = Limit("api", parse_rate("100/s"))
-    assert gate.acquire_many([seat], holder="running").allowed
-    now = _now_us(client)
+    gate, queues, seat, rate, now = _seat_held(client, prefix)
     queues.enqueue("batch", b"m", "t-batch", limits=[rate, seat], blocking=seat,
                    place_us=now + 1000)
     queues.enqueue("urgent", b"m", "t-urgent", limits=[rate, seat], blocking=seat,
@@ -394,12 +399,7 @@ def test_a_task_whose_seat_is_full_at_its_turn_moves_to_the_seat_line_in_its_pla
     """A task in a rate limit's line whose concurrency limit is full at its turn moves to
     the seat's line, ahead of a later one there, and charges nothing meanwhile; a fresh
     start is queued behind the seat's line unless it holds a seat already."""
-    gate = Gate(client, prefix=prefix)
-    queues = Queues(client, prefix)
-    seat = Concurrency("llm", 1, lease=30)
-    rate = Limit("api", parse_rate("100/s"))
-    assert gate.acquire_many([seat], holder="running").allowed
-    now = _now_us(client)
+    gate, queues, seat, rate, now = _seat_held(client, prefix)
     queues.enqueue("early", b"m", "t1", limits=[rate, seat], blocking=rate, place_us=now)
     queues.enqueue("late", b"m", "t2", limits=[rate, seat], blocking=seat, place_us=now + 10)
     _, served = queues.serve_due(50, TIMEOUT_US)

@@ -263,6 +263,13 @@ local function next_waiter(lim)
   return first
 end
 
+-- Wake a dispatcher: one token is enough (as park.lua).
+local function wake_up(wake)
+  redis.call('LPUSH', wake, '1')
+  redis.call('LTRIM', wake, 0, 0)
+  redis.call('PEXPIRE', wake, 60000)
+end
+
 local function hand_off(lim)
   local parked, messages, wake = KEYS[n + 2 + 2 * m], KEYS[n + 3 + 2 * m], KEYS[n + 4 + 2 * m]
   reclaim(lim)
@@ -278,9 +285,7 @@ local function hand_off(lim)
     if entry and redis.call('HEXISTS', messages, entry) == 1 then
       take(lim, who, now)
       if redis.call('ZADD', parked, 'XX', 'CH', now, entry) == 1 then
-        redis.call('LPUSH', wake, '1')
-        redis.call('LTRIM', wake, 0, 0)
-        redis.call('PEXPIRE', wake, 60000)
+        wake_up(wake)
       end
       return
     end
@@ -298,9 +303,7 @@ local function line_due(lim)
   local current = tonumber(redis.call('ZSCORE', ready, lim.line))
   if not current or current > now then
     redis.call('ZADD', ready, now, lim.line)
-    redis.call('LPUSH', wake, '1') -- (one token, as park.lua)
-    redis.call('LTRIM', wake, 0, 0)
-    redis.call('PEXPIRE', wake, 60000)
+    wake_up(wake)
   end
 end
 

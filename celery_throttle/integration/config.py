@@ -66,6 +66,12 @@ SETTINGS: dict[str, tuple[object, str]] = {
                               "kept as well as in the broker (the store is the broker's "
                               "server, appends to disk, or parks wait for replicas); "
                               "\"always\": on any store; False: never"),
+    "throttle_keep_beside_broker": (False, "where the store alone would lose waiting tasks (no "
+                                    "appendonly, not the broker's server) and the broker is "
+                                    "a Redis server: wait in the store anyway, with a copy of "
+                                    "each task kept beside the broker's queues, restored if "
+                                    "the store comes back empty; False: such waits are "
+                                    "re-published with a countdown"),
     "throttle_enforce": (True, "False: shadow mode for every limit of the app: each decision is "
                          "made and counted (would have waited, how long, for which limit) "
                          "but every task runs at once; @throttled(enforce=...) overrides it "
@@ -138,6 +144,7 @@ class Config:
     waiting_room: bool
     # throttle_waiting_room = "always": park whatever the store keeps (room/durability.py)
     park_anywhere: bool
+    keep_beside_broker: bool  # the store alone is not safe: keep a copy on the broker's server
     scheduler: bool
     seats_in_line: bool
     priority_ageing: float
@@ -297,6 +304,8 @@ def read_config(app: Celery) -> Config:
         metrics_port=_port(get("throttle_metrics_port")),
         waiting_room=waiting_room,
         park_anywhere=room == "always",
+        keep_beside_broker=_flag("throttle_keep_beside_broker",
+                                 get("throttle_keep_beside_broker")),
         store_is_broker=url == broker,
         broker_redis_url=broker if _is_server(broker) else None,
         scheduler=_flag("throttle_scheduler", get("throttle_scheduler")),

@@ -128,7 +128,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         # The entry is taken: a copy made from here on is a new one, and goes
         # to the task's queue, not the lane it came by (retry() and parking
         # again take the routing from delivery_info).
-        state = replace(state, entry="", token="", room=0, charged="")
+        state = replace(state, entry="", token="", room=0, charged="", kept=False)
         info: dict[str, Any] = dict(request.delivery_info or {})
         if info.get("routing_key"):
             info["routing_key"] = queue_of(str(info["routing_key"]))
@@ -367,6 +367,12 @@ def _room_open(task: Task[Any, Any], runtime: Runtime) -> bool:
             and runtime.durability.safe())
 
 
+def _kept(runtime: Runtime) -> bool:
+    """Is a task that starts to wait now also kept beside the broker's queues
+    (``room/keeper.py``: the store alone would lose it)?"""
+    return runtime.room.keeper is not None and runtime.durability.verdict().kept
+
+
 def _in_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit]) -> bool:
     """Does the task wait in line (the scheduler)?  A task with a concurrency limit does
     with ``throttle_seats_in_line``; else it waits as before (booked, or parked for a
@@ -416,7 +422,9 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         with contextlib.suppress(redis.RedisError):
             runtime.gate.release(seats, str(request.id))
     new, entry = _next_in_line(task, state, since, limits)
-    headers = {**(request.headers or {}), HEADER: replace(new, entry=entry).to_header()}
+    kept = _kept(runtime)
+    headers = {**(request.headers or {}),
+               HEADER: replace(new, entry=entry, kept=kept).to_header()}
     envelope = capture(task.signature_from_request(request, headers=headers))
     due = decision.now + to_us(decision.retry_after)
     try:
@@ -424,7 +432,8 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             entry, envelope.dumps(), str(request.id),
             **_line_args(task, runtime, limits, blocking, since, decision.now, to_expiry,
                          max_wait),
-            due_us=0 if decision.queued or isinstance(blocking, Concurrency) else due)
+            due_us=0 if decision.queued or isinstance(blocking, Concurrency) else due,
+            kept=kept)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _log_outage(runtime, exc, "re-published with a countdown instead of put in line")
@@ -453,11 +462,13 @@ def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[Li
     state = WaitState()
     blocking = limits[0]
     new, entry = _next_in_line(task, state, now_us, list(limits))
-    envelope = Envelope.of_message(message, {HEADER: replace(new, entry=entry).to_header()})
+    kept = _kept(runtime)
+    envelope = Envelope.of_message(
+        message, {HEADER: replace(new, entry=entry, kept=kept).to_header()})
     ahead = runtime.room.enqueue(
         entry, envelope.dumps(), str(request.id),
         **_line_args(task, runtime, list(limits), blocking, now_us, now_us, to_expiry, max_wait),
-        behind=True)
+        behind=True, kept=kept)
     if ahead < 0:
         return False
     if ahead == 0:
@@ -612,14 +623,16 @@ def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: in
         return False
     request = task.request
     entry = _entry_of(task, state.prev)
-    headers = {**(request.headers or {}), HEADER: replace(state, entry=entry).to_header()}
+    kept = _kept(runtime)
+    headers = {**(request.headers or {}),
+               HEADER: replace(state, entry=entry, kept=kept).to_header()}
     envelope = capture(task.signature_from_request(request, headers=headers))
     try:
         waiters = (waiters_key(runtime.config.prefix, seat_of.name, seat_of.key)
                    if seat_of is not None else "")
         at = runtime.room.park(entry, envelope.dumps(), str(request.id), at_us=at_us,
                                delay_us=delay_us, note=note, waiters=waiters, was=was,
-                               place_us=_place(task, runtime, state.since or 0))
+                               place_us=_place(task, runtime, state.since or 0), kept=kept)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _log_outage(runtime, exc, "re-published with a countdown instead of parked")
@@ -643,7 +656,8 @@ def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> 
     ttl_ms = int(runtime.config.visibility_timeout * 1000) + 60_000 if acks_late else 0
     try:
         now = runtime.room.arrive(state.entry, state.token, state.room, marker_ttl_ms=ttl_ms,
-                                  task_id=str(task.request.id), note_ttl_ms=NOTE_AFTER_MS)
+                                  task_id=str(task.request.id), note_ttl_ms=NOTE_AFTER_MS,
+                                  kept=state.kept)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _store_failed(task, runtime, state, exc)

@@ -45,7 +45,7 @@ from .exporter import serve
 from .memory import freeze_inherited
 from .notes import forget_revoked
 from .recycling import keep_pool_full
-from .runtime import INSTALLED, forget, runtime_for
+from .runtime import INSTALLED, forget, keeper_of, runtime_for
 from .throttled import ensure_gated
 
 __all__ = ["install", "store_warnings"]
@@ -124,7 +124,8 @@ def install(app: Celery) -> Celery:
             if config.waiting_room and not dispatchers:
                 dispatcher = Dispatcher(app, config.connect, config.prefix,
                                         timeout=config.dispatch_timeout,
-                                        lead=config.dispatch_lead, revoked=_revoked)
+                                        lead=config.dispatch_lead, revoked=_revoked,
+                                        keeper=lambda: keeper_of(config))
                 dispatcher.start()
                 dispatchers.append(dispatcher)
                 revokes.listen(app, dispatcher.cancel)

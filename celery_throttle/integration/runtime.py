@@ -12,7 +12,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis
 from celery import Celery
@@ -22,16 +22,21 @@ from ..core.gate import Gate
 from ..core.live import LiveLimits
 from ..core.logs import Every
 from ..room.durability import Durability, server_ids
+from ..room.keeper import Keeper
 from ..room.parking import WaitingRoom
 from .config import Config, read_config
 from .copies import CopyPointer
 from .history import CountsWriter
 
-__all__ = ["INSTALLED", "SHADOW_SUFFIX", "Runtime", "durability_of", "forget", "runtime_for"]
+__all__ = ["INSTALLED", "KEPT_MARKER_S", "SHADOW_SUFFIX", "Runtime", "durability_of", "forget",
+           "keeper_of", "runtime_for"]
 
 #: Appended to the app's prefix for the buckets of limits in shadow mode (a hash tag
 #: of their own: a shadow decision never spans a real bucket).
 SHADOW_SUFFIX = ".shadow"
+
+#: The least a taken kept entry's marker lasts (seconds, ``room/keeper.py``).
+KEPT_MARKER_S = 3600.0
 
 #: Set on an app by ``install(app)``: its workers run a dispatcher, so the
 #: waiting room may be used (without one, parked tasks would never leave it).
@@ -72,7 +77,8 @@ def runtime_for(app: Celery) -> Runtime:
             client = config.connect(socket_timeout=5, socket_connect_timeout=2,
                                     health_check_interval=30)
             rt = Runtime(config, Gate(client, prefix=config.prefix),
-                         WaitingRoom(client, config.prefix, replicas=config.park_replicas),
+                         WaitingRoom(client, config.prefix, replicas=config.park_replicas,
+                                     keeper=keeper_of(config)),
                          CopyPointer(client, config.prefix, config.visibility_timeout
                                      + config.horizon + 60),
                          LiveLimits(client, config.prefix), durability_of(config, client),
@@ -86,7 +92,26 @@ def durability_of(config: Config, client: Any) -> Durability:
     """Whether tasks may wait in ``client``'s store (``room/durability.py``), for ``config``."""
     return Durability(client, anywhere=config.park_anywhere, replicas=config.park_replicas,
                       same_url=config.store_is_broker,
-                      broker_id=lambda: _broker_id(config.broker_redis_url))
+                      broker_id=lambda: _broker_id(config.broker_redis_url),
+                      beside_broker=_keeps(config))
+
+
+def _keeps(config: Config) -> bool:
+    """May waiting tasks be kept beside the broker's queues (``room/keeper.py``)?"""
+    return (config.keep_beside_broker and config.broker_redis_url is not None
+            and not config.store_is_broker)
+
+
+def keeper_of(config: Config) -> Keeper | None:
+    """A keeper on the broker's Redis server, with a client of its own; None where waiting
+    tasks are not kept there.  A taken entry's marker outlives any copy of it still on
+    its way: an hour, or the broker's visibility timeout (a redelivery) if longer."""
+    if not _keeps(config):
+        return None
+    client = connect(cast(str, config.broker_redis_url), socket_timeout=5,
+                     socket_connect_timeout=2, health_check_interval=30)
+    ttl_s = max(KEPT_MARKER_S, config.visibility_timeout + 60)
+    return Keeper(cast(redis.Redis, client), config.prefix, marker_ttl_ms=int(ttl_s * 1000))
 
 
 def _broker_id(url: str | None) -> str | None:
@@ -111,3 +136,5 @@ def forget(app: Celery) -> None:
     if rt is not None and rt.pid == os.getpid():
         rt.counts.stop()  # the counts of the last second, while the client is open
         rt.gate.client.close()
+        if rt.room.keeper is not None:
+            rt.room.keeper.client.close()

@@ -173,6 +173,9 @@ def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key:
                if room["next_dispatch"] is not None else "")
         click.echo(f"waiting room: {room['parked']} parked, {in_line} in line, "
                    f"{room['dispatching']} dispatched and on their way{nxt}")
+    if room["kept"]:
+        click.echo(f"  {room['kept']} of them kept beside the broker's queues too (restored "
+                   "from there if the store comes back empty)")
     if judged and not room["in_use"]:
         click.echo(f"waiting room not used: {room['because']}; long waits are re-published "
                    "with a countdown")

@@ -91,9 +91,12 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
     in_line = runtime.room.queues.waiting()
     # Whether waiting tasks may wait in the store now (room/durability.py).
     verdict = runtime.durability.verdict() if runtime.config.waiting_room else None
+    keeper = runtime.room.keeper
     return {"limits": rows, "waiting_room": {
         **dataclasses.asdict(room), "in_use": verdict is not None and verdict.safe,
-        "because": verdict.reason if verdict is not None else ROOM_OFF},
+        "because": verdict.reason if verdict is not None else ROOM_OFF,
+        # Waiting tasks with a copy on the broker's server (room/keeper.py).
+        "kept": keeper.count() if keeper is not None else 0},
         "in_line": in_line, "at": time.time()}
 
 

@@ -49,6 +49,7 @@ from ..core.logs import Every, logger
 from ..values import to_us
 from .envelope import Envelope
 from .header import HEADER
+from .keeper import Keeper
 from .native import NativeThread
 from .parking import Parked, WaitingRoom
 from .queues import Served
@@ -103,13 +104,16 @@ class Dispatcher:
 
     def __init__(self, app: Celery, connect: Callable[..., Any], prefix: str, *,
                  timeout: float, lead: float = 0.0,
-                 revoked: Callable[[str], bool] = lambda task_id: False) -> None:
+                 revoked: Callable[[str], bool] = lambda task_id: False,
+                 keeper: Callable[[], Keeper | None] = lambda: None) -> None:
         """``connect(**options)`` makes a client of the store (the app's ``Config.connect``);
         ``timeout``: seconds after which a dispatched task that never arrived is due again;
         ``lead``: a task of a limit's queue is dispatched this much before its start, besides
         the measured trip (``throttle_dispatch_lead``; a parked task's dispatch time has it);
         ``revoked(task_id)``: is that task revoked (a task waiting in a limit's queue is then
-        dispatched without taking the limit, and its worker drops it)."""
+        dispatched without taking the limit, and its worker drops it); ``keeper()``: a
+        keeper of the tasks kept beside the broker's queues, on a client of its own (None:
+        none are kept), which the dispatcher restores when the store comes back empty."""
         self.app = app
         self.revoked = revoked
         self.timeout_us, self.lead_us = to_us(timeout), to_us(lead)
@@ -118,7 +122,8 @@ class Dispatcher:
         # connection, and its read timeout must outlast the pop.
         self.client = connect(socket_timeout=IDLE + 5, socket_connect_timeout=2,
                               health_check_interval=30)
-        self.room = WaitingRoom(self.client, prefix)
+        self.room = WaitingRoom(self.client, prefix, keeper=keeper())
+        self._restored = 0  # the store's epoch the kept tasks are known restored for
         # The node's own list beside the shared wake list: stop() rings it, so a
         # warm shutdown does not wait out a blocking pop of up to IDLE seconds.
         self._bell = room_key(prefix, f"bell:{uuid.uuid4().hex}")
@@ -170,6 +175,7 @@ class Dispatcher:
         if parked:
             faults.at("dispatch.before_publish", parked)
             self._publish(parked)
+        self._restore_kept()
         turn, served = self.room.queues.serve_due(BATCH, self.timeout_us, self.revoked,
                                                   lead_us=self.lead_us)
         if served:
@@ -177,6 +183,19 @@ class Dispatcher:
             self._publish(served)
         waits = [w for w in (wait, turn) if w is not None]
         return min(waits) if waits else None
+
+    def _restore_kept(self) -> None:
+        """The store's epoch changed (or was never checked here): if the tasks kept beside
+        the broker's queues were not restored for it, they wait in the store again (parked,
+        due now: they go to a worker, which puts each back in its line)."""
+        epoch = self.room.last_epoch
+        if self.room.keeper is None or epoch == self._restored:
+            return
+        handed = self.room.restore_kept(epoch)
+        self._restored = epoch
+        if handed:
+            logger.warning("throttle: the store came back without its data: %d waiting "
+                           "task(s) kept beside the broker's queues wait again", handed)
 
     def _cancel_revoked(self) -> None:
         """Revoked tasks that wait leave: those in line are published uncharged now."""
@@ -225,6 +244,8 @@ class Dispatcher:
             self._loop(thread)
         finally:
             self.client.close()
+            if self.room.keeper is not None:
+                self.room.keeper.client.close()
             if self._connection is not None:
                 self._connection.release()
 

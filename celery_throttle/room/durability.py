@@ -14,8 +14,11 @@ restart of the broker would have kept:
   default with a Sentinel store), so a failover keeps it.
 
 Anything else (a cache-like Redis of its own; RDB snapshots, which lose what
-came after the last one) sends long waits down the countdown path: the task
-stays in the broker as a message with an ETA.  ``anywhere`` (the setting
+came after the last one) is not safe alone.  Where the broker is a Redis
+server, each waiting task is then also *kept* beside the broker's queues
+(``keeper.py``, ``beside_broker``): the verdict is safe, and says so with
+``kept``.  Otherwise long waits go down the countdown path: the task stays in
+the broker as a message with an ETA.  ``anywhere`` (the setting
 ``throttle_waiting_room = "always"``) parks without asking.
 
 The verdict is checked at the first park, again every :data:`RECHECK_S`, and
@@ -47,10 +50,12 @@ _RETRY_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """May tasks wait in the store (``safe``), and why (or why not), in words for a log."""
+    """May tasks wait in the store (``safe``), and why (or why not), in words for a log;
+    ``kept``: only with a copy of each kept beside the broker's queues (``keeper.py``)."""
 
     safe: bool
     reason: str
+    kept: bool = False
 
 
 def _infos(client: redis.Redis | RedisCluster, section: str) -> list[dict[str, Any]]:
@@ -99,9 +104,13 @@ class Durability:
 
     def __init__(self, client: redis.Redis | RedisCluster, *, anywhere: bool, replicas: int,
                  same_url: bool, broker_id: Callable[[], str | None],
+                 beside_broker: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """``beside_broker``: a store that is not safe alone may keep waiting tasks with a
+        copy on the broker's Redis server (there is one, and the setting allows it)."""
         self.client = client
         self.anywhere = anywhere
+        self.beside_broker = beside_broker
         self.replicas = replicas
         self.same_url = same_url
         self.broker_id = broker_id
@@ -127,9 +136,13 @@ class Durability:
                                                f"({type(exc).__name__})")
                 self._due = self.clock() + _RETRY_S
                 return self._current
+            if not found.safe and self.beside_broker:
+                found = Verdict(True, f"{found.reason}, so each waiting task is also kept "
+                                      "beside the broker's queues, on its Redis server",
+                                kept=True)
             before, self._known = self._known, found
             self._current, self._due = found, self.clock() + RECHECK_S
-        if before is not None and before.safe != found.safe:
+        if before is not None and (before.safe, before.kept) != (found.safe, found.kept):
             # The store came back with another configuration (or was reconfigured).
             logger.warning("celery_throttle: the waiting room is now %s: %s",
                            "in use" if found.safe else

@@ -41,6 +41,9 @@ class WaitState:
     # Re-published while the store was down: the copy pointer (copies.py) was
     # not moved to this copy, and ``prev`` names the last copy it knows.
     unmoved: bool = False
+    # Waiting, its message is also kept on the broker's server (room/keeper.py):
+    # its arrival takes that copy there.
+    kept: bool = False
 
     @classmethod
     def from_request(cls, request: Any) -> WaitState:
@@ -67,7 +70,7 @@ class WaitState:
                    since=num("since") or None, copy=text("copy"),
                    prev=text("prev"), spacing=tuple(spacing), entry=text("entry", 64),
                    token=text("token", 40), room=num("room"), charged=text("charged", 1),
-                   unmoved=num("unmoved") == 1)
+                   unmoved=num("unmoved") == 1, kept=num("kept") == 1)
 
     def unmoved_successor(self, copy: str) -> WaitState:
         """The copy ``copy`` that re-publishes this one while the store is down.
@@ -123,6 +126,8 @@ class WaitState:
             header.update(entry=self.entry, token=self.token, room=self.room)
             if self.charged:
                 header.update(charged=self.charged)
+            if self.kept:
+                header.update(kept=1)
         return header
 
 

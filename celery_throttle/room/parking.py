@@ -28,9 +28,10 @@ notes only its entry, ``queues.py``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ from ..core.logs import logger
 from ..core.scripts import EPOCH, joined, source
 from ..values import US_PER_SECOND, from_us, text
 from .envelope import Envelope
+from .keeper import Keeper
 from .queues import Queues, Served, Weights, entry_id, queues_of
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
@@ -88,9 +90,13 @@ class WaitingRoom:
     """The waiting room of one key prefix, on one Redis client."""
 
     def __init__(self, client: redis.Redis | RedisCluster, prefix: str, *,
-                 replicas: int = 0) -> None:
+                 replicas: int = 0, keeper: Keeper | None = None) -> None:
+        """``keeper``: where waiting tasks are also kept, beside the broker's queues, when
+        the store alone would lose them (``keeper.py``; used for writes that ask for it)."""
         self.client = client
         self.prefix = prefix
+        self.keeper = keeper
+        self.last_epoch = 0  # the store's epoch as the last claim_due read it
         self.replicas = replicas  # a park returns once this many replicas have it
         self._unreplicated_until = 0.0  # monotonic: parks do not wait for replicas until then
         self.parked, self.messages = room_key(prefix, "parked"), room_key(prefix, "messages")
@@ -108,7 +114,7 @@ class WaitingRoom:
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
              delay_us: int = 0, note: str = "", waiters: str = "", was: str = "",
-             place_us: int = 0) -> int:
+             place_us: int = 0, kept: bool = False) -> int:
         """Park ``message`` until ``at_us`` (server clock), or ``delay_us`` from now.
 
         ``note``: the wait note to leave for ``celery throttle why`` under
@@ -117,8 +123,9 @@ class WaitingRoom:
         join at ``place_us`` (when it first waited plus its priority's ageing
         steps, as in a limit's queue), so a freed seat is handed to this task
         when it is first (``task_id`` is the lease holder); ``was``: the entry
-        it had there before, whose turn it keeps.  Returns the dispatch time
-        (server clock, microseconds), or 0 when ``entry`` is parked already
+        it had there before, whose turn it keeps.  ``kept``: keep the message
+        beside the broker's queues first (:meth:`_kept`).  Returns the dispatch
+        time (server clock, microseconds), or 0 when ``entry`` is parked already
         (nothing written).
         """
         keys = [self.parked, self.messages, self.wake, self.notes, waiters or self.wake]
@@ -126,22 +133,50 @@ class WaitingRoom:
                                          key_digest(task_id),
                 f"{entry} {task_id}" if waiters else "",
                 f"{was} {task_id}" if waiters and was else "", place_us]
-        at, _now = self._replicated(self._park, keys, args)
+        with self._kept(entry, message, kept):
+            at, _now = self._replicated(self._park, keys, args)
         return int(at)
 
     def enqueue(self, entry: str, message: bytes, task_id: str, *,
                 limits: Sequence[AnyLimit], blocking: AnyLimit, place_us: int, due_us: int = 0,
                 expires_us: int = 0, deadline_us: int = 0, weights: Weights | None = None,
-                behind: bool = False) -> int:
+                behind: bool = False, kept: bool = False) -> int:
         """``Queues.enqueue`` (the same arguments and reply), acknowledged as a park is: once
         ``throttle_park_replicas`` replicas have it.  ``behind``: only behind the tasks in
         ``blocking``'s line; the reply is then how many were there, 0 when ``entry`` waits
-        already, -1 when the line is empty (in both cases nothing was written)."""
+        already, -1 when the line is empty (in both cases nothing was written).  ``kept``:
+        as :meth:`park`'s."""
         keys, args = self.queues.enqueue_call(
             entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
             due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights,
             behind=behind)
-        return int(self._replicated(self.queues.script, keys, args))
+        with self._kept(entry, message, kept) as written:
+            reply = int(self._replicated(self.queues.script, keys, args))
+            written.append(reply >= 0)
+        return reply
+
+    @contextlib.contextmanager
+    def _kept(self, entry: str, message: bytes, kept: bool) -> Iterator[list[bool]]:
+        """Around a store write of a waiting task: with ``kept``, its message is kept beside
+        the broker's queues first (so no moment finds it in the store alone, which a
+        dispatch could take before the copy is there).  The copy is dropped again when
+        the write fails or the body appends False (nothing was written: the task does not
+        wait here); an entry that waits already keeps it."""
+        written: list[bool] = []
+        if not kept:
+            yield written
+            return
+        if self.keeper is None:
+            raise RuntimeError("a kept waiting task needs the room's keeper")
+        self.keeper.put(entry, message)
+        try:
+            yield written
+        except BaseException:
+            with contextlib.suppress(redis.RedisError):
+                self.keeper.drop(entry)
+            raise
+        if not all(written):
+            self.keeper.drop(entry)
 
     def _replicated(self, script: Script, keys: Sequence[str | bytes],
                     args: Sequence[str | bytes | int | float]) -> Any:
@@ -175,27 +210,66 @@ class WaitingRoom:
                                     self.trip],
                               args=[batch, timeout_us])
         wait, epoch = int(reply[0]), int(reply[1])
+        self.last_epoch = epoch
         items = reply[2:]
         parked = [Parked(items[i].decode(), items[i + 1].decode(), epoch, items[i + 2])
                   for i in range(0, len(items), 3)]
         return (None if wait < 0 else from_us(wait)), parked
 
     def arrive(self, entry: str, token: str, epoch: int, *, marker_ttl_ms: int = 0,
-               task_id: str = "", note_ttl_ms: int = 60_000) -> int:
+               task_id: str = "", note_ttl_ms: int = 60_000, kept: bool = False) -> int:
         """May this dispatched copy go on?  0: no, another copy of the entry arrived first;
         else yes, and the server's time (us), which a charged start waits for.
 
         ``marker_ttl_ms`` > 0 (acks_late): remember the copy that went on for
         that long, so the broker's redelivery of it may go on again.  The
         first copy of ``task_id`` to arrive moves its wait note to a key of
-        its own, kept ``note_ttl_ms``.
+        its own, kept ``note_ttl_ms``.  ``kept``: the entry's message was kept
+        beside the broker's queues; which copy goes on is decided there first
+        (``Keeper.take``: it knows, whatever the store lost), and the store's
+        answer only where it does not.
         """
+        took = -1
+        if kept and self.keeper is not None:
+            took = self.keeper.take(entry, token)
+            if took == 0:
+                return 0
         marker = task_key(self.prefix, "arrived", entry)
         wait = task_key(self.prefix, "wait", task_id) if task_id else self.notes
-        return int(self._arrive(keys=[self.messages, self.claimed, marker, self.epoch,
-                                       self.trip, self.queues.entries, self.notes, wait],
-                                 args=[entry, token, marker_ttl_ms, epoch,
-                                       key_digest(task_id) if task_id else "", note_ttl_ms]))
+        now = int(self._arrive(keys=[self.messages, self.claimed, marker, self.epoch,
+                                      self.trip, self.queues.entries, self.notes, wait],
+                                args=[entry, token, marker_ttl_ms, epoch,
+                                      key_digest(task_id) if task_id else "", note_ttl_ms]))
+        if took == 1 and not now:
+            # The store saw another copy of the entry, or none, but this one took the kept
+            # copy: it is the first (the store's view of it was lost, or restored).
+            sec, usec = self.client.time()
+            now = _micros(sec, usec)
+        return now
+
+    def restore_kept(self, epoch: int) -> int | None:
+        """The store's epoch is ``epoch``: if the kept copies were not restored for it (the
+        store came back without its data), park every one due now (``Keeper.restore``);
+        how many were handed over, or None when there was nothing to do."""
+        if self.keeper is None or self.keeper.restored_for() == str(epoch):
+            return None
+
+        keys = [self.parked, self.messages, self.wake, self.notes, self.wake]
+
+        def park(batch: list[tuple[str, bytes]]) -> None:
+            # (An entry the store has already stays as it is.)  One round trip per batch;
+            # a cluster's pipeline does not take scripts, so one per entry there.
+            if not isinstance(self.client, redis.Redis):
+                for entry, message in batch:
+                    self._park(keys=keys, args=[entry, message, 0, 0, "", "", "", "", 0])
+                return
+            pipe = self.client.pipeline(transaction=False)
+            for entry, message in batch:
+                self._park(keys=keys, args=[entry, message, 0, 0, "", "", "", "", 0],
+                           client=pipe)
+            pipe.execute()
+
+        return self.keeper.restore(str(epoch), park)
 
     def cancel(self, task_ids: Sequence[str], timeout_us: int) -> tuple[list[Served], int]:
         """Revoked tasks leave the waiting room at once, wherever they wait: those in line are
@@ -249,6 +323,8 @@ class WaitingRoom:
         messages = self._look(keys=[self.parked, self.messages, self.claimed, self.wake,
                                     self.notes], args=["purge"])
         self.queues.clear()
+        if self.keeper is not None:
+            self.keeper.clear()
         return [Envelope.task_id_in(m) for m in messages]
 
     def state(self) -> RoomState:

@@ -64,29 +64,46 @@ def test_store_killed_mid_run_defers_then_completes_exactly_once(
     check_window_bound(after, rate=20, burst=2, period=1.0)
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["countdown", "kept"])
 def test_store_without_persistence_killed_with_long_waits_loses_none(
-    capp: ModuleType, records: redis.Redis, redis_base: str, store: RedisServer
+    capp: ModuleType, records: redis.Redis, redis_base: str, store: RedisServer, kept: bool
 ) -> None:
-    """A cache-like store (no AOF) beside the broker, killed for 4 s with 10 s of waits: by
-    default the waits stayed in the broker (countdowns), so all 100 run once; the reason is
-    logged at the start."""
-    with worker_nodes(redis_base, ("w1", "w2"),
-                      conf={"throttle_redis_url": f"{store.url}/0"}) as nodes:
+    """A cache-like store (no AOF) beside the broker, killed for 4 s with 10 s of waits:
+    all 100 run once.  Without throttle_keep_beside_broker the waits stay in the broker
+    (countdowns); with it they wait in the store's line, each kept on the broker's server
+    too, and come back from there.  The reason is logged at the start."""
+    conf = {"throttle_redis_url": f"{store.url}/0", "throttle_keep_beside_broker": kept}
+    broker = redis.Redis.from_url(f"{redis_base}/10")
+    with worker_nodes(redis_base, ("w1", "w2"), conf=conf) as nodes:
         results = [capp.sibling.delay(i) for i in range(100)]  # 10 s of work at 10/s
         time.sleep(2.5)
-        parked = redis.Redis.from_url(f"{store.url}/0").exists("{throttle}:room:parked")
+        stored = redis.Redis.from_url(f"{store.url}/0")
+        waited = stored.hlen("{throttle}:room:messages")
+        stored.close()
+        copies = broker.hlen("{throttle}:room:kept")
         store.kill()
         time.sleep(4.0)
         restarted = time.time()
         store.start()
         states = wait_results(results, timeout=90)
         rows = read_records(records, expect=100, timeout=10)
+        left = broker.hlen("{throttle}:room:kept")
         text = logs(nodes)
-    assert parked == 0
+    broker.close()
+    print(f"\nkilled with {waited} waiting in the store, {copies} kept beside the broker")
     assert states == ["SUCCESS"] * 100
     assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
-    assert "waiting tasks do not wait in the store: the store keeps waiting tasks in memory " \
-           "only (appendonly no)" in text
+    reason = "the store keeps waiting tasks in memory only (appendonly no)"
+    if kept:
+        assert waited > 50
+        assert copies > 50  # (read apart from `waited`: a task may arrive in between)
+        assert left == 0  # every kept copy was taken by its task's arrival
+        assert f"waiting tasks wait in the store: {reason}" in text
+        assert "kept beside the broker's queues wait again" in text
+    else:
+        assert waited == 0
+        assert copies == 0
+        assert f"waiting tasks do not wait in the store: {reason}" in text
     check_window_bound([r["t"] for r in rows if r["t"] >= restarted], rate=10, burst=2,
                        period=1.0)
 

@@ -69,6 +69,24 @@ def test_a_separate_store_without_persistence_is_not_safe(plain: RedisServer,
     assert "not the broker's server" in verdict.reason
 
 
+def test_a_separate_store_without_persistence_keeps_tasks_beside_a_redis_broker(
+        plain: RedisServer, other: RedisServer) -> None:
+    """throttle_keep_beside_broker: the same store is safe with a copy kept on the broker's
+    server; an AMQP broker has no such place, a store down none either."""
+    verdict = _durability(f"{plain.url}/0", f"{other.url}/0",
+                          throttle_keep_beside_broker=True).verdict()
+    assert (verdict.safe, verdict.kept) == (True, True)
+    assert "appendonly no" in verdict.reason
+    assert "kept beside the broker's queues" in verdict.reason
+    assert not _durability(f"{plain.url}/0", "amqp://guest@127.0.0.1:1//",
+                           throttle_keep_beside_broker=True).safe()
+    assert not _durability("redis://127.0.0.1:1/0", f"{other.url}/0",
+                           throttle_keep_beside_broker=True).safe()
+    # A store that is safe alone needs no copy.
+    assert _durability(f"{other.url}/1", f"{other.url}/0",
+                       throttle_keep_beside_broker=True).verdict().kept is False
+
+
 def test_a_non_redis_broker_needs_a_persistent_store(plain: RedisServer) -> None:
     """An AMQP broker: a store without persistence is not safe."""
     assert not _durability(f"{plain.url}/0", "amqp://guest@127.0.0.1:1//").safe()

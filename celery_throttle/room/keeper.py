@@ -1,0 +1,119 @@
+"""Waiting tasks kept beside the broker's queues, where the store would lose them.
+
+A store that keeps its data in memory only (a cache-like Redis of its own:
+no AOF, not the broker's server) loses the waiting room in a restart, and
+with it every task waiting there: their messages left the broker when they
+began to wait.  Where the broker is a Redis server, each waiting task's
+message is also *kept* there, in one hash beside the queues: exactly as
+durable as a message in a queue, on the same server.  The waiting itself
+stays in the store (lines, priorities, fair turns, live rates and the
+dispatch are unchanged); the kept copy is only read back when the store
+comes back without its data.
+
+* A task starts to wait: its message is kept first, then written to the
+  store (a failed store write drops the kept copy again: the task goes back
+  to the broker as a countdown instead).  Its header says it is kept.
+* A kept task arrives at a worker: the first copy takes the kept copy
+  (``lua/keep.lua``, on the broker's server) and goes on; a later copy is
+  refused, whatever the store lost meanwhile (a copy dispatched before the
+  restart and one dispatched again after it).  An acks_late redelivery of the
+  copy that went on carries the same token and goes on again.
+* The store comes back empty (a new epoch: ``core/lua/epoch.lua``): a
+  dispatcher parks every kept message in it again, due now (:meth:`restore`);
+  each goes to a worker, which puts it back in line at its old place (its
+  first wait and priority travel in its header).  The broker's server
+  remembers the epoch it restored for (``seen``), so this happens once per
+  loss, whichever node notices it first.  A task that had been dispatched
+  already is restored too; the copy arriving second is refused, so the
+  limit may lose a start, and no task runs twice.
+
+Keys, on the broker's server: ``kept`` (hash: entry -> message), ``kept:seen``
+(the store's epoch restored for) and one marker per taken entry
+(``kept:<digest>``, kept for the marker TTL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import redis
+
+from ..core.keys import room_key, task_key
+from ..core.scripts import source
+from ..values import text
+
+__all__ = ["RESTORE_BATCH", "Keeper"]
+
+#: The most kept messages read and parked again per round trip.
+RESTORE_BATCH = 500
+# A bound on the rounds of one restore (HSCAN may return fewer than asked).
+_MOST_ROUNDS = 100_000
+
+
+class Keeper:
+    """The kept copies of one key prefix's waiting tasks, on the broker's Redis server."""
+
+    def __init__(self, client: redis.Redis, prefix: str, *, marker_ttl_ms: int) -> None:
+        """``marker_ttl_ms``: how long a taken entry's marker lasts; it must outlive every
+        copy of the entry still on its way (a re-dispatch, a redelivery)."""
+        self.client = client
+        self.prefix = prefix
+        self.marker_ttl_ms = marker_ttl_ms
+        self.kept, self.seen = room_key(prefix, "kept"), room_key(prefix, "kept:seen")
+        self._take = client.register_script(source(__package__, "keep.lua"))
+
+    def put(self, entry: str, message: bytes) -> None:
+        """Keep ``entry``'s message (before the store has it)."""
+        self.client.hset(self.kept, entry, message)
+
+    def drop(self, entry: str) -> None:
+        """Forget ``entry``'s kept copy (the store refused it: it waits elsewhere)."""
+        self.client.hdel(self.kept, entry)
+
+    def take(self, entry: str, token: str) -> int:
+        """A copy of ``entry`` dispatched as ``token`` arrives: 1 it goes on, 0 it is a
+        duplicate, -1 unknown here (the store decides)."""
+        return int(self._take(keys=[self.kept, task_key(self.prefix, "kept", entry)],
+                              args=[entry, token, self.marker_ttl_ms]))
+
+    def count(self) -> int:
+        """How many waiting tasks are kept."""
+        return int(self.client.hlen(self.kept))
+
+    def clear(self) -> int:
+        """Forget every kept copy (the waiting room was purged); how many there were."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hlen(self.kept)
+        pipe.delete(self.kept)
+        found, _ = pipe.execute()
+        return int(found)
+
+    def restored_for(self) -> str:
+        """The store epoch the kept copies were last restored for ("" never)."""
+        return text(self.client.get(self.seen) or b"")
+
+    def restore(self, epoch: str, park: Callable[[list[tuple[str, bytes]]], None]) -> int:
+        """Hand every kept message to ``park`` (batches of (entry, message): the store parks
+        those it does not have, due now), then note ``epoch`` as restored for.  Returns how
+        many were handed over.  Copies taken meanwhile may be parked too: their later
+        copy is refused on arrival."""
+        handed = 0
+        for batch in self._batches():
+            park(batch)
+            handed += len(batch)
+        self.client.set(self.seen, epoch)
+        return handed
+
+    def _batches(self) -> Iterator[list[tuple[str, bytes]]]:
+        cursor: Any = 0
+        for _ in range(_MOST_ROUNDS):
+            cursor, found = cast(tuple[Any, dict[bytes, bytes]],
+                                 self.client.hscan(self.kept, cursor, count=RESTORE_BATCH))
+            if found:
+                yield [(text(entry), message) for entry, message in found.items()]
+            if int(cursor) == 0:
+                return
+
+    def __repr__(self) -> str:
+        return f"Keeper(prefix={self.prefix!r})"

@@ -1,0 +1,146 @@
+"""Waiting tasks kept beside the broker's queues (room/keeper.py), on two real servers: a
+store that keeps nothing on disk, killed and restarted, and the broker's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_throttle.core.limits import Limit
+from celery_throttle.core.rates import parse_rate
+from celery_throttle.room.keeper import Keeper
+from celery_throttle.room.parking import WaitingRoom
+
+TIMEOUT_US = 60_000_000
+PREFIX = "kept"
+
+
+@pytest.fixture
+def store() -> Iterator[redis.Redis]:
+    from celery_throttle.testing import RedisServer
+
+    with RedisServer() as server:
+        client = redis.Redis.from_url(f"{server.url}/0")
+        client.server = server  # type: ignore[attr-defined]  # (killed and started by tests)
+        yield client
+        client.close()
+
+
+@pytest.fixture
+def broker() -> Iterator[redis.Redis]:
+    from celery_throttle.testing import RedisServer
+
+    with RedisServer() as server:
+        client = redis.Redis.from_url(f"{server.url}/0")
+        yield client
+        client.close()
+
+
+def _room(store: redis.Redis, broker: redis.Redis) -> WaitingRoom:
+    return WaitingRoom(store, PREFIX, keeper=Keeper(broker, PREFIX, marker_ttl_ms=60_000))
+
+
+def _kept(room: WaitingRoom) -> int:
+    """How many copies the room's keeper holds."""
+    assert room.keeper is not None
+    return room.keeper.count()
+
+
+def _restart(store: redis.Redis) -> None:
+    """Kill the store (no persistence: it comes back empty) and start it again."""
+    server = store.server  # type: ignore[attr-defined]
+    server.kill()
+    server.start()
+    store.connection_pool.disconnect()
+
+
+def test_a_kept_task_is_restored_once_after_the_store_comes_back_empty(
+    store: redis.Redis, broker: redis.Redis
+) -> None:
+    """Two tasks in line and one parked, kept: the store is killed; after it restarts the
+    first dispatcher to look parks all three again, due now, and later looks do nothing."""
+    room = _room(store, broker)
+    limit = Limit("kept", parse_rate("1/h"))
+    for i in range(2):
+        assert room.enqueue(f"q{i}", b"line %d" % i, f"t{i}", limits=[limit], blocking=limit,
+                            place_us=i, due_us=1, kept=True) > 0
+    assert room.park("p", b"parked", "tp", delay_us=3_600_000_000, kept=True) > 0
+    room.park("alone", b"not kept", "ta", delay_us=3_600_000_000)  # (the store was durable)
+    assert _kept(room) == 3
+    room.claim_due(10, TIMEOUT_US)
+    assert room.restore_kept(room.last_epoch) == 3  # (never restored for: all are handed)
+    assert room.restore_kept(room.last_epoch) is None  # the same epoch: nothing to do
+    _restart(store)
+    assert store.hlen(f"{{{PREFIX}}}:room:messages") == 0
+    assert room.claim_due(10, TIMEOUT_US)[1] == []
+    other = _room(store, broker)  # another node's dispatcher may be the one to notice
+    assert other.restore_kept(room.last_epoch) == 3
+    assert room.restore_kept(room.last_epoch) is None
+    _, due = room.claim_due(10, TIMEOUT_US)
+    assert sorted((p.entry, p.message) for p in due) == [
+        ("p", b"parked"), ("q0", b"line 0"), ("q1", b"line 1")]
+    # The task without a kept copy is gone with the store: it was never kept.
+    assert _kept(room) == 3  # until each arrives
+
+
+def test_the_first_copy_to_arrive_takes_the_kept_copy_whatever_the_store_lost(
+    store: redis.Redis, broker: redis.Redis
+) -> None:
+    """A copy dispatched before the store restarted and the copy the restore dispatched
+    after it: whichever arrives first goes on, the other is refused; an acks_late
+    redelivery of the first goes on again."""
+    room = _room(store, broker)
+    room.park("e", b"m", "t", at_us=1, kept=True)
+    _, (before,) = room.claim_due(10, TIMEOUT_US)
+    _restart(store)
+    room.claim_due(10, TIMEOUT_US)
+    assert room.restore_kept(room.last_epoch) == 1
+    _, (after,) = room.claim_due(10, TIMEOUT_US)
+    assert after.token != before.token
+    assert room.arrive("e", after.token, after.epoch, marker_ttl_ms=60_000, kept=True) > 0
+    assert room.arrive("e", before.token, before.epoch, kept=True) == 0  # refused
+    assert room.arrive("e", after.token, after.epoch, marker_ttl_ms=60_000, kept=True) > 0
+    assert _kept(room) == 0
+    # The other order: the copy from before the restart arrives first, and is the one.
+    room.park("f", b"m", "t2", at_us=1, kept=True)
+    _, (first,) = room.claim_due(10, TIMEOUT_US)
+    _restart(store)
+    assert room.arrive("f", first.token, first.epoch, kept=True) > 0  # (before the restore)
+    room.claim_due(10, TIMEOUT_US)
+    assert room.restore_kept(room.last_epoch) == 0  # taken already: nothing to restore
+    assert room.claim_due(10, TIMEOUT_US)[1] == []
+
+
+def test_a_write_the_store_refuses_leaves_no_kept_copy(
+    store: redis.Redis, broker: redis.Redis
+) -> None:
+    """Lined up on arrival behind an empty line (nothing written), or the store down: no
+    kept copy is left, which a later restore would bring back as a second run."""
+    room = _room(store, broker)
+    limit = Limit("kept", parse_rate("1/h"))
+    assert room.enqueue("e", b"m", "t", limits=[limit], blocking=limit, place_us=1,
+                        behind=True, kept=True) == -1
+    assert _kept(room) == 0
+    store.server.kill()  # type: ignore[attr-defined]
+    with pytest.raises(redis.ConnectionError):
+        room.park("p", b"m", "t", delay_us=1, kept=True)
+    assert _kept(room) == 0
+    # A message delivered again while it waits keeps its one kept copy.
+    store.server.start()  # type: ignore[attr-defined]
+    store.connection_pool.disconnect()
+    assert room.park("p", b"m", "t", delay_us=1_000_000, kept=True) > 0
+    assert room.park("p", b"m", "t", delay_us=1_000_000, kept=True) == 0
+    assert _kept(room) == 1
+
+
+def test_purge_forgets_the_kept_copies(store: redis.Redis, broker: redis.Redis) -> None:
+    """A purged task is not brought back by a later restore."""
+    room = _room(store, broker)
+    room.park("p", b"m", "t", delay_us=1_000_000, kept=True)
+    room.purge()
+    assert _kept(room) == 0
+    _restart(store)
+    room.claim_due(10, TIMEOUT_US)
+    assert room.restore_kept(room.last_epoch) == 0

@@ -69,6 +69,13 @@ _POOLS_HEADER = (
     "alone on the same nodes (see the module's docstring).\n")
 
 
+_OUTAGE_HEADER = (
+    "## 8. A store without persistence, killed under a backlog\n\n"
+    "`python -m benchmarks.outage`. The throttle's store on a Redis of its own that keeps "
+    "nothing on disk, the broker on another; the store killed for 4 s while a backlog waits, "
+    "with an urgent task sent behind it (see the module's docstring).\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run every section, print the document and write BENCHMARKS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -178,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
                             "2" if args.quick else "10"],
                            capture_output=True, text=True, timeout=3600, cwd=ROOT, check=True)
     doc.append(pools.stdout)
+    print("section 8: a store without persistence", file=sys.stderr, flush=True)
+    doc.append(_OUTAGE_HEADER)
+    outage = subprocess.run([sys.executable, "-m", "benchmarks.outage", "--n",
+                             "100" if args.quick else "300", "--runs", "1" if args.quick else "2"],
+                            capture_output=True, text=True, timeout=1800, cwd=ROOT, check=True)
+    doc.append(outage.stdout)
     doc.append(f"\n_Whole run: {time.monotonic() - began:.0f} s._\n")
     text = "\n".join(doc)
     (ROOT / "BENCHMARKS.md").write_text(text)

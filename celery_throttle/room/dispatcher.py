@@ -24,6 +24,11 @@ A revoked task leaves at once (:meth:`Dispatcher.cancel`, handed the ids of
 each revoke command the node receives): one in line is dispatched without a
 charge, wherever it waits, and its worker drops it and marks it REVOKED.
 
+Where waiting tasks are also kept beside the broker's queues (``keeper.py``:
+a store that would lose them), the dispatcher that first sees the store come
+back without its data (a new epoch in a claim's reply) parks every kept task
+in it again.
+
 Nothing is lost if a dispatcher dies or the broker refuses a publish: a
 claimed entry stays in the store until its message reaches a worker, and is
 dispatched again after ``throttle_dispatch_timeout``.  The arrival takes only

@@ -66,7 +66,7 @@ SETTINGS: dict[str, tuple[object, str]] = {
                               "kept as well as in the broker (the store is the broker's "
                               "server, appends to disk, or parks wait for replicas); "
                               "\"always\": on any store; False: never"),
-    "throttle_keep_beside_broker": (False, "where the store alone would lose waiting tasks (no "
+    "throttle_keep_beside_broker": (True, "where the store alone would lose waiting tasks (no "
                                     "appendonly, not the broker's server) and the broker is "
                                     "a Redis server: wait in the store anyway, with a copy of "
                                     "each task kept beside the broker's queues, restored if "

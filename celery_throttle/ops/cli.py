@@ -176,6 +176,8 @@ def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key:
     if room["kept"]:
         click.echo(f"  {room['kept']} of them kept beside the broker's queues too (restored "
                    "from there if the store comes back empty)")
+    if room["kept_beside_broker"]:
+        click.echo(f"waiting room in use: {room['because']}")
     if judged and not room["in_use"]:
         click.echo(f"waiting room not used: {room['because']}; long waits are re-published "
                    "with a countdown")

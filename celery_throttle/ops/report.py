@@ -95,6 +95,7 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
     return {"limits": rows, "waiting_room": {
         **dataclasses.asdict(room), "in_use": verdict is not None and verdict.safe,
         "because": verdict.reason if verdict is not None else ROOM_OFF,
+        "kept_beside_broker": verdict is not None and verdict.kept,
         # Waiting tasks with a copy on the broker's server (room/keeper.py).
         "kept": keeper.count() if keeper is not None else 0},
         "in_line": in_line, "at": time.time()}

@@ -69,9 +69,9 @@ def test_store_without_persistence_killed_with_long_waits_loses_none(
     capp: ModuleType, records: redis.Redis, redis_base: str, store: RedisServer, kept: bool
 ) -> None:
     """A cache-like store (no AOF) beside the broker, killed for 4 s with 10 s of waits:
-    all 100 run once.  Without throttle_keep_beside_broker the waits stay in the broker
-    (countdowns); with it they wait in the store's line, each kept on the broker's server
-    too, and come back from there.  The reason is logged at the start."""
+    all 100 run once.  By default they wait in the store's line, each kept on the broker's
+    server too, and come back from there; with throttle_keep_beside_broker off the waits
+    stay in the broker (countdowns).  The reason is logged at the start."""
     conf = {"throttle_redis_url": f"{store.url}/0", "throttle_keep_beside_broker": kept}
     broker = redis.Redis.from_url(f"{redis_base}/10")
     with worker_nodes(redis_base, ("w1", "w2"), conf=conf) as nodes:

@@ -62,8 +62,10 @@ def test_the_broker_url_itself_is_safe_without_asking_the_server() -> None:
 
 def test_a_separate_store_without_persistence_is_not_safe(plain: RedisServer,
                                                           other: RedisServer) -> None:
-    """A cache-like store beside another broker: not safe, and the reason says why."""
-    verdict = _durability(f"{plain.url}/0", f"{other.url}/0").verdict()
+    """A cache-like store beside another broker, not kept there: not safe, and the reason
+    says why."""
+    verdict = _durability(f"{plain.url}/0", f"{other.url}/0",
+                          throttle_keep_beside_broker=False).verdict()
     assert not verdict.safe
     assert "appendonly no" in verdict.reason
     assert "not the broker's server" in verdict.reason
@@ -71,10 +73,9 @@ def test_a_separate_store_without_persistence_is_not_safe(plain: RedisServer,
 
 def test_a_separate_store_without_persistence_keeps_tasks_beside_a_redis_broker(
         plain: RedisServer, other: RedisServer) -> None:
-    """throttle_keep_beside_broker: the same store is safe with a copy kept on the broker's
-    server; an AMQP broker has no such place, a store down none either."""
-    verdict = _durability(f"{plain.url}/0", f"{other.url}/0",
-                          throttle_keep_beside_broker=True).verdict()
+    """By default the same store is safe with a copy kept on the broker's server; an AMQP
+    broker has no such place, a store down none either."""
+    verdict = _durability(f"{plain.url}/0", f"{other.url}/0").verdict()
     assert (verdict.safe, verdict.kept) == (True, True)
     assert "appendonly no" in verdict.reason
     assert "kept beside the broker's queues" in verdict.reason
@@ -112,7 +113,8 @@ def test_a_change_is_seen_at_the_next_check_and_logged_once(
         plain: RedisServer, other: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     """Turned on live: seen after an invalidation (a store error) or RECHECK_S, logged once."""
     clock = StepClock()
-    durability = _durability(f"{plain.url}/0", f"{other.url}/0", clock)
+    durability = _durability(f"{plain.url}/0", f"{other.url}/0", clock,
+                             throttle_keep_beside_broker=False)
     with contextlib.closing(redis.Redis.from_url(plain.url)) as admin:
         assert not durability.safe()
         admin.config_set("appendonly", "yes")
@@ -155,7 +157,7 @@ def test_a_store_that_refuses_info_is_not_safe(other: RedisServer) -> None:
             admin.acl_setuser("app", enabled=True, passwords=["+pw"], keys=["*"],
                               commands=["+@all", "-info"])
         verdict = _durability(f"redis://app:pw@127.0.0.1:{aof.port}/0",
-                              f"{other.url}/0").verdict()
+                              f"{other.url}/0", throttle_keep_beside_broker=False).verdict()
     assert not verdict.safe
     assert "cannot be read" in verdict.reason
     assert "pw" not in verdict.reason
@@ -179,11 +181,19 @@ def _status(redis_base: str, conf: dict[str, object]) -> subprocess.CompletedPro
 
 def test_status_says_whether_waiting_tasks_wait_in_the_store(redis_base: str,
                                                              plain: RedisServer) -> None:
-    """`throttle status` names the reason when the store is not used for waiting tasks."""
+    """`throttle status` names the reason when the store is not used for waiting tasks, or
+    is used with each task kept beside the broker's queues."""
     beside = _status(redis_base, {})  # the test app's store: the broker's server
-    apart = _status(redis_base, {"throttle_redis_url": f"{plain.url}/0"})
+    apart = _status(redis_base, {"throttle_redis_url": f"{plain.url}/0",
+                                 "throttle_keep_beside_broker": False})
+    kept = _status(redis_base, {"throttle_redis_url": f"{plain.url}/0"})
     assert beside.returncode == 0, beside.stderr
     assert apart.returncode == 0, apart.stderr
+    assert kept.returncode == 0, kept.stderr
     assert "waiting room not used" not in beside.stdout
+    assert "waiting room not used" not in kept.stdout
+    assert ("waiting room in use: the store keeps waiting tasks in memory only (appendonly no) "
+            "and is not the broker's server: a restart of it would lose them, so each waiting "
+            "task is also kept beside the broker's queues, on its Redis server") in kept.stdout
     assert ("waiting room not used: the store keeps waiting tasks in memory only (appendonly "
             "no) and is not the broker's server") in apart.stdout

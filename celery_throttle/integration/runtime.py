@@ -96,17 +96,25 @@ def durability_of(config: Config, client: Any) -> Durability:
                       beside_broker=_keeps(config))
 
 
+def _beside(config: Config) -> bool:
+    """Is there a place beside the broker's queues for waiting tasks: a Redis broker that
+    is not the store's URL?"""
+    return config.broker_redis_url is not None and not config.store_is_broker
+
+
 def _keeps(config: Config) -> bool:
-    """May waiting tasks be kept beside the broker's queues (``room/keeper.py``)?"""
-    return (config.keep_beside_broker and config.broker_redis_url is not None
-            and not config.store_is_broker)
+    """Are waiting tasks kept beside the broker's queues (``room/keeper.py``) when the
+    store alone would lose them?"""
+    return config.keep_beside_broker and _beside(config)
 
 
 def keeper_of(config: Config) -> Keeper | None:
-    """A keeper on the broker's Redis server, with a client of its own; None where waiting
-    tasks are not kept there.  A taken entry's marker outlives any copy of it still on
-    its way: an hour, or the broker's visibility timeout (a redelivery) if longer."""
-    if not _keeps(config):
+    """A keeper on the broker's Redis server, with a client of its own; None where there is
+    no such server.  Made whatever the setting says: a copy kept while it was on is still
+    taken by its task's arrival, and restored after a loss of the store, once it is off.
+    A taken entry's marker outlives any copy of it still on its way: an hour, or the
+    broker's visibility timeout (a redelivery) if longer."""
+    if not _beside(config):
         return None
     client = connect(cast(str, config.broker_redis_url), socket_timeout=5,
                      socket_connect_timeout=2, health_check_interval=30)

@@ -7,9 +7,12 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from celery import Celery
 
 from celery_throttle.core.limits import Limit
 from celery_throttle.core.rates import parse_rate
+from celery_throttle.integration.config import read_config
+from celery_throttle.integration.runtime import durability_of, keeper_of
 from celery_throttle.room.keeper import Keeper
 from celery_throttle.room.parking import WaitingRoom
 
@@ -144,3 +147,31 @@ def test_purge_forgets_the_kept_copies(store: redis.Redis, broker: redis.Redis) 
     _restart(store)
     room.claim_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 0
+
+
+def test_with_the_setting_off_kept_copies_are_still_taken_and_restored(
+    store: redis.Redis, broker: redis.Redis
+) -> None:
+    """Turned off, new waits are not kept (the store alone is not safe: countdowns), but a
+    worker still has the keeper that takes and restores the copies kept before."""
+    app = Celery("t", broker=_url(broker))
+    app.conf.update(throttle_redis_url=_url(store), throttle_keep_beside_broker=False,
+                    throttle_prefix=PREFIX)
+    config = read_config(app)
+    keeper = keeper_of(config)
+    assert keeper is not None
+    assert not durability_of(config, store).verdict().safe
+    room = WaitingRoom(store, PREFIX, keeper=keeper)
+    room.park("e", b"m", "t", delay_us=3_600_000_000, kept=True)  # (kept while it was on)
+    _restart(store)
+    room.claim_due(10, TIMEOUT_US)
+    assert room.restore_kept(room.last_epoch) == 1
+    _, (copy,) = room.claim_due(10, TIMEOUT_US)
+    assert room.arrive("e", copy.token, copy.epoch, kept=True) > 0
+    assert _kept(room) == 0
+    keeper.client.close()
+
+
+def _url(client: redis.Redis) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    return f"redis://{kwargs['host']}:{kwargs['port']}/0"

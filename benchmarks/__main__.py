@@ -76,6 +76,12 @@ _OUTAGE_HEADER = (
     "with an urgent task sent behind it (see the module's docstring).\n")
 
 
+def _module(name: str, *args: str, timeout: float) -> str:
+    """What ``python -m name args`` prints (a section run in its own process)."""
+    return subprocess.run([sys.executable, "-m", name, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, check=True).stdout
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run every section, print the document and write BENCHMARKS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -136,61 +142,39 @@ def main(argv: list[str] | None = None) -> None:
     doc.append("## 3. Scale\n")
     for n, rate, measure in ((("2000", "5", "40"), ("2000", "50", "40")) if args.quick
                              else (("50000", "5", "150"), ("20000", "200", "150"))):
-        scale = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--n", n, "--rate",
-                                rate, "--measure", measure], capture_output=True, text=True,
-                               timeout=1800, cwd=ROOT, check=True)
-        doc.append(scale.stdout)
+        doc.append(_module("benchmarks.scale", "--n", n, "--rate", rate, "--measure", measure,
+                           timeout=1800))
     doc.append("\n### Memory of a task waiting in line\n")
     doc.append(_ROOM_MEMORY)
-    room = subprocess.run([sys.executable, "-m", "benchmarks.room_memory", "--n",
-                           "2000" if args.quick else "20000"], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, check=True)
-    doc.append(room.stdout)
+    doc.append(_module("benchmarks.room_memory", "--n", "2000" if args.quick else "20000",
+                       timeout=600))
     doc.append("\n### Dispatch with many key values\n")
     doc.append(_KEYS_DISPATCH)
-    keys = subprocess.run([sys.executable, "-m", "benchmarks.keys_dispatch", "--tasks",
-                           "4000" if args.quick else "200000", "--values",
-                           "2000" if args.quick else "100000"], capture_output=True, text=True,
-                          timeout=1800, cwd=ROOT, check=True)
-    doc.append(keys.stdout)
+    doc.append(_module("benchmarks.keys_dispatch", "--tasks", "4000" if args.quick else "200000",
+                       "--values", "2000" if args.quick else "100000", timeout=1800))
     doc.append("\n### Memory of pool processes\n")
-    memory = subprocess.run([sys.executable, "-m", "benchmarks.pool_memory"], capture_output=True,
-                            text=True, timeout=600, cwd=ROOT, check=True)
-    doc.append(memory.stdout)
+    doc.append(_module("benchmarks.pool_memory", timeout=600))
     print("section 4: calls in flight", file=sys.stderr, flush=True)
     doc.append("## 4. Calls in flight\n")
     doc.append("`python -m benchmarks.inflight`. Occupancy: the provider's busy time / "
                "(4 slots x drain time). Publishes: re-publishes or retries per executed "
                "task.\n")
-    inflight = subprocess.run([sys.executable, "-m", "benchmarks.inflight", "--n",
-                               "24" if args.quick else "48"],
-                              capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
-    doc.append(inflight.stdout)
+    doc.append(_module("benchmarks.inflight", "--n", "24" if args.quick else "48", timeout=600))
     print("section 5: SDK retries", file=sys.stderr, flush=True)
     doc.append(_SDK_HEADER)
-    sdk = subprocess.run([sys.executable, "-m", "benchmarks.sdk_retries", "--n",
-                          "40" if args.quick else "120", "--runs", "1" if args.quick else "10"],
-                         capture_output=True, text=True, timeout=1800, cwd=ROOT, check=True)
-    doc.append(sdk.stdout)
+    doc.append(_module("benchmarks.sdk_retries", "--n", "40" if args.quick else "120", "--runs",
+                       "1" if args.quick else "10", timeout=1800))
     print("section 6: the dashboard's cost", file=sys.stderr, flush=True)
     doc.append(_DASHBOARD_HEADER)
-    dash = subprocess.run([sys.executable, "-m", "benchmarks.dashboard", "--decisions",
-                           "20000" if args.quick else "200000", "--keys",
-                           "1000" if args.quick else "10000"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
-    doc.append(dash.stdout)
+    doc.append(_module("benchmarks.dashboard", "--decisions", "20000" if args.quick else "200000",
+                       "--keys", "1000" if args.quick else "10000", timeout=600))
     print("section 7: worker pools", file=sys.stderr, flush=True)
     doc.append(_POOLS_HEADER)
-    pools = subprocess.run([sys.executable, "-m", "benchmarks.pools", "--runs",
-                            "2" if args.quick else "10"],
-                           capture_output=True, text=True, timeout=3600, cwd=ROOT, check=True)
-    doc.append(pools.stdout)
+    doc.append(_module("benchmarks.pools", "--runs", "2" if args.quick else "10", timeout=3600))
     print("section 8: a store without persistence", file=sys.stderr, flush=True)
     doc.append(_OUTAGE_HEADER)
-    outage = subprocess.run([sys.executable, "-m", "benchmarks.outage", "--n",
-                             "100" if args.quick else "300", "--runs", "1" if args.quick else "2"],
-                            capture_output=True, text=True, timeout=1800, cwd=ROOT, check=True)
-    doc.append(outage.stdout)
+    doc.append(_module("benchmarks.outage", "--n", "100" if args.quick else "300", "--runs",
+                       "1" if args.quick else "2", timeout=1800))
     doc.append(f"\n_Whole run: {time.monotonic() - began:.0f} s._\n")
     text = "\n".join(doc)
     (ROOT / "BENCHMARKS.md").write_text(text)

@@ -81,13 +81,9 @@ class Keeper:
         """How many waiting tasks are kept."""
         return int(self.client.hlen(self.kept))
 
-    def clear(self) -> int:
-        """Forget every kept copy (the waiting room was purged); how many there were."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hlen(self.kept)
-        pipe.delete(self.kept)
-        found, _ = pipe.execute()
-        return int(found)
+    def clear(self) -> None:
+        """Forget every kept copy (the waiting room was purged)."""
+        self.client.delete(self.kept)
 
     def restored_for(self) -> str:
         """The store epoch the kept copies were last restored for ("" never)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,7 +124,7 @@ class WaitingRoom:
         steps, as in a limit's queue), so a freed seat is handed to this task
         when it is first (``task_id`` is the lease holder); ``was``: the entry
         it had there before, whose turn it keeps.  ``kept``: keep the message
-        beside the broker's queues first (:meth:`_kept`).  Returns the dispatch
+        beside the broker's queues first (:meth:`_stored`).  Returns the dispatch
         time (server clock, microseconds), or 0 when ``entry`` is parked already
         (nothing written).
         """
@@ -133,8 +133,8 @@ class WaitingRoom:
                                          key_digest(task_id),
                 f"{entry} {task_id}" if waiters else "",
                 f"{was} {task_id}" if waiters and was else "", place_us]
-        with self._kept(entry, message, kept):
-            at, _now = self._replicated(self._park, keys, args)
+        at, _now = self._stored(entry, message, kept,
+                                lambda: self._replicated(self._park, keys, args))
         return int(at)
 
     def enqueue(self, entry: str, message: bytes, task_id: str, *,
@@ -150,33 +150,31 @@ class WaitingRoom:
             entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
             due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights,
             behind=behind)
-        with self._kept(entry, message, kept) as written:
-            reply = int(self._replicated(self.queues.script, keys, args))
-            written.append(reply >= 0)
-        return reply
+        return int(self._stored(entry, message, kept,
+                                lambda: int(self._replicated(self.queues.script, keys, args)),
+                                waits=lambda reply: reply >= 0))
 
-    @contextlib.contextmanager
-    def _kept(self, entry: str, message: bytes, kept: bool) -> Iterator[list[bool]]:
-        """Around a store write of a waiting task: with ``kept``, its message is kept beside
-        the broker's queues first (so no moment finds it in the store alone, which a
-        dispatch could take before the copy is there).  The copy is dropped again when
-        the write fails or the body appends False (nothing was written: the task does not
-        wait here); an entry that waits already keeps it."""
-        written: list[bool] = []
+    def _stored(self, entry: str, message: bytes, kept: bool, write: Callable[[], Any],
+                waits: Callable[[Any], bool] = lambda reply: True) -> Any:
+        """``write()``'s reply: a store write of a waiting task.  With ``kept``, its message
+        is kept beside the broker's queues first (so no moment finds it in the store alone,
+        which a dispatch could take before the copy is there), and that copy is dropped
+        again when the write fails or ``waits(reply)`` is False (nothing was written: the
+        task does not wait here).  An entry that waits already keeps its copy."""
         if not kept:
-            yield written
-            return
+            return write()
         if self.keeper is None:
             raise RuntimeError("a kept waiting task needs the room's keeper")
         self.keeper.put(entry, message)
         try:
-            yield written
+            reply = write()
         except BaseException:
             with contextlib.suppress(redis.RedisError):
                 self.keeper.drop(entry)
             raise
-        if not all(written):
+        if not waits(reply):
             self.keeper.drop(entry)
+        return reply
 
     def _replicated(self, script: Script, keys: Sequence[str | bytes],
                     args: Sequence[str | bytes | int | float]) -> Any:
@@ -259,15 +257,13 @@ class WaitingRoom:
         def park(batch: list[tuple[str, bytes]]) -> None:
             # (An entry the store has already stays as it is.)  One round trip per batch;
             # a cluster's pipeline does not take scripts, so one per entry there.
-            if not isinstance(self.client, redis.Redis):
-                for entry, message in batch:
-                    self._park(keys=keys, args=[entry, message, 0, 0, "", "", "", "", 0])
-                return
-            pipe = self.client.pipeline(transaction=False)
-            for entry, message in batch:
+            pipe = (self.client.pipeline(transaction=False)
+                    if isinstance(self.client, redis.Redis) else None)
+            for entry, message in batch:  # due now, no note, no seat
                 self._park(keys=keys, args=[entry, message, 0, 0, "", "", "", "", 0],
-                           client=pipe)
-            pipe.execute()
+                           client=self.client if pipe is None else pipe)
+            if pipe is not None:
+                pipe.execute()
 
         return self.keeper.restore(str(epoch), park)
 

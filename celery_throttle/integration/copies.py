@@ -13,6 +13,7 @@ run again if its node dies mid-run: that is ``acks_late``'s at-least-once.
 from __future__ import annotations
 
 import secrets
+from typing import Literal
 
 import redis
 from redis.cluster import RedisCluster
@@ -21,7 +22,12 @@ from ..core.keys import copy_key
 from ..core.scripts import source
 from ..room.header import WaitState
 
-__all__ = ["CopyPointer", "new_copy"]
+__all__ = ["CopyPointer", "Verdict", "new_copy"]
+
+#: May a copy go on: "go"; refused while another copy of the task runs ("running": the
+#: seats held under the task's id are that copy's); refused ("stale").
+Verdict = Literal["go", "stale", "running"]
+_VERDICTS: dict[int, Verdict] = {1: "go", 0: "stale", 2: "running"}
 
 
 class CopyPointer:
@@ -35,8 +41,8 @@ class CopyPointer:
         self.ttl_ms = int(ttl * 1000)
         self._script = client.register_script(source(__package__, "copies.lua"))
 
-    def move(self, task_id: str, retries: int, state: WaitState, then: str) -> bool:
-        """May this copy go on?  If so, point the task at ``then``.
+    def move(self, task_id: str, retries: int, state: WaitState, then: str) -> Verdict:
+        """May this copy go on ("go")?  If so, point the task at ``then``.
 
         ``then`` is a successor's copy id, or "ran:"/"done:" (this copy's id is
         appended).  One script call per start, end and re-publish of an
@@ -47,7 +53,8 @@ class CopyPointer:
         mine = state.copy_id
         then_value = then + mine if then.endswith(":") else then
         key = copy_key(self.prefix, task_id, retries)
-        return bool(self._script(keys=[key], args=[mine, state.prev, then_value, self.ttl_ms]))
+        return _VERDICTS[int(self._script(keys=[key],
+                                          args=[mine, state.prev, then_value, self.ttl_ms]))]
 
 
 def new_copy() -> str:

@@ -39,7 +39,7 @@ from ..room.header import HEADER, WaitState, spacing_of
 from ..room.queues import MAX_AHEAD_US, entry_id
 from ..values import from_us, to_us
 from . import leases, shadow
-from .copies import new_copy
+from .copies import Verdict, new_copy
 from .notes import NOTE_AFTER_MS, wait_note, write_note
 from .runtime import INSTALLED, Runtime
 from .visible import announce
@@ -137,25 +137,32 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     holder = str(request.id) if concurrent else ""
     if not limits:
         admitted = True  # (every limit is in shadow mode)
-    elif charged == "c" and arrived and _turn_kept(task, runtime, limits, state, arrived_at,
-                                                   asked):
+    elif charged == "c" and arrived and _seats_kept(task, runtime, concurrent, holder, state) \
+            and _turn_kept(task, runtime, limits, state, arrived_at, asked):
         admitted = True  # its turn came in its queue: every limit was charged for it
     elif charged == "t" and arrived:
         raise ThrottleTimeout.exceeded(task.name, limits[0].name if limits else "",
                                        _waited(runtime, state), max_wait or 0.0)
     else:
         admitted = _wait_for_slot(task, runtime, limits, max_wait, state, holder, arrived)
-    if admitted:
-        if concurrent:
-            # Recorded before anything else may raise: postrun gives it back.
-            setattr(request, _LEASED, leases.hold(runtime.gate, concurrent, holder))
-        setattr(request, leases.ADMITTED, leases.Admitted(runtime.gate, limits, estimated or set()))
     if getattr(task, "acks_late", False):
-        if not _move_pointer(task, runtime, state, "ran:"):
+        # Before the seats are held: a copy refused here must not keep them renewed.
+        verdict = _move_pointer(task, runtime, state, "ran:")
+        if verdict != "go":
+            if admitted and concurrent and verdict == "stale":
+                # No other copy of the task runs: the seats just given under its id
+                # are this copy's alone, and go back now rather than a lease later.
+                with contextlib.suppress(redis.RedisError):
+                    runtime.gate.release(concurrent, holder)
             logger.warning("throttle: task %s[%s] dropped: a stale copy (a node died while "
                            "re-scheduling it; its newer copy goes on)", task.name, request.id)
             raise Ignore()
         setattr(request, _STARTED, (runtime, state))  # for _run_ended
+    if admitted:
+        if concurrent:
+            # Recorded before anything else may raise: the gated run gives it back.
+            setattr(request, _LEASED, leases.hold(runtime.gate, concurrent, holder))
+        setattr(request, leases.ADMITTED, leases.Admitted(runtime.gate, limits, estimated or set()))
     if shadowed:  # it starts now: what would the shadowed limits have said?
         setattr(request, _SHADOW_LEASED, shadow.decide(task, runtime, shadowed))
     metrics.admitted([lim.name for lim in limits + shadowed])
@@ -519,6 +526,29 @@ def _waits_in_line(task: Task[Any, Any], runtime: Runtime, state: WaitState, new
                 task.name, task.request.id, blocking.name, wait, new.deferrals)
 
 
+def _seats_kept(task: Task[Any, Any], runtime: Runtime, concurrent: list[Concurrency],
+                holder: str, state: WaitState) -> bool:
+    """A task dispatched from its line with seats taken for it: are they still its own?
+
+    The seats were taken at dispatch for a lease's time, renewed by nobody
+    while the copy travels.  A copy that comes later than that (its node was
+    killed and the broker restored it after its visibility timeout) may find
+    them given to the next in line: it takes a free one again, or asks again.
+    """
+    if not concurrent:
+        return True
+    try:
+        lost = runtime.gate.extend(concurrent, holder)
+    except redis.RedisError as exc:
+        metrics.store_error([lim.name for lim in concurrent])
+        _store_failed(task, runtime, state, exc)
+        return True  # (policy "allow")
+    if lost:
+        logger.info("throttle: task %s[%s] arrived after its seat was given to another; "
+                    "asking again", task.name, task.request.id)
+    return not lost
+
+
 def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
                state: WaitState, arrived_at: int | None, asked: float) -> bool:
     """A task dispatched from its queue: wait for the start it was charged for; in time?
@@ -665,7 +695,8 @@ def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> 
     return now or None
 
 
-def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, then: str) -> bool:
+def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState,
+                  then: str) -> Verdict:
     """acks_late: may this copy go on (``CopyPointer.move``)?  Store down: yes.
 
     With the store down a copy re-published meanwhile names this one as its
@@ -678,7 +709,7 @@ def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, then
     except redis.RedisError as exc:
         if then == "ran:":
             _store_failed(task, runtime, state, exc)
-        return True
+        return "go"
 
 
 def _limit_name(decision: Decision, limits: list[AnyLimit]) -> str:

@@ -44,6 +44,10 @@ class Held:
     holder: str
     since: float = field(default_factory=time.monotonic)
     lost: bool = False
+    released: bool = False
+    # Taken by a renewal and by the release: a renewal that overtook the release would
+    # take the freed seat again, held by nobody for a lease.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 @dataclass
@@ -107,7 +111,10 @@ class _Heartbeat:
 
     def _renew(self, held: Held) -> None:
         try:
-            lost = held.gate.extend(held.limits, held.holder)
+            with held.lock:
+                if held.released:
+                    return
+                lost = held.gate.extend(held.limits, held.holder)
         except redis.RedisError as exc:
             # Renewal is retried at the next beat; a lease outlives a few misses.
             logger.warning("throttle: could not renew the leases of task %s (%s: %s)",
@@ -134,7 +141,9 @@ def release(held: Held) -> None:
     """Give the leases back (best effort: if the store is down they expire on their own)."""
     _heartbeat.remove(held)
     try:
-        held.gate.release(held.limits, held.holder, time.monotonic() - held.since)
+        with held.lock:
+            held.released = True
+            held.gate.release(held.limits, held.holder, time.monotonic() - held.since)
     except redis.RedisError as exc:
         logger.warning("throttle: could not release the leases of task %s (%s: %s); they "
                        "expire within %.0fs", held.holder, type(exc).__name__, exc,

@@ -322,9 +322,13 @@ def ensure_gated(task: Task[Any, Any]) -> None:
             return run(*args, **kwargs)
         limits = call.limits
         admitted = False
-        with contextlib.suppress(Ignore):  # raised again below, shallow
-            admit(task, runtime, limits, call.max_wait, call.estimated, call.coded)
-            admitted = True
+        try:
+            with contextlib.suppress(Ignore):  # raised again below, shallow
+                admit(task, runtime, limits, call.max_wait, call.estimated, call.coded)
+                admitted = True
+        finally:
+            if not admitted:  # (a seat held before admission gave up is renewed by nobody)
+                release_leases_of(task)
         if not admitted:
             _end_run()
         # The start this run was admitted for: a gated HTTP transport under the

@@ -363,3 +363,29 @@ def test_fault_points_are_named_and_unknown_ones_refused() -> None:
     assert seen == ["batch"]
     with pytest.raises(ValueError, match=r"unknown fault point 'dispatch\.before_publish2'"):
         faults.inject("dispatch.before_publish2", seen.append)
+
+
+def test_a_stale_copy_dropped_at_its_start_leaves_no_seat_held(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """acks_late: a message of a task that already ran comes again (its node died before its
+    ack reached the broker).  Dropped at its start, it gives back the seat it was admitted
+    to at once: the next task of the one-seat limit runs, not after a lease nor never."""
+    from celery_throttle.core.keys import copy_key
+
+    from ..servers import until
+
+    store = redis.Redis.from_url(f"{redis_base}/11", decode_responses=True)
+    with worker_nodes(redis_base, ("w1",), conf=ACKS_LATE, queues=("celery",)) as nodes:
+        first = capp.one_slot.apply_async((0,))
+        pointer = copy_key("throttle", first.id, 0)
+        until("the first run ended", lambda: str(store.get(pointer) or "").startswith("done:"),
+              timeout=30)
+        capp.one_slot.apply_async((0,), task_id=first.id)  # its message, once more
+        until("the copy is dropped", lambda: "dropped: a stale copy" in logs(nodes),
+              timeout=30)
+        after = capp.one_slot.apply_async((0,))
+        states = wait_results([after], timeout=20)  # the seat's lease is 30 s
+    assert states == ["SUCCESS"]
+    assert Counter(r["id"] for r in read_records(records, expect=2, timeout=0)) == Counter(
+        {first.id: 1, after.id: 1})

@@ -12,12 +12,12 @@ SCRIPT = source("celery_throttle.integration", "copies.lua")
 
 @pytest.fixture
 def go(client: redis.Redis, prefix: str):  # type: ignore[no-untyped-def]
-    """go(mine, prev, then) -> bool, on this test's own pointer key."""
+    """go(mine, prev, then) -> may it go on, on this test's own pointer key."""
     script = client.register_script(SCRIPT)
     key = f"{{{prefix}}}:copy:task:0"
 
     def call(mine: str, prev: str, then: str) -> bool:
-        return bool(script(keys=[key], args=[mine, prev, then, 60_000]))
+        return int(script(keys=[key], args=[mine, prev, then, 60_000])) == 1
 
     return call
 
@@ -76,11 +76,45 @@ def test_hops_while_the_store_is_down_keep_the_pointers_copy(
     pointer = CopyPointer(client, prefix, 60)
     known = WaitState() if first == "-" else WaitState(copy="c1", prev="-")
     if first != "-":
-        assert pointer.move("t", 0, WaitState(), "c1")  # the user's message handed over
+        assert pointer.move("t", 0, WaitState(), "c1") == "go"  # the user's message handed over
     hops = [known]
     for copy in ("h1", "h2", "h3"):
         hops.append(hops[-1].unmoved_successor(copy))
     assert [h.prev for h in hops[1:]] == [known.copy_id] * 3
-    assert pointer.move("t", 0, hops[-1], "ran:")
-    assert not pointer.move("t", 0, hops[1], "ran:")  # an older hop, redelivered
+    assert pointer.move("t", 0, hops[-1], "ran:") == "go"
+    assert pointer.move("t", 0, hops[1], "ran:") == "running"  # an older hop, redelivered
     assert hops[-1].to_header()["unmoved"] == 1
+
+
+def test_a_store_that_lost_the_pointer_lets_the_re_published_copy_run(
+        client: redis.Redis, prefix: str) -> None:
+    """The store comes back empty while a copy re-published during its outage waits: that
+    copy, naming a predecessor the store no longer knows, goes on, and only once."""
+    from celery_throttle.core.keys import copy_key
+    from celery_throttle.integration.copies import CopyPointer
+    from celery_throttle.room.header import WaitState
+
+    pointer = CopyPointer(client, prefix, 60)
+    assert pointer.move("t", 0, WaitState(), "c1") == "go"  # the user's message handed over to c1
+    c1 = WaitState(copy="c1", prev="-")
+    c2 = c1.unmoved_successor("c2")  # c1 re-published while the store was down
+    client.delete(copy_key(prefix, "t", 0))  # ... which then restarted with nothing
+    assert pointer.move("t", 0, c2, "ran:") == "go"
+    assert pointer.move("t", 0, c1, "ran:") == "running"  # c1 redelivered while c2 runs
+    assert pointer.move("t", 0, c2, "done:") == "go"
+    assert pointer.move("t", 0, c2, "ran:") == "stale"
+
+
+def test_a_copy_refused_while_another_runs_says_so(client: redis.Redis, prefix: str) -> None:
+    """A stale copy refused while the copy that took the pointer runs is told apart from
+    one refused after the task ended: the seats under the task's id are the runner's."""
+    from celery_throttle.integration.copies import CopyPointer
+    from celery_throttle.room.header import WaitState
+
+    pointer = CopyPointer(client, prefix, 60)
+    assert pointer.move("t", 0, WaitState(), "c1") == "go"
+    c1 = WaitState(copy="c1", prev="-")
+    assert pointer.move("t", 0, c1, "ran:") == "go"
+    assert pointer.move("t", 0, WaitState(copy="c9", prev="-"), "ran:") == "running"
+    assert pointer.move("t", 0, c1, "done:") == "go"
+    assert pointer.move("t", 0, WaitState(copy="c9", prev="-"), "ran:") == "stale"

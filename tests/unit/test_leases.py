@@ -362,3 +362,16 @@ def test_a_report_rejects_bad_values(cgate: Gate, remaining: object, reset: obje
     with pytest.raises(ValueError, match="invalid"):
         cgate.follow([Limit("x", parse_rate("1/s"))], remaining=remaining,  # type: ignore[arg-type]
                      reset=reset)  # type: ignore[arg-type]
+
+
+def test_a_renewal_after_the_release_takes_no_seat(gate: Gate) -> None:
+    """The heartbeat renews a run's seats just as the run gives them back: the freed seat
+    stays free (a renewal that came second would hold it for nobody a whole lease)."""
+    from celery_throttle.integration import leases
+
+    one = Concurrency("solo", 1)
+    assert gate.acquire_many([one], holder="t1").allowed
+    held = leases.hold(gate, [one], "t1")
+    leases.release(held)
+    leases._heartbeat._renew(held)  # the beat had read the run's seats before the release
+    assert gate.inspect_leases(one).held == 0

@@ -1,7 +1,9 @@
 -- Which copy of an acks_late task's message may go on (see defer.py).
 --
--- KEYS[1]  the task's pointer ({prefix}:copy:<id digest>:<retries>); absent means
---          "-", the message the user sent
+-- KEYS[1]  the task's pointer ({prefix}:copy:<id digest>:<retries>); absent until
+--          the user's message ("-") first moves it, and again after the store
+--          lost its data (a restart without persistence, a flush) or the pointer
+--          outlived its TTL
 -- ARGV[1]  this copy's id ("-" for the user's message)
 -- ARGV[2]  the copy that published this one ("" for the user's message)
 -- ARGV[3]  what the pointer becomes if this copy may go on:
@@ -15,12 +17,22 @@
 -- not be moved: store down, or a crash between the publish and the move).
 -- Whichever of two such copies starts or moves on first takes the pointer,
 -- and the other is refused.  "done:" refuses every copy: the task ran.
--- Returns 1 if this copy may go on, else 0.
-local current = redis.call('GET', KEYS[1]) or '-'
+-- An absent pointer lets any copy go on and take it: past the user's first
+-- message only a store that lost its data has no pointer, and then nothing
+-- tells a stale copy from the one that carries the task (a copy
+-- re-published while the store was down names a predecessor the empty store
+-- never heard of): running it beats losing it, as in arrive.lua.
+-- Returns 1 if this copy may go on; else 2 if another copy of the task has
+-- started and not ended (the concurrency seats held under the task's id are
+-- that copy's), else 0.
+local current = redis.call('GET', KEYS[1])
 local mine, prev = ARGV[1], ARGV[2]
-if current == mine or current == 'ran:' .. mine
+if not current or current == mine or current == 'ran:' .. mine
     or (prev ~= '' and (current == prev or current == 'ran:' .. prev)) then
   redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
   return 1
+end
+if string.sub(current, 1, 4) == 'ran:' then
+  return 2
 end
 return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from typing import cast
 
 import redis
 
@@ -413,4 +414,29 @@ def test_a_task_whose_seat_is_full_at_its_turn_moves_to_the_seat_line_in_its_pla
     gate.release([seat], "running")
     out = _serve_all(queues, within=3.0, want=1)
     assert [e for e, _, _ in out] == ["early"]
+    gate.close()
+
+
+def test_seats_whose_leases_end_soon_are_served_one_task_each(client: redis.Redis,
+                                                              prefix: str) -> None:
+    """concurrency=3, every seat held by a holder that stopped renewing, the three leases
+    ending within the dispatch's lead: three tasks of the seat's line are served, one for
+    each lease that ends, and the fourth waits for a seat as the others do."""
+    gate = Gate(client, prefix=prefix)
+    seats = Concurrency("llm", 3, lease=30)
+    queues = Queues(client, prefix)
+    now = _now_us(client)
+    for holder in ("dead-1", "dead-2", "dead-3"):
+        assert gate.acquire_many([seats], holder=holder).allowed
+        client.zadd(seats.key_in(prefix), {holder: now + 200_000}, xx=True)
+    for i in range(10):
+        queues.enqueue(f"e{i}", b"m", f"t{i}", limits=[seats], blocking=seats,
+                       place_us=now + i)
+    _, served = queues.serve_due(50, TIMEOUT_US, lead_us=500_000)
+    assert [s.entry for s in served] == ["e0", "e1", "e2"]
+    leases = cast(list[tuple[bytes, float]],
+                  client.zrange(seats.key_in(prefix), 0, -1, withscores=True))
+    assert sorted(h for h, _ in leases) == [b"dead-1", b"dead-2", b"dead-3", b"t0", b"t1", b"t2"]
+    # Until its copy arrives a served seat is held for the trip's allowance, not a lease.
+    assert max(float(score) for _, score in leases) < now + 11_000_000
     gate.close()

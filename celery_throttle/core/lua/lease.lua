@@ -30,23 +30,29 @@ local function reclaim(lim)
   end
 end
 
--- Give `who` a lease in `lim` from `at` (us; its start is noted then).
-local function take(lim, who, at)
-  redis.call('ZADD', lim.key, at + lim.lease, who)
-  keep_at_least(lim.key, math.ceil((at - now + lim.lease) / 1000))
+-- Give `who` a lease in `lim` from `at` (us; its start is noted then), of
+-- `length` us (default: the limit's lease).
+local function take(lim, who, at, length)
+  local lease = length or lim.lease
+  redis.call('ZADD', lim.key, at + lease, who)
+  keep_at_least(lim.key, math.ceil((at - now + lease) / 1000))
   redis.call('HSETNX', lim.meta, 's:' .. who, us(at))
   keep_at_least(lim.meta, META_TTL_MS)
 end
 
 -- How long until `who` may take a seat of `lim` (after reclaim): 0 while it
--- holds one or one is free, else until the earliest lease ends (its holder
--- gives it back sooner, as a rule: the release says so), or the pause.
+-- holds one or one is free, else until the lease whose end frees a seat ends
+-- (its holder gives it back sooner, as a rule: the release says so), or the
+-- pause.  Seats taken ahead, for leases about to end, are counted: with held
+-- leases over the seats, the (held - slots + 1)th to end is the one that
+-- frees a seat, not the first (each lease that ends frees one seat, once).
 local function seat_wait(lim, who)
   local wait = meta_num(lim, 'pause') - now
-  if not redis.call('ZSCORE', lim.key, who)
-      and redis.call('ZCARD', lim.key) >= lim.slots then
-    local first = redis.call('ZRANGE', lim.key, 0, 0, 'WITHSCORES')
-    wait = math.max(wait, tonumber(first[2]) - now)
+  local held = redis.call('ZCARD', lim.key)
+  if held >= lim.slots and not redis.call('ZSCORE', lim.key, who) then
+    local k = held - lim.slots
+    local freeing = redis.call('ZRANGE', lim.key, k, k, 'WITHSCORES')
+    wait = math.max(wait, tonumber(freeing[2]) - now)
   end
   return math.max(wait, 0)
 end

@@ -78,6 +78,7 @@ before the first arrival has measured a trip.
 local t = redis.call('TIME')
 now = tonumber(t[1]) * 1000000 + tonumber(t[2]) -- declared by bucket.lua
 local op = ARGV[1]
+local TRIP_LEASE_US = 10000000 -- a served seat's lease until its copy arrives
 
 local function ahead_of(trip, most, lead)
   local est = redis.call('HMGET', trip, 'avg', 'dev')
@@ -314,7 +315,10 @@ local function serve(q)
         local at = now + math.max(wait, 0)
         for i, lim in ipairs(lims) do
           if lim.concurrent then
-            take(lim, task.t, at)
+            -- Held for the copy's trip only: its arrival renews it for a whole
+            -- lease, and a copy that never comes (stuck with a node or a broker
+            -- that went down) blocks the seat for a trip's allowance, not a lease.
+            take(lim, task.t, at, math.min(lim.lease, TRIP_LEASE_US))
           else
             write_rate(lim.key, charged(lim, state[i][1], at), state[i][2], state[i][3])
           end

@@ -76,6 +76,14 @@ _OUTAGE_HEADER = (
     "with an urgent task sent behind it (see the module's docstring).\n")
 
 
+_SOAK_HEADER = (
+    "## 9. The soak: faults one after another under over-limit traffic\n\n"
+    "`python -m benchmarks.soak`. Two nodes, three limits, five faults (two node kills, the "
+    "store, the broker, a warm restart) under 1.2x each limit's capacity, on a Redis and a "
+    "RabbitMQ broker, the store with and without persistence, beside Celery alone under the "
+    "same faults (see the module's docstring).\n")
+
+
 def _module(name: str, *args: str, timeout: float) -> str:
     """What ``python -m name args`` prints (a section run in its own process)."""
     return subprocess.run([sys.executable, "-m", name, *args], capture_output=True, text=True,
@@ -175,6 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     doc.append(_OUTAGE_HEADER)
     doc.append(_module("benchmarks.outage", "--n", "100" if args.quick else "300", "--runs",
                        "1" if args.quick else "2", timeout=1800))
+    print("section 9: the soak", file=sys.stderr, flush=True)
+    doc.append(_SOAK_HEADER)
+    doc.append(_module("benchmarks.soak", *(["--duration", "60", "--drain", "90"]
+                                            if args.quick else []), timeout=7200))
     doc.append(f"\n_Whole run: {time.monotonic() - began:.0f} s._\n")
     text = "\n".join(doc)
     (ROOT / "BENCHMARKS.md").write_text(text)

@@ -245,6 +245,9 @@ def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration:
             logs.mkdir(parents=True, exist_ok=True)
             name = f"{broker_kind}-{store_kind}-{'ours' if throttle else 'celery'}-{seed}.log"
             (logs / name).write_text("\n".join(fleet.logs))
+            (logs / name).with_suffix(".records").write_text("\n".join(
+                json.dumps(json.loads(r)) for r in records.lrange("soak:start", 0, -1)
+                + records.lrange("soak:end", 0, -1)))
     result = _judge(sent, records, t0, store_back if store_kind == "none" else 0.0)
     result.update(broker=broker_kind, store=store_kind if throttle else "-",
                   throttle=throttle, seed=seed, held=held,

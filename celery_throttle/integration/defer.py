@@ -54,6 +54,9 @@ _STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of 
 _LEASED = "_celery_throttle_leased"  # request attribute: the leases.Held of this run
 _SHADOW_LEASED = "_celery_throttle_shadow_leased"  # ... its shadow leases (shadow.py)
 _LATE = "_celery_throttle_late"  # request attribute: how late after its slot it was admitted
+# A re-publish retries for about 80 s (20 tries, 0.5 s apart growing to 5 s).
+_REPUBLISH_RETRY: dict[str, Any] = {"max_retries": 20, "interval_start": 0.5,
+                                    "interval_step": 0.5, "interval_max": 5.0}
 
 
 def admitted_late(task: Task[Any, Any]) -> float:
@@ -736,8 +739,24 @@ def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> None
     app = task.app
     with app.producer_or_acquire() as producer:
         envelope.publish(producer, queues=app.amqp.queues,
-                         retry_policy=app.conf.task_publish_retry_policy)
+                         retry_policy=_outlasting(app.conf.task_publish_retry_policy))
     faults.at("defer.after_republish", task)
+
+
+def _outlasting(policy: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The app's publish retry policy, stretched to outlast a broker's restart.
+
+    A task that must wait and cannot be sent back has nowhere to go: Celery's
+    default policy gives up within a second, and the task would fail with
+    the broker's error, never run.  Waiting for the broker holds one pool
+    process, which has nothing to take from a broker that is down anyway.
+    """
+    merged = {**_REPUBLISH_RETRY, **(policy or {})}
+    merged["max_retries"] = max(int(merged.get("max_retries") or 0),
+                                int(_REPUBLISH_RETRY["max_retries"]))
+    merged["interval_max"] = max(float(merged.get("interval_max") or 0.0),
+                                 float(_REPUBLISH_RETRY["interval_max"]))
+    return merged
 
 
 def _expire(task: Task[Any, Any], decision: Decision) -> None:

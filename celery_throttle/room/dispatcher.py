@@ -37,6 +37,7 @@ the first copy (``lua/arrive.lua``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections import deque
@@ -47,6 +48,7 @@ import redis
 from celery import Celery
 from celery.worker.state import REVOKES_MAX
 from kombu import Queue
+from kombu.exceptions import ChannelError
 
 from .. import faults
 from ..core.keys import room_key
@@ -73,6 +75,10 @@ _BACKOFF = 1.0
 CANCEL_BATCH = 500
 #: The suffix of a queue's lane for dispatched tasks.
 LANE = ".dispatched"
+#: Copies a lane may hold, not yet fetched by any worker, before lines are held.
+LANE_SLACK = 4
+# While a lane is backed up, look again this soon (seconds).
+_HOLD = 0.05
 
 
 def lane_of(queue: str) -> str:
@@ -140,6 +146,8 @@ class Dispatcher:
         self._thread = NativeThread(self._run, "celery-throttle-dispatcher")
         self._connection: Any = None  # to the broker, made by the first publish
         self._publisher: Any = None
+        self._lanes: set[str] = set()  # the lanes this dispatcher published to
+        self._probe: Any = None  # a channel that counts a lane's copies (_backed_up)
 
     def start(self) -> None:
         """Start the thread."""
@@ -181,6 +189,8 @@ class Dispatcher:
             faults.at("dispatch.before_publish", parked)
             self._publish(parked)
         self._restore_kept()
+        if self._backed_up():
+            return min(wait, _HOLD) if wait is not None else _HOLD
         turn, served = self.room.queues.serve_due(BATCH, self.timeout_us, self.revoked,
                                                   lead_us=self.lead_us)
         if served:
@@ -188,6 +198,27 @@ class Dispatcher:
             self._publish(served)
         waits = [w for w in (wait, turn) if w is not None]
         return min(waits) if waits else None
+
+    def _backed_up(self) -> bool:
+        """Do copies wait in a lane, not fetched by any worker (every consumer's prefetch is
+        full)?  Lines are then held: a copy served now would be charged its start and
+        reach a worker after it, lose it and be served again behind the same backlog, so
+        a backlog, once there, would keep every start late.  Held, the lines keep their
+        tasks uncharged until the workers have caught up."""
+        if not self._lanes:
+            return False
+        try:
+            if self._probe is None:
+                self._producer()  # (its connection)
+                self._probe = self._connection.channel()
+            waiting = 0
+            for lane in self._lanes:
+                with contextlib.suppress(ChannelError):  # (an empty Redis lane is no list)
+                    waiting += self._probe.queue_declare(queue=lane, passive=True).message_count
+        except Exception:
+            self._probe = None  # (an AMQP channel closes on an error: open another)
+            return False
+        return waiting > LANE_SLACK
 
     def _restore_kept(self) -> None:
         """The store's epoch changed (or was never checked here): if the tasks kept beside
@@ -231,6 +262,7 @@ class Dispatcher:
             by_name = not envelope.exchange
             if by_name:  # addressed to its queue by name: use its lane
                 envelope = envelope.to(lane_of(envelope.routing_key))
+                self._lanes.add(envelope.routing_key)
             # (Workers declare the lane when they consume it; the publish does too.)
             envelope.publish(producer, queues=queues if by_name else None,
                              retry_policy=policy)

@@ -46,7 +46,7 @@ from ..core.scripts import EPOCH, joined, source
 from ..values import US_PER_SECOND, from_us, text
 from .envelope import Envelope
 from .keeper import Keeper
-from .queues import Queues, Served, Weights, entry_id, queues_of
+from .queues import MAX_AHEAD_US, Queues, Served, Weights, entry_id, queues_of
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 
@@ -237,7 +237,8 @@ class WaitingRoom:
         now = int(self._arrive(keys=[self.messages, self.claimed, marker, self.epoch,
                                       self.trip, self.queues.entries, self.notes, wait],
                                 args=[entry, token, marker_ttl_ms, epoch,
-                                      key_digest(task_id) if task_id else "", note_ttl_ms]))
+                                      key_digest(task_id) if task_id else "", note_ttl_ms,
+                                      MAX_AHEAD_US]))
         if took == 1 and not now:
             # The store saw another copy of the entry, or none, but this one took the kept
             # copy: it is the first (the store's view of it was lost, or restored).

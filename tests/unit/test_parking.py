@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import redis
 from redis.cluster import RedisCluster
 
@@ -334,15 +335,30 @@ def test_dispatches_run_ahead_by_the_measured_trip(client: redis.Redis, prefix: 
     """Arrivals measure dispatch -> arrival; later dispatches go out that much ahead of time."""
     room = WaitingRoom(client, prefix)
     room.park("first", b"m", "t1", delay_us=LATER_US)
-    dispatched_3s_ago = f"{_now_us(client) - 3_000_000}.1"  # the token carries the dispatch time
-    assert room.arrive("first", dispatched_3s_ago, 0) > 0
+    dispatched_ago = f"{_now_us(client) - 400_000}.1"  # the token carries the dispatch time
+    assert room.arrive("first", dispatched_ago, 0) > 0
     assert client.hget(room.trip, "avg") is not None
-    room.park("in-2s", b"m", "t2", delay_us=2_000_000)
+    room.park("in-0.3s", b"m", "t2", delay_us=300_000)
     room.park("in-9s", b"m", "t3", delay_us=9_000_000)
     wait, dispatched = room.claim_due(10, 60_000_000)
-    assert [p.entry for p in dispatched] == ["in-2s"]  # 2 s ahead, within the 3 s trip
+    assert [p.entry for p in dispatched] == ["in-0.3s"]  # within the 0.4 s trip
     assert wait is not None
-    assert 5.9 < wait <= 6.0  # the next goes out 3 s before its time too
+    assert 8.5 < wait <= 8.6  # the next goes out 0.4 s before its time too
+
+
+def test_a_trip_longer_than_any_dispatch_ahead_is_not_counted(
+        client: redis.Redis, prefix: str) -> None:
+    """A copy that took longer than the most a task is dispatched ahead waited in a queue
+    (a lane backed up, a copy restored after its node died): the estimate keeps its
+    value, so the copies after it are not dispatched further ahead."""
+    from celery_throttle.room.queues import MAX_AHEAD_US
+
+    room = WaitingRoom(client, prefix)
+    for entry, ago in (("quick", 20_000), ("queued", MAX_AHEAD_US + 1_000_000)):
+        room.park(entry, b"m", entry, delay_us=LATER_US)
+        assert room.arrive(entry, f"{_now_us(client) - ago}.1", 0) > 0
+    avg = int(client.hget(room.trip, "avg") or 0)
+    assert 20_000 <= avg < 25_000  # the queued copy's 1.5 s left no trace
 
 
 def test_prometheus_collector_reports_each_limits_line(redis_url: str, prefix: str) -> None:
@@ -399,4 +415,38 @@ def test_an_idle_dispatcher_stops_at_once_and_leaves_no_key(redis_url: str, clie
     assert not dispatcher._thread.is_alive()
     assert took < IDLE / 5, f"stop took {took:.2f}s"
     assert client.keys(f"{{{prefix}}}:room:bell:*") == []
+    app.close()
+
+
+def test_a_backed_up_lane_holds_the_lines(redis_url: str, prefix: str) -> None:
+    """Copies wait in a lane that no worker fetches: the dispatcher serves no line (each
+    copy served would reach its worker after its start) until the lane is read again."""
+    from celery import Celery
+    from kombu import Connection
+
+    from celery_throttle.room.dispatcher import LANE_SLACK, Dispatcher
+    from celery_throttle.testing import server_url
+
+    broker = f"{server_url(redis_url)}/9"
+    app = Celery("lanes", broker=broker, set_as_current=False)
+    dispatcher = Dispatcher(app, lambda **o: redis.Redis.from_url(redis_url, **o), prefix,
+                            timeout=60)
+    lane = f"{prefix}.dispatched"
+    dispatcher._lanes.add(lane)
+    with Connection(broker) as conn:
+        queue = conn.SimpleQueue(lane)
+        try:
+            assert not dispatcher._backed_up()  # (no such list yet)
+            for i in range(LANE_SLACK + 1):
+                queue.put({"i": i})
+            assert dispatcher._backed_up()
+            assert dispatcher.dispatch_due() == pytest.approx(0.05)  # looks again soon
+            queue.get(timeout=1).ack()
+            assert not dispatcher._backed_up()
+        finally:
+            queue.clear()
+            queue.close()
+    if dispatcher._connection is not None:
+        dispatcher._connection.release()
+    dispatcher.client.close()
     app.close()

@@ -23,9 +23,14 @@ ARGV[3]  marker TTL, milliseconds; 0 = no marker (not acks_late: its message
 ARGV[4]  the epoch the entry was parked in
 ARGV[5]  the task's field in KEYS[7] (its id's digest), "" for none
 ARGV[6]  how long the moved note is kept, milliseconds
+ARGV[7]  the longest trip that counts, us (queues.MAX_AHEAD_US)
 
 The first arrival also measures the trip from its dispatch (the token is
 "<dispatch time>.<n>") into the trip estimate the dispatcher dispatches ahead by.
+A trip longer than the most a task is dispatched ahead is a wait in a queue (a
+lane backed up, a copy restored after its node died), not the way there: it is
+left out, since counting it would have every timely copy after it sleep the
+difference in a worker process, and those sleeps back the lane up further.
 
 Reply: this server's time (us, > 0) when this copy goes on, 0 when it is a
 duplicate
@@ -48,11 +53,10 @@ if redis.call('HDEL', KEYS[1], entry) == 1 then
     end
   end
   local dispatched = tonumber(string.match(ARGV[2], '^(%d+)%.'))
-  if dispatched then
-    local trip = now - dispatched
+  local trip = dispatched and math.max(now - dispatched, 0)
+  if trip and trip <= tonumber(ARGV[7]) then
     -- Moving averages of the trip and of its deviation, an eighth of the way
-    -- per arrival (as TCP estimates a round trip), capped at a minute.
-    trip = math.min(math.max(trip, 0), 60000000)
+    -- per arrival (as TCP estimates a round trip).
     local avg = tonumber(redis.call('HGET', KEYS[5], 'avg') or trip)
     local dev = tonumber(redis.call('HGET', KEYS[5], 'dev') or 0)
     dev = dev + (math.abs(trip - avg) - dev) / 8

@@ -21,7 +21,10 @@ broker once more without it (``SOAK_THROTTLE=0``, the same tasks and faults:
 Celery alone), so a loss or re-run that Celery causes is told apart from ours.
 
 Counted from the records (a start and an end per run, on a Redis never
-killed): tasks published, never run, run to the end twice (a task killed
+killed): tasks published, never run (and of those, never received by any
+worker: lost by the broker or its transport before Celery saw them, as
+kombu's Redis transport does with a message it popped when a node or the
+broker dies), run to the end twice (a task killed
 mid-run and run again is acks_late's at-least-once: counted apart); the most
 starts of the rate limit and of one tenant in any 1 s window, outside the 3 s
 after the store came back (a store that lost its data may admit one more
@@ -44,7 +47,7 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,7 +251,9 @@ def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration:
             (logs / name).with_suffix(".records").write_text("\n".join(
                 json.dumps(json.loads(r)) for r in records.lrange("soak:start", 0, -1)
                 + records.lrange("soak:end", 0, -1)))
-    result = _judge(sent, records, t0, store_back if store_kind == "none" else 0.0)
+    seen = "\n".join(fleet.logs)
+    result = _judge(sent, records, t0, store_back if store_kind == "none" else 0.0,
+                    lambda task_id: f"[{task_id}] received" in seen)
     result.update(broker=broker_kind, store=store_kind if throttle else "-",
                   throttle=throttle, seed=seed, held=held,
                   faults=", ".join(f"{w} {t:.0f}" for t, w in done))
@@ -265,15 +270,17 @@ def _seats_held(env: dict[str, str]) -> int | None:
     return None
 
 
-def _judge(sent: dict[str, str], records: redis.Redis, t0: float,
-           store_back: float) -> dict[str, Any]:
+def _judge(sent: dict[str, str], records: redis.Redis, t0: float, store_back: float,
+           received: Callable[[str], bool]) -> dict[str, Any]:
     starts = [json.loads(r) for r in records.lrange("soak:start", 0, -1)]
     ends = [json.loads(r) for r in records.lrange("soak:end", 0, -1)]
     started, ended = Counter(s["id"] for s in starts), Counter(e["id"] for e in ends)
     out: dict[str, Any] = {}
     for group in ("rate", "tenant", "seats"):
         ids = [i for i, kind in sent.items() if kind == group]
-        out[group] = {"published": len(ids), "never": sum(1 for i in ids if not started[i]),
+        never = [i for i in ids if not started[i]]
+        out[group] = {"published": len(ids), "never": len(never),
+                      "unreceived": sum(1 for i in never if not received(i)),
                       "unfinished": sum(1 for i in ids if started[i] and not ended[i]),
                       "twice": sum(1 for i in ids if ended[i] > 1),
                       "reruns": sum(1 for i in ids if started[i] > 1 and ended[i] <= 1)}
@@ -319,7 +326,9 @@ def _most_at_once(starts: list[dict[str, Any]], ends: list[dict[str, Any]]) -> i
 def _row(r: dict[str, Any]) -> str:
     def group(g: str) -> str:
         x = r[g]
-        return f"{x['published']} / {x['never']} / {x['twice']} / {x['reruns']}"
+        never = f"{x['never']}" + (f" ({x['unreceived']} unreceived)" if x["unreceived"]
+                                   else "")
+        return f"{x['published']} / {never} / {x['twice']} / {x['reruns']}"
 
     who = "ours" if r["throttle"] else "Celery alone"
     held = "-" if r["held"] is None else str(r["held"])
@@ -349,7 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Over-limit traffic ({DEMAND}x each limit) for {args.duration:.0f} s under five "
           f"faults, then up to {args.drain:.0f} s to drain; 2 nodes x 4 prefork processes, "
           "acks_late.  Per limit: published / never ran / ran to the end twice / run again "
-          "after a kill mid-run (acks_late's own).\n")
+          "after a kill mid-run (acks_late's own).  Unreceived: a task that never ran and "
+          "that no worker logged as received (the broker lost it before any worker saw "
+          "it).\n")
     print("| broker | store | | seed | 10/s | 2/s per tenant | concurrency 3 | most in 1 s "
           "(bound 11) | most per tenant in 1 s (bound 3) | most at once (3 seats) "
           "| seats held after | 10/s used | last end, s |")

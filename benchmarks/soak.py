@@ -368,6 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stores", default="aof,none")
     parser.add_argument("--logs", type=Path, default=None)
     args = parser.parse_args(argv)
+    # A SIGTERM unwinds like an error: every server and worker started here is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     brokers = [b for b in args.brokers.split(",") if b]
     if "amqp" in brokers and not (Path("/usr/lib/rabbitmq/bin/rabbitmq-server").exists()
                                   or shutil.which("rabbitmq-server")):

@@ -25,9 +25,10 @@ from ..room.header import WaitState
 __all__ = ["CopyPointer", "Verdict", "new_copy"]
 
 #: May a copy go on: "go"; refused while another copy of the task runs ("running": the
-#: seats held under the task's id are that copy's); refused ("stale").
-Verdict = Literal["go", "stale", "running"]
-_VERDICTS: dict[int, Verdict] = {1: "go", 0: "stale", 2: "running"}
+#: seats held under the task's id are that copy's); refused ("stale"); too late for the
+#: start it was admitted for ("late": nothing moved).
+Verdict = Literal["go", "stale", "running", "late"]
+_VERDICTS: dict[int, Verdict] = {1: "go", 0: "stale", 2: "running", 3: "late"}
 
 
 class CopyPointer:
@@ -41,8 +42,12 @@ class CopyPointer:
         self.ttl_ms = int(ttl * 1000)
         self._script = client.register_script(source(__package__, "copies.lua"))
 
-    def move(self, task_id: str, retries: int, state: WaitState, then: str) -> Verdict:
+    def move(self, task_id: str, retries: int, state: WaitState, then: str, *,
+             latest_us: int = 0) -> Verdict:
         """May this copy go on ("go")?  If so, point the task at ``then``.
+
+        ``latest_us`` (server clock; 0: any time): the latest this copy may start;
+        past it the answer is "late" and nothing moves.
 
         ``then`` is a successor's copy id, or "ran:"/"done:" (this copy's id is
         appended).  One script call per start, end and re-publish of an
@@ -53,8 +58,8 @@ class CopyPointer:
         mine = state.copy_id
         then_value = then + mine if then.endswith(":") else then
         key = copy_key(self.prefix, task_id, retries)
-        return _VERDICTS[int(self._script(keys=[key],
-                                          args=[mine, state.prev, then_value, self.ttl_ms]))]
+        return _VERDICTS[int(self._script(
+            keys=[key], args=[mine, state.prev, then_value, self.ttl_ms, latest_us]))]
 
 
 def new_copy() -> str:

@@ -138,11 +138,13 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             request.delivery_info = info  # type: ignore[assignment]
     concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
     holder = str(request.id) if concurrent else ""
+    latest = 0  # the latest it may start, server clock (us; 0: any time)
     if not limits:
         admitted = True  # (every limit is in shadow mode)
     elif charged == "c" and arrived and _seats_kept(task, runtime, concurrent, holder, state) \
             and _turn_kept(task, runtime, limits, state, arrived_at, asked):
         admitted = True  # its turn came in its queue: every limit was charged for it
+        latest = _latest_start(runtime, limits, state)
     elif charged == "t" and arrived:
         raise ThrottleTimeout.exceeded(task.name, limits[0].name if limits else "",
                                        _waited(runtime, state), max_wait or 0.0)
@@ -150,7 +152,12 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         admitted = _wait_for_slot(task, runtime, limits, max_wait, state, holder, arrived)
     if getattr(task, "acks_late", False):
         # Before the seats are held: a copy refused here must not keep them renewed.
-        verdict = _move_pointer(task, runtime, state, "ran:")
+        verdict = _move_pointer(task, runtime, state, "ran:", latest_us=latest)
+        if verdict == "late":
+            logger.info("throttle: task %s[%s] ready after its turn (the store answered "
+                        "late); in line again", task.name, request.id)
+            admitted = _wait_for_slot(task, runtime, limits, max_wait, state, holder, arrived)
+            verdict = _move_pointer(task, runtime, state, "ran:")
         if verdict != "go":
             if admitted and concurrent and verdict == "stale":
                 # No other copy of the task runs: the seats just given under its id
@@ -578,6 +585,15 @@ def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     return False
 
 
+def _latest_start(runtime: Runtime, limits: list[AnyLimit], state: WaitState) -> int:
+    """The latest a task admitted for its turn may start (server clock, us; 0: any time):
+    its start plus the grace ``_turn_kept`` allowed it (the same start, rechecked in the
+    last store call before it starts)."""
+    if not state.slot or not any(isinstance(lim, Limit) for lim in limits):
+        return 0
+    return state.slot + to_us(_grace(runtime, limits, (1 << len(limits)) - 1))
+
+
 def _slept_to_start(task: Task[Any, Any], asked: float, ahead: float) -> float:
     """Sleep until a start ``ahead`` seconds after the moment this process asked for it
     (``asked``, its monotonic clock); how late it woke (``waiting.late_by``: seconds; a
@@ -699,7 +715,7 @@ def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> 
 
 
 def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState,
-                  then: str) -> Verdict:
+                  then: str, *, latest_us: int = 0) -> Verdict:
     """acks_late: may this copy go on (``CopyPointer.move``)?  Store down: yes.
 
     With the store down a copy re-published meanwhile names this one as its
@@ -708,7 +724,8 @@ def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     """
     request = task.request
     try:
-        return runtime.copies.move(str(request.id), request.retries, state, then)
+        return runtime.copies.move(str(request.id), request.retries, state, then,
+                                   latest_us=latest_us)
     except redis.RedisError as exc:
         if then == "ran:":
             _store_failed(task, runtime, state, exc)

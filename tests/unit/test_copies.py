@@ -118,3 +118,21 @@ def test_a_copy_refused_while_another_runs_says_so(client: redis.Redis, prefix: 
     assert pointer.move("t", 0, WaitState(copy="c9", prev="-"), "ran:") == "running"
     assert pointer.move("t", 0, c1, "done:") == "go"
     assert pointer.move("t", 0, WaitState(copy="c9", prev="-"), "ran:") == "stale"
+
+
+def test_a_copy_past_the_latest_start_moves_nothing(client: redis.Redis, prefix: str) -> None:
+    """A copy admitted for a start, checked in the pointer's move on the server's clock: past
+    its latest start it is "late" and the pointer still names it; in time it goes on."""
+    from celery_throttle.core.keys import copy_key
+    from celery_throttle.integration.copies import CopyPointer
+    from celery_throttle.room.header import WaitState
+
+    pointer = CopyPointer(client, prefix, 60)
+    sec, usec = client.time()
+    now = int(sec) * 1_000_000 + int(usec)
+    assert pointer.move("t", 0, WaitState(), "c1") == "go"
+    c1 = WaitState(copy="c1", prev="-")
+    assert pointer.move("t", 0, c1, "ran:", latest_us=now - 1) == "late"
+    assert client.get(copy_key(prefix, "t", 0)) == b"c1"
+    assert pointer.move("t", 0, c1, "ran:", latest_us=now + 60_000_000) == "go"
+    assert client.get(copy_key(prefix, "t", 0)) == b"ran:c1"

@@ -10,6 +10,10 @@
 --          "ran:" .. ARGV[1] when it starts, "done:" .. ARGV[1] when its run ends,
 --          the successor's id when it is re-published
 -- ARGV[4]  pointer TTL (ms)
+-- ARGV[5]  the latest this copy may start, server clock (us; 0 or absent: any
+--          time): a copy admitted for a start it was charged for is checked
+--          here, in the last store call before it starts, so that a store
+--          slow to answer cannot let it start later than its grace
 --
 -- A copy may go on if the pointer names it, or names it as started (its own
 -- redelivery after a crash mid-run: acks_late's at-least-once), or names the
@@ -22,9 +26,16 @@
 -- tells a stale copy from the one that carries the task (a copy
 -- re-published while the store was down names a predecessor the empty store
 -- never heard of): running it beats losing it, as in arrive.lua.
--- Returns 1 if this copy may go on; else 2 if another copy of the task has
--- started and not ended (the concurrency seats held under the task's id are
--- that copy's), else 0.
+-- Returns 1 if this copy may go on; 3 if it is past ARGV[5] (nothing moved);
+-- else 2 if another copy of the task has started and not ended (the
+-- concurrency seats held under the task's id are that copy's), else 0.
+local latest = tonumber(ARGV[5] or 0) or 0
+if latest > 0 then
+  local t = redis.call('TIME')
+  if tonumber(t[1]) * 1000000 + tonumber(t[2]) > latest then
+    return 3
+  end
+end
 local current = redis.call('GET', KEYS[1])
 local mine, prev = ARGV[1], ARGV[2]
 if not current or current == mine or current == 'ran:' .. mine

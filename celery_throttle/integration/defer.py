@@ -577,12 +577,17 @@ def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         return True  # (a seat alone: its lease is taken already, lateness spends nothing)
     late = _slept_to_start(task, asked, min(from_us(state.slot - arrived_at),
                                             from_us(MAX_AHEAD_US)))
-    if late <= _grace(runtime, limits, (1 << len(limits)) - 1):
+    if late <= _turn_grace(runtime, limits):
         _late(task, late)
         return True
     logger.info("throttle: task %s[%s] ready %.3fs after its turn; in line again",
                 task.name, task.request.id, late)
     return False
+
+
+def _turn_grace(runtime: Runtime, limits: list[AnyLimit]) -> float:
+    """How late a task may start in a turn it was charged for (every limit was charged)."""
+    return _grace(runtime, limits, (1 << len(limits)) - 1)
 
 
 def _latest_start(runtime: Runtime, limits: list[AnyLimit], state: WaitState) -> int:
@@ -591,7 +596,7 @@ def _latest_start(runtime: Runtime, limits: list[AnyLimit], state: WaitState) ->
     last store call before it starts)."""
     if not state.slot or not any(isinstance(lim, Limit) for lim in limits):
         return 0
-    return state.slot + to_us(_grace(runtime, limits, (1 << len(limits)) - 1))
+    return state.slot + to_us(_turn_grace(runtime, limits))
 
 
 def _slept_to_start(task: Task[Any, Any], asked: float, ahead: float) -> float:

@@ -84,6 +84,15 @@ _SOAK_HEADER = (
     "same faults (see the module's docstring).\n")
 
 
+_FAIR_HEADER = (
+    "## 10. Fair share and priority at any rate\n\n"
+    "`python -m benchmarks.fairness`. A fair limit's backlog shared by three tenants at "
+    "weights 3:2:1 and a latecomer, an urgent task behind a batch on Redis and RabbitMQ, a "
+    "limit that only sometimes waits and one the workers never reach, at 20/s and 100/s on "
+    "2 prefork nodes of 4 processes and 500/m on 2 nodes of 16 threads (see the module's "
+    "docstring).\n")
+
+
 def _module(name: str, *args: str, timeout: float) -> str:
     """What ``python -m name args`` prints (a section run in its own process)."""
     return subprocess.run([sys.executable, "-m", name, *args], capture_output=True, text=True,
@@ -187,6 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     doc.append(_SOAK_HEADER)
     doc.append(_module("benchmarks.soak", *(["--duration", "60", "--drain", "90"]
                                             if args.quick else []), timeout=7200))
+    print("section 10: fair share and priority", file=sys.stderr, flush=True)
+    doc.append(_FAIR_HEADER)
+    doc.append(_module("benchmarks.fairness", *(["--setups", "20/s", "--brokers", "redis"]
+                                                if args.quick else []), timeout=3600))
     doc.append(f"\n_Whole run: {time.monotonic() - began:.0f} s._\n")
     text = "\n".join(doc)
     (ROOT / "BENCHMARKS.md").write_text(text)

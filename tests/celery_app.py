@@ -314,6 +314,14 @@ def fair_line(self: Task[Any, Any], tenant: str, i: int) -> int:
     return i
 
 
+@throttled("20/s", name="fast_fair", fair="tenant")
+@app.task(bind=True)
+def fast_fair(self: Task[Any, Any], tenant: str, i: int) -> int:
+    """A limit faster than the processes need to sleep, shared by tenants in turn."""
+    record(self, i=i, tenant=tenant)
+    return i
+
+
 # --- Fault injection, per worker node (set only in that node's environment) ---
 
 if os.environ.get("CT_FAULT"):

@@ -1,22 +1,32 @@
-"""Lining a task up as it arrives: in the worker's main process, before a pool process.
+"""A throttled task's messages in the worker's main process, before a pool process sees them.
 
-A task that must wait in line takes a pool process for one run when it is
-gated there, a run that ends in ``Ignore``.  Where pool processes are
-recycled (``worker_max_tasks_per_child``, ``worker_max_memory_per_child``)
-each such run brings a process's replacement closer, and a replacement takes
-Celery a second or more, while the tasks dispatched from the line need a
-process at their moment.  So where ``throttle_line_on_arrival`` is on (by
-default: where processes are recycled), the worker's consumer looks first:
-a fresh message of a throttled task whose first limit has tasks in line
-joins that line as it is (one store call, ``enqueue.lua`` with "behind",
-which writes nothing when the line is empty), its message is acknowledged,
-and no pool process sees it until its turn.
+Two things happen here, where waiting costs no pool process:
+
+* **Lining up.**  A fresh message of a throttled task whose first limit has
+  tasks in line joins that line as it is (one store call, ``enqueue.lua``
+  with "behind", which writes nothing when the line is empty; a line found
+  empty is not asked again for :data:`EMPTY_FOR_S`), its message is
+  acknowledged, and no pool process sees it until its turn.  So a backlog
+  moves from the broker's queue, in the broker's order, into the line, where
+  the scheduler orders it (turns, priorities), as fast as the consumer takes
+  messages in, not as fast as pool processes come free; and a pool whose
+  processes are recycled (``worker_max_tasks_per_child``) is not brought
+  closer to a replacement by a run that only lines a task up.
+* **Holding an early copy.**  A copy dispatched from a line for a start it
+  was charged for arrives ahead of that start (the dispatch's lead and trip
+  estimate cover the way there).  It is held here, outside Celery's prefetch
+  window as Celery holds an ETA task, until :data:`HANDOFF_S` before its
+  start, then handed to the pool, whose process sleeps the rest: a process is
+  taken for the handoff, not for the lead, so a fast limit's copies do not
+  fill the pool (and with it the prefetch window, which would stall the
+  lining up of the backlog behind them).  How long it was held travels with
+  it (``WaitState.held``): its arrival leaves that out of the trip estimate.
 
 Everything else goes on to the pool as before, where the gate decides: an
-empty line, a copy dispatched from the line, a message with an ETA, a
-concurrency limit, a limit in shadow mode, and any error (a store that
-fails is left alone for :data:`PAUSE_AFTER_ERROR_S`: the consumer must not
-wait on it message after message).
+empty line, a message with an ETA, a concurrency limit, a limit in shadow
+mode, and any error (a store that fails is left alone for
+:data:`PAUSE_AFTER_ERROR_S`: the consumer must not wait on it message after
+message).
 
 It hooks in as the task's Celery ``Strategy``, the function Celery's
 consumer builds per task type to handle its messages: the task's own
@@ -37,33 +47,38 @@ from celery.utils.imports import instantiate
 from celery.worker import state as worker_state
 
 from ..core.gate import Limit
+from ..core.keys import key_digest
 from ..core.logs import logger
 from ..room.dispatcher import queue_of
 from ..room.header import HEADER
-from ..values import to_us
+from ..room.queues import MAX_AHEAD_US
+from ..values import from_us, to_us
 from . import shadow
 from .defer import join_line_on_arrival
-from .recycling import recycles
 from .runtime import Runtime, runtime_for
 from .throttled import ORIGINAL_STRATEGY, call_of
 
-__all__ = ["lines_up", "strategy"]
+__all__ = ["EMPTY_FOR_S", "HANDOFF_S", "lines_up", "strategy"]
 
 #: After a store error, messages go straight to the pool for this long.
 PAUSE_AFTER_ERROR_S = 5.0
 #: How often the store's clock is read again (it is carried on this process's meanwhile).
 CLOCK_REFRESH_S = 10.0
+#: After a look found a limit's line empty, fresh messages of it go straight to the pool
+#: for this long (seconds): where nothing waits, the look would cost every message a
+#: store call and its message packed.  A line that forms meanwhile is found by the
+#: pool's gate (its decision answers "queued"), which lines the task up there.
+EMPTY_FOR_S = 0.05
+#: The most lines remembered as empty (a per-key limit has one per key value).
+EMPTY_LINES = 1024
+#: A dispatched copy is handed to the pool this long before its start (seconds):
+#: the pool's handoff and the process's arrival call fit in it.
+HANDOFF_S = 0.02
 
 
-def lines_up(app: Celery, consumer: Any) -> bool:
-    """Does this worker line tasks up on arrival (``throttle_line_on_arrival``; by default
-    where its pool processes are recycled)?"""
-    config = runtime_for(app).config
-    if not config.scheduler:
-        return False  # (without it no task waits in a line)
-    if config.line_on_arrival is not None:
-        return config.line_on_arrival
-    return recycles(consumer)
+def lines_up(app: Celery) -> bool:
+    """Does this worker line tasks up on arrival (with the scheduler: tasks wait in lines)?"""
+    return runtime_for(app).config.scheduler
 
 
 def strategy(task: Task[Any, Any], app: Celery, consumer: Any, **kwargs: Any) -> Any:
@@ -71,7 +86,7 @@ def strategy(task: Task[Any, Any], app: Celery, consumer: Any, **kwargs: Any) ->
     whether the message joins a line on arrival."""
     own = instantiate(task.__dict__.get(ORIGINAL_STRATEGY) or type(task).Strategy,
                       task, app, consumer, **kwargs)
-    if not lines_up(app, consumer):
+    if not lines_up(app):
         return own
     arrivals = _Arrivals(task, consumer)
 
@@ -79,6 +94,11 @@ def strategy(task: Task[Any, Any], app: Celery, consumer: Any, **kwargs: Any) ->
                              reject: Callable[..., Any], callbacks: Any, **options: Any) -> Any:
         if arrivals.lined_up(message):
             ack(logger, consumer.connection_errors)
+            return None
+        early = arrivals.early_by(message)
+        if early > 0:
+            arrivals.hold(message, early,
+                          lambda: own(message, body, ack, reject, callbacks, **options))
             return None
         return own(message, body, ack, reject, callbacks, **options)
 
@@ -93,6 +113,7 @@ class _Arrivals:
         self.consumer = consumer
         self.paused_until = 0.0
         self.clock: tuple[float, int] | None = None  # (monotonic, the store's us) when read
+        self.empty: dict[tuple[str, str], float] = {}  # line -> monotonic end of EMPTY_FOR_S
 
     def lined_up(self, message: Any) -> bool:
         """True when ``message`` now waits in line (to be acknowledged), else False."""
@@ -122,6 +143,37 @@ class _Arrivals:
                          self.task.name, task_id, type(exc).__name__, exc)
         return False
 
+    def early_by(self, message: Any) -> float:
+        """How long before its pool should see it a copy charged for its start arrived
+        (seconds; 0: hand it on now, as any other message)."""
+        headers = message.headers
+        state = headers.get(HEADER) if isinstance(headers, dict) else None
+        if not (isinstance(state, dict) and state.get("charged") == "c"
+                and isinstance(state.get("slot"), int)):
+            return 0.0
+        try:
+            ahead = from_us(state["slot"] - self._now_us(runtime_for(self.task.app)))
+        except redis.RedisError:
+            return 0.0  # (the pool's process sleeps it, as it would)
+        return max(0.0, min(ahead, from_us(MAX_AHEAD_US)) - HANDOFF_S)
+
+    def hold(self, message: Any, seconds: float, handoff: Callable[[], Any]) -> None:
+        """Hand ``message`` on (``handoff``) ``seconds`` from now, outside the prefetch window
+        meanwhile (as Celery holds a message with an ETA); what it was held is noted in its
+        header, for its arrival's trip estimate."""
+        qos = self.consumer.qos
+        qos.increment_eventually()
+        held_from = time.monotonic()
+
+        def release() -> None:
+            qos.decrement_eventually()
+            state = message.headers.get(HEADER)
+            if isinstance(state, dict):
+                state["held"] = to_us(time.monotonic() - held_from)
+            handoff()
+
+        self.consumer.timer.call_after(seconds, release, priority=6)
+
     def _line_up(self, runtime: Runtime, message: Any, headers: dict[str, Any],
                  args: tuple[Any, ...], kwargs: dict[str, Any], embed: dict[str, Any]) -> bool:
         info = message.delivery_info or {}
@@ -141,6 +193,11 @@ class _Arrivals:
             "hostname": self.consumer.hostname, "reply_to": properties.get("reply_to"),
             "correlation_id": properties.get("correlation_id"), "properties": properties,
         })
+        first = limits[0]
+        line = (first.name, "" if first.key is None else key_digest(first.key))
+        now = time.monotonic()
+        if self.empty.get(line, 0.0) > now:
+            return False
         self.task.request_stack.push(context)
         try:
             lined = join_line_on_arrival(self.task, runtime,
@@ -149,7 +206,13 @@ class _Arrivals:
         finally:
             self.task.request_stack.pop()
         if lined:
+            self.empty.pop(line, None)
             self._received(headers, context)
+        else:
+            if len(self.empty) >= EMPTY_LINES:
+                self.empty = {k: t for k, t in self.empty.items() if t > now}
+            if len(self.empty) < EMPTY_LINES:
+                self.empty[line] = now + EMPTY_FOR_S
         return lined
 
     def _now_us(self, runtime: Runtime) -> int:

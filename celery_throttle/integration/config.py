@@ -56,7 +56,9 @@ SETTINGS: dict[str, tuple[object, str]] = {
     "throttle_max_countdown": (None, "longest single countdown (s); default: half the broker's "
                                "visibility_timeout (Redis/SQS), at most 900"),
     "throttle_max_sleep": (0.5, "waits up to this many seconds are slept in the worker "
-                           "instead of re-publishing the task"),
+                           "instead of re-publishing the task (with the scheduler, at most "
+                           "the dispatch lead plus the measured trip: a longer wait waits "
+                           "in line)"),
     "throttle_claim_grace": (None, "how late (s) a task may start in its booked slot; later "
                              "it asks again; default: half the slot (cost x interval), "
                              "between 0.02 and 0.25"),
@@ -76,10 +78,13 @@ SETTINGS: dict[str, tuple[object, str]] = {
                          "made and counted (would have waited, how long, for which limit) "
                          "but every task runs at once; @throttled(enforce=...) overrides it "
                          "per limit, `celery throttle shadow NAME on|off` overrides both"),
-    "throttle_scheduler": (True, "tasks that must wait longer than throttle_max_sleep wait in "
-                           "line, in the queue of the limit that blocks them, and are "
-                           "dispatched when it admits them, best priority first (see the "
-                           "scheduler); False: they book their slot when they arrive"),
+    "throttle_scheduler": (True, "tasks that must wait longer than the dispatch lead plus the "
+                           "measured trip (at most throttle_max_sleep) wait in line, in the "
+                           "queue of the limit that blocks them, and are dispatched when it "
+                           "admits them, best priority first (see the scheduler); a task that "
+                           "arrives while its limit has tasks in line joins them in the "
+                           "worker's main process; False: they book their slot when they "
+                           "arrive"),
     "throttle_seats_in_line": (True, "with the scheduler, a task with a concurrency limit "
                                "waits in line too: for its rate limits, and for a seat in the "
                                "concurrency limit's own line (handed the next seat given back, "
@@ -94,12 +99,6 @@ SETTINGS: dict[str, tuple[object, str]] = {
     "throttle_dispatch_lead": (None, "the waiting room dispatches a task this many seconds before "
                               "its slot besides the measured broker trip (it sleeps the rest); "
                               "default: 0.05, or 0.15 on the gevent and eventlet pools"),
-    "throttle_line_on_arrival": (None, "with the scheduler, a task that arrives while its limit "
-                                 "has tasks in line joins the line in the worker's main "
-                                 "process, before it takes a pool process (one store call per "
-                                 "arriving task there); default: where pool processes are "
-                                 "recycled (worker_max_tasks_per_child or "
-                                 "worker_max_memory_per_child); True or False: always, never"),
     "throttle_pool_check_interval": (None, "where prefork pool processes are recycled, the "
                                     "worker also checks this often for an exited process and "
                                     "starts its replacement (Celery's own check runs every 5 s, "
@@ -151,8 +150,6 @@ class Config:
     # limit name -> fair key value digest -> weight (values are never kept in clear)
     fair_weights: Mapping[str, Mapping[str, int]] = field(default_factory=dict, repr=False)
     dispatch_lead: float
-    # None: decided per worker (arrival.lines_up), by whether its pool recycles processes
-    line_on_arrival: bool | None
     pool_check_interval: float | None  # None: recycling.DEFAULT_INTERVAL
     dispatch_timeout: float
     gc_freeze: bool
@@ -315,8 +312,6 @@ def read_config(app: Celery) -> Config:
         high_priority_first=_amqp(conf.broker_url),
         fair_weights=_fair_weights(get("throttle_fair_weights")),
         dispatch_lead=_dispatch_lead(get("throttle_dispatch_lead")),
-        line_on_arrival=_optional_flag("throttle_line_on_arrival",
-                                       get("throttle_line_on_arrival")),
         pool_check_interval=_seconds("throttle_pool_check_interval",
                                      get("throttle_pool_check_interval"), allow_none=True),
         dispatch_timeout=_at_least_one("throttle_dispatch_timeout",
@@ -393,10 +388,6 @@ def _flag(name: str, value: object, other: str = "") -> bool:
         raise ThrottleConfigError(f"setting {name}={value!r}: expected True or False"
                                   + (f" {other}" if other else ""))
     return value
-
-
-def _optional_flag(name: str, value: object) -> bool | None:
-    return None if value is None else _flag(name, value, "or None (the default)")
 
 
 def _is_server(url: str | None) -> bool:

@@ -272,8 +272,11 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         horizon = min(horizon, max_wait)
     in_line = _in_line(task, runtime, limits)
     if in_line:
-        # Book only what is near: a longer wait waits in line, unbooked.
-        horizon = min(horizon, config.max_sleep)
+        # Book only a start the line would hand out now (the dispatch's ahead: the
+        # lead and the trip): a later one waits in line, unbooked, where turns and
+        # priorities order it.  A longer horizon would let the processes' sleeps
+        # hold a fast limit's backlog in the broker's order.
+        horizon = min(horizon, config.max_sleep, _handed_out_within(runtime))
     # A short wait is slept, then the booked slot claimed (the claim is what charges
     # the limits the slot is not booked in): the waiting loop of every waiter
     # (core/waiting.py).  Bounded: if the slot is lost again and again, the task
@@ -398,6 +401,14 @@ def _in_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit]) -> 
     return (config.scheduler
             and (config.seats_in_line or all(isinstance(lim, Limit) for lim in limits))
             and _room_open(task, runtime))
+
+
+def _handed_out_within(runtime: Runtime) -> float:
+    """How far ahead of its start the line hands a task out (seconds; ``queues.ahead``)."""
+    try:
+        return runtime.room.queues.ahead(to_us(runtime.config.dispatch_lead))
+    except redis.RedisError:
+        return runtime.config.max_sleep  # (the decision meets the store's failure next)
 
 
 def _line_for(decision: Decision) -> bool:
@@ -711,7 +722,7 @@ def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> 
     try:
         now = runtime.room.arrive(state.entry, state.token, state.room, marker_ttl_ms=ttl_ms,
                                   task_id=str(task.request.id), note_ttl_ms=NOTE_AFTER_MS,
-                                  kept=state.kept)
+                                  kept=state.kept, held_us=state.held)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _store_failed(task, runtime, state, exc)

@@ -44,6 +44,10 @@ class WaitState:
     # Waiting, its message is also kept on the broker's server (room/keeper.py):
     # its arrival takes that copy there.
     kept: bool = False
+    # How long its node's consumer held this copy before the pool got it (us;
+    # integration/arrival.py): left out of the trip its arrival measures.
+    # Carried by this hop only: never written into a copy's header.
+    held: int = 0
 
     @classmethod
     def from_request(cls, request: Any) -> WaitState:
@@ -70,7 +74,7 @@ class WaitState:
                    since=num("since") or None, copy=text("copy"),
                    prev=text("prev"), spacing=tuple(spacing), entry=text("entry", 64),
                    token=text("token", 40), room=num("room"), charged=text("charged", 1),
-                   unmoved=num("unmoved") == 1, kept=num("kept") == 1)
+                   unmoved=num("unmoved") == 1, kept=num("kept") == 1, held=num("held"))
 
     def unmoved_successor(self, copy: str) -> WaitState:
         """The copy ``copy`` that re-publishes this one while the store is down.

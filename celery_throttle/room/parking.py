@@ -215,7 +215,8 @@ class WaitingRoom:
         return (None if wait < 0 else from_us(wait)), parked
 
     def arrive(self, entry: str, token: str, epoch: int, *, marker_ttl_ms: int = 0,
-               task_id: str = "", note_ttl_ms: int = 60_000, kept: bool = False) -> int:
+               task_id: str = "", note_ttl_ms: int = 60_000, kept: bool = False,
+               held_us: int = 0) -> int:
         """May this dispatched copy go on?  0: no, another copy of the entry arrived first;
         else yes, and the server's time (us), which a charged start waits for.
 
@@ -225,7 +226,8 @@ class WaitingRoom:
         its own, kept ``note_ttl_ms``.  ``kept``: the entry's message was kept
         beside the broker's queues; which copy goes on is decided there first
         (``Keeper.take``: it knows, whatever the store lost), and the store's
-        answer only where it does not.
+        answer only where it does not.  ``held_us``: how long its node's consumer held
+        it before a pool process got it, left out of the trip it measures.
         """
         took = -1
         if kept and self.keeper is not None:
@@ -238,7 +240,7 @@ class WaitingRoom:
                                       self.trip, self.queues.entries, self.notes, wait],
                                 args=[entry, token, marker_ttl_ms, epoch,
                                       key_digest(task_id) if task_id else "", note_ttl_ms,
-                                      MAX_AHEAD_US]))
+                                      MAX_AHEAD_US, max(0, held_us)]))
         if took == 1 and not now:
             # The store saw another copy of the entry, or none, but this one took the kept
             # copy: it is the first (the store's view of it was lost, or restored).

@@ -42,6 +42,7 @@ they are still read from there, and deleted with their tasks.)
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -70,6 +71,9 @@ __all__ = ["MAX_AHEAD_US", "InLine", "Line", "Queues", "Served", "Weights", "ent
 
 #: The most queues looked at per round, and the waiting tasks read per queue.
 LOOK_QUEUES, LOOK_HEADS = 64, 8
+#: How long a process uses the dispatch's ahead it read (seconds): the trip
+#: estimate it follows moves slowly.
+AHEAD_FOR_S = 1.0
 #: The most a queue is served ahead of its limit's next start (us): the task
 #: sleeps that long at most in a worker process, until the start it was
 #: charged for.  (A long trip estimate, a node starting up, must not fill it.)
@@ -184,6 +188,19 @@ class Queues:
         self._enqueue = client.register_script(joined(turns, (__package__, "enqueue.lua")))
         self._serve = client.register_script(joined(BUCKET, EPOCH, LEASE, turns, record,
                                                     (__package__, "serve.lua")))
+        self._ahead: tuple[float, int, float] | None = None  # (read at, lead_us, seconds)
+
+    def ahead(self, lead_us: int = 0) -> float:
+        """Seconds ahead of a start the dispatch hands out a waiting task (the lead plus
+        the measured trip, at most :data:`MAX_AHEAD_US`), as ``serve_due`` computes it;
+        read again after :data:`AHEAD_FOR_S`."""
+        now = time.monotonic()
+        if self._ahead is None or now - self._ahead[0] > AHEAD_FOR_S \
+                or self._ahead[1] != lead_us:
+            reply = self._serve(keys=[self.ready, self.trip],
+                                args=["look", 0, MAX_AHEAD_US, lead_us])
+            self._ahead = (now, lead_us, from_us(int(reply[1])))
+        return self._ahead[2]
 
     def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[AnyLimit],
                 blocking: AnyLimit, place_us: int, due_us: int = 0, expires_us: int = 0,

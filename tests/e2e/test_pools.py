@@ -49,8 +49,8 @@ def test_recycled_processes_keep_the_bound_and_tasks_wait_in_line_without_a_pool
 ) -> None:
     """``worker_max_tasks_per_child=3`` on two prefork nodes, 60 tasks at 10/s: each runs
     once and the bound holds.  The 40 sent once the limit has a line join it in the nodes'
-    main processes, without a pool run (``throttle_line_on_arrival``'s default where
-    processes are recycled), and each node replaces an exited process within 0.25 s
+    main processes, without a pool run, and each node replaces an exited process within
+    0.25 s
     (``throttle_pool_check_interval``'s default)."""
     from celery_throttle.integration.runtime import runtime_for
 

@@ -291,13 +291,82 @@ def test_a_fair_limit_serves_a_later_tenant_in_turn(
     assert " ERROR" not in text
 
 
-def _woken_late(capp: ModuleType, records: redis.Redis, redis_base: str, max_sleep: float,
-                asked_again: str) -> tuple[int, str]:
+def _started(records: redis.Redis, count: int, timeout: float) -> None:
+    """Wait (bounded) until ``count`` starts are recorded."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and records.llen("records") < count:
+        time.sleep(0.05)
+    assert records.llen("records") >= count, f"fewer than {count} starts in {timeout}s"
+
+
+FAST_WEIGHTS = {"throttle_fair_weights": {"fast_fair": {"a": 3, "b": 2}}}
+
+
+def test_a_fast_fair_limit_shares_its_backlog_by_weight_and_serves_a_latecomer(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """At 20/s on 8 processes, where each wait could be slept out in a process: tenants a, b
+    and c (weights 3:2:1) send 60 tasks each at once, d (weight 1) 10 once 20 have started.
+    The backlog is the scheduler's: a, b and c share the starts by weight, and d's 10 are
+    done within its share of the limit (1 in 7 starts), not behind the backlog (9 s)."""
+    with worker_nodes(redis_base, ("w1", "w2"), conf={**LINE, **FAST_WEIGHTS}) as nodes:
+        flood = [capp.fast_fair.delay(t, i) for t in "abc" for i in range(60)]
+        _started(records, 20, timeout=30)
+        sent = time.time()
+        later = [capp.fast_fair.delay("d", 100 + i) for i in range(10)]
+        states = wait_results([*flood, *later], timeout=60)
+        rows = read_records(records, expect=190, timeout=5)
+        text = logs(nodes)
+    assert states == ["SUCCESS"] * 190
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in [*flood, *later])
+    c_first = next(i for i, r in enumerate(rows) if r["tenant"] == "c")
+    shares = Counter(r["tenant"] for r in [r for r in rows[c_first:] if r["tenant"] != "d"][:90])
+    d_done = max(r["t"] for r in rows if r["tenant"] == "d") - sent
+    times = [r["t"] for r in rows]
+    used = (len(times) - 1) / (times[-1] - times[0]) / 20
+    print(f"\nfast fair: a/b/c of 90 after c's first start {shares['a']}/{shares['b']}/"
+          f"{shares['c']}; d's 10 done {d_done:.2f}s after they were sent; "
+          f"limit used {used:.2f}")
+    for tenant, share in (("a", 45), ("b", 30), ("c", 15)):
+        assert abs(shares[tenant] - share) <= 0.15 * share, shares
+    assert d_done <= 70 * 0.05 + 1.5  # its share (70 intervals) and the trips
+    assert used >= 0.9
+    check_window_bound(times, rate=20, burst=1, period=1.0)
+    assert " ERROR" not in text
+
+
+def test_an_urgent_task_passes_a_fast_limit_s_backlog(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """At 20/s on 8 processes, an urgent task sent behind a flowing batch starts within a
+    few intervals, not behind the messages the workers hold (prefetched, sleeping)."""
+    with worker_nodes(redis_base, ("w1", "w2"), conf=LINE,
+                      env={"CT_LINE_RATE": "20/s"}) as nodes:
+        batch = [capp.in_line.apply_async((i,), priority=BATCH) for i in range(120)]
+        _started(records, 20, timeout=30)
+        sent = time.time()
+        urgent = capp.in_line.apply_async((1000,), priority=URGENT)
+        states = wait_results([*batch, urgent], timeout=60)
+        rows = read_records(records, expect=121, timeout=5)
+        text = logs(nodes)
+    assert states == ["SUCCESS"] * 121
+    start = next(r["t"] for r in rows if r["i"] == 1000)
+    after = sum(1 for r in rows if r["i"] != 1000 and r["t"] > start)
+    print(f"\nurgent behind a 20/s batch: started {start - sent:.3f}s after it was sent, "
+          f"{after} batch tasks after it")
+    assert start - sent <= 0.5  # a few intervals (0.05 s) and the trip, not the batch's
+    assert after >= 60
+    check_window_bound([r["t"] for r in rows], rate=20, burst=1, period=1.0)
+    assert " ERROR" not in text
+
+
+def _woken_late(capp: ModuleType, records: redis.Redis, redis_base: str,
+                conf: dict[str, object], asked_again: str) -> tuple[int, str]:
     """80 tasks at 20/s on 2 nodes whose processes stall 0.2 s after every third sleep to a
     start: each runs exactly once, within the window bound.  Returns how many log lines
     say ``asked_again`` (the stalls caught), and the logs."""
     with worker_nodes(redis_base, ("w1", "w2"),
-                      conf={**LINE, "throttle_max_sleep": max_sleep},
+                      conf={**LINE, **conf},
                       env={"CT_STALL": "defer.start_slept:0.2:3"}) as nodes:
         results = [capp.steady.delay(i) for i in range(80)]
         states = wait_results(results, timeout=60)
@@ -319,7 +388,8 @@ def test_a_task_woken_late_for_its_turn_waits_again_in_line(
     line again instead of starting late, so the starts keep the window bound."""
     # Eight processes hold 0.4 s of the backlog: sleeps of at most 0.1 s put the
     # rest in line.
-    again, _ = _woken_late(capp, records, redis_base, 0.1, r"after its turn; in line again")
+    again, _ = _woken_late(capp, records, redis_base, {"throttle_max_sleep": 0.1},
+                           r"after its turn; in line again")
     assert again >= 5  # the stalls happened, and were caught
 
 
@@ -327,9 +397,13 @@ def test_a_task_woken_late_for_its_booked_slot_asks_again(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """Short waits are booked and slept (each wait here is under 0.4 s: 8 processes at
-    20/s); every third process wakes 0.2 s late for the slot it was admitted for: it asks
-    again (its slot is lost) instead of starting late, so the starts keep the window
-    bound."""
-    again, text = _woken_late(capp, records, redis_base, 5.0, r"after its slot; asking again")
+    20/s, within a dispatch's reach of 0.5 s); every third process wakes 0.2 s late for
+    the slot it was admitted for: it asks again (its slot is lost) instead of starting
+    late, so the starts keep the window bound."""
+    # A wait within the dispatch's reach (its lead plus the trip) is booked: a lead of
+    # 0.5 s (the most it reaches) books every wait here.
+    again, text = _woken_late(capp, records, redis_base,
+                              {"throttle_max_sleep": 5.0, "throttle_dispatch_lead": 0.5},
+                              r"after its slot; asking again")
     assert again >= 5  # the stalls happened, and were caught
     assert "in line again" not in text  # (no wait was long enough to go in line)

@@ -1,13 +1,14 @@
 """Lining a task up as it arrives, in a worker's main process: real Redis as broker and store.
 
 The consumer here is a stand-in for Celery's (its host name, its event
-dispatcher, its worker's recycling settings): what ``arrival.py`` reads of it.
+dispatcher, its prefetch count and timer): what ``arrival.py`` reads of it.
 The messages are real ones, published by Celery and received through kombu.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, cast
@@ -20,21 +21,43 @@ from kombu import Connection
 from kombu.message import Message
 
 from celery_throttle import HEADER, Limit, parse_rate, throttled
-from celery_throttle.integration.arrival import _Arrivals, lines_up, strategy
+from celery_throttle.integration.arrival import HANDOFF_S, _Arrivals, lines_up, strategy
 from celery_throttle.integration.runtime import runtime_for
 from celery_throttle.integration.throttled import ORIGINAL_STRATEGY
 from celery_throttle.room.envelope import Envelope
-from celery_throttle.room.queues import entry_id
+from celery_throttle.room.queues import MAX_AHEAD_US, entry_id
 
 from ..conftest import installed_app
 
 RATE = "1/s"
 
 
-def _consumer(max_tasks_per_child: int | None = 3) -> Any:
-    worker = SimpleNamespace(max_tasks_per_child=max_tasks_per_child, max_memory_per_child=None)
+class _Qos:
+    """The consumer's prefetch count, as ``hold`` moves it."""
+
+    def __init__(self) -> None:
+        self.raised = 0
+
+    def increment_eventually(self) -> None:
+        self.raised += 1
+
+    def decrement_eventually(self) -> None:
+        self.raised -= 1
+
+
+class _Timer:
+    """The consumer's timer: what was scheduled, run by the test."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, Any, int]] = []
+
+    def call_after(self, seconds: float, fun: Any, priority: int = 0) -> None:
+        self.calls.append((seconds, fun, priority))
+
+
+def _consumer() -> Any:
     return SimpleNamespace(hostname="w1@test", event_dispatcher=None, connection_errors=(),
-                           controller=worker)
+                           qos=_Qos(), timer=_Timer())
 
 
 @pytest.fixture
@@ -134,15 +157,8 @@ def test_a_store_that_fails_sends_arrivals_to_the_pool_for_a_while(
         assert arrivals.paused_until > 0
 
 
-@pytest.mark.parametrize(("setting", "max_tasks_per_child", "expected"),
-                         [(None, 3, True), (None, None, False), (False, 3, False),
-                          (True, None, True)])
-def test_lining_up_on_arrival_is_on_where_processes_are_recycled_unless_set(
-        redis_url: str, prefix: str, setting: bool | None, max_tasks_per_child: int | None,
-        expected: bool) -> None:
-    with installed_app("arrival-on", redis_url, prefix,
-                       throttle_line_on_arrival=setting) as a:
-        assert lines_up(a, _consumer(max_tasks_per_child)) is expected
+def test_with_the_scheduler_every_worker_lines_tasks_up_on_arrival(app: Celery) -> None:
+    assert lines_up(app) is True
 
 
 def test_the_stored_message_runs_the_task_it_was(app: Celery) -> None:
@@ -159,9 +175,8 @@ def test_the_stored_message_runs_the_task_it_was(app: Celery) -> None:
 
 def test_without_the_scheduler_no_task_is_lined_up_on_arrival(redis_url: str,
                                                               prefix: str) -> None:
-    with installed_app("arrival-off", redis_url, prefix, throttle_scheduler=False,
-                       throttle_line_on_arrival=True) as a:
-        assert lines_up(a, _consumer(3)) is False
+    with installed_app("arrival-off", redis_url, prefix, throttle_scheduler=False) as a:
+        assert lines_up(a) is False
 
 
 def test_a_gated_task_s_messages_reach_this_strategy_and_then_its_own(app: Celery) -> None:
@@ -170,3 +185,88 @@ def test_a_gated_task_s_messages_reach_this_strategy_and_then_its_own(app: Celer
     task = _task(app)
     assert symbol_by_name(task.Strategy) is strategy
     assert task.__dict__[ORIGINAL_STRATEGY] == "celery.worker.strategy:default"
+
+
+def _dispatched(app: Celery, task: Task[Any, Any], ahead_us: int, charged: str = "c") -> Message:
+    """A copy dispatched from the line for a start ``ahead_us`` from now on the store's clock."""
+    sec, usec = runtime_for(app).room.client.time()
+    slot = int(sec) * 1_000_000 + int(usec) + ahead_us
+    return _received(app, task, 1, headers={HEADER: {"entry": "x:-", "deferrals": 1,
+                                                     "charged": charged, "slot": slot}})
+
+
+def test_a_charged_copy_that_arrives_early_is_held_until_just_before_its_start(
+        app: Celery) -> None:
+    """Its pool sees it HANDOFF_S before its start, not a process's sleep earlier; meanwhile
+    the prefetch window is one larger (it holds no place there), and the time held travels
+    in its header for the trip estimate."""
+    task = _task(app)
+    consumer = _consumer()
+    arrivals = _Arrivals(task, consumer)
+    message = _dispatched(app, task, 450_000)
+    assert not arrivals.lined_up(message)
+    early = arrivals.early_by(message)
+    assert 0.25 < early <= 0.45 - HANDOFF_S
+    handed: list[Message] = []
+    arrivals.hold(message, early, lambda: handed.append(message))
+    assert consumer.qos.raised == 1
+    ((seconds, release, _),) = consumer.timer.calls
+    assert seconds == early
+    assert not handed
+    release()
+    assert handed == [message]
+    assert consumer.qos.raised == 0
+    held = cast(dict[str, Any], message.headers)[HEADER]["held"]
+    assert isinstance(held, int)
+    assert held >= 0
+
+
+def test_only_a_charged_copy_ahead_of_its_start_is_held_and_never_beyond_the_most_ahead(
+        app: Celery) -> None:
+    """A copy whose start has come, an uncharged one (expired, revoked: it is dropped in the
+    pool), a fresh message: handed on at once; a copy far ahead (a clock that jumped) is
+    held at most MAX_AHEAD_US."""
+    task = _task(app)
+    arrivals = _Arrivals(task, _consumer())
+    assert arrivals.early_by(_dispatched(app, task, -1_000)) == 0.0
+    assert arrivals.early_by(_dispatched(app, task, 300_000, charged="x")) == 0.0
+    assert arrivals.early_by(_received(app, task, 1)) == 0.0
+    far = arrivals.early_by(_dispatched(app, task, 60_000_000))
+    assert far == MAX_AHEAD_US / 1e6 - HANDOFF_S
+
+
+def test_a_store_that_fails_hands_a_charged_copy_on_at_once(
+        redis_url: str, prefix: str) -> None:
+    """Without the store's clock the consumer does not hold it: its process sleeps the wait."""
+    with installed_app("arrival-down", redis_url, prefix,
+                       throttle_redis_url="redis://127.0.0.1:1/0") as down:
+        task = _task(down)
+        with Connection(redis_url + "/14") as conn:
+            queue = conn.SimpleQueue("arrival-q")
+            queue.clear()
+            headers: dict[str, Any] = {HEADER: {"entry": "x:-", "charged": "c",
+                                                "slot": 2**52}}
+            task.apply_async((1,), queue="arrival-q", headers=headers)
+            message = queue.get(timeout=5)
+            message.ack()
+            queue.close()
+        assert _Arrivals(task, _consumer()).early_by(message) == 0.0
+
+
+def test_a_line_found_empty_is_not_asked_again_for_a_moment(app: Celery) -> None:
+    """Where nothing waits, the consumer does not pay a store call per message: a line found
+    empty sends the limit's fresh messages to the pool for EMPTY_FOR_S (whose gate finds a
+    line formed meanwhile); after that it looks again."""
+    task = _task(app)
+    arrivals = _Arrivals(task, _consumer())
+    assert not arrivals.lined_up(_received(app, task, 1))
+    assert arrivals.empty[("arrive", "")] > time.monotonic()
+    arrivals.empty[("arrive", "")] = time.monotonic() + 60  # (the moment, made long)
+    _someone_in_line(app)
+    assert not arrivals.lined_up(_received(app, task, 2))
+    queues = runtime_for(app).room.queues
+    assert len(queues.next_in_line(10, "arrive")) == 1
+    arrivals.empty[("arrive", "")] = 0.0  # (the moment passed)
+    assert arrivals.lined_up(_received(app, task, 3))
+    assert len(queues.next_in_line(10, "arrive")) == 2
+    assert ("arrive", "") not in arrivals.empty

@@ -450,3 +450,22 @@ def test_a_backed_up_lane_holds_the_lines(redis_url: str, prefix: str) -> None:
         dispatcher._connection.release()
     dispatcher.client.close()
     app.close()
+
+
+def test_the_time_a_consumer_held_a_copy_is_left_out_of_the_trip(
+    client: redis.Redis, prefix: str
+) -> None:
+    """The trip estimate measures dispatch to arrival less what the worker's consumer held
+    the copy for (it held it on purpose, until just before its start)."""
+    room = WaitingRoom(client, prefix)
+    room.park("e", b"m", "t", at_us=_now_us(client) - 1)
+    _, (copy,) = room.claim_due(10, 60_000_000)
+    dispatched = int(copy.token.split(".")[0])
+    deadline = time.monotonic() + 5
+    while _now_us(client) < dispatched + 30_000 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    before = _now_us(client)
+    assert room.arrive("e", copy.token, copy.epoch, held_us=20_000) > 0
+    after = _now_us(client)
+    avg = int(client.hget(room.trip, "avg") or -1)
+    assert before - dispatched - 20_000 <= avg <= after - dispatched - 20_000

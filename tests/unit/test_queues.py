@@ -13,7 +13,7 @@ from celery_throttle import Concurrency, Gate, Limit, parse_rate
 from celery_throttle.core.keys import key_digest
 from celery_throttle.room.envelope import split_record
 from celery_throttle.room.parking import WaitingRoom
-from celery_throttle.room.queues import Queues, entry_id
+from celery_throttle.room.queues import MAX_AHEAD_US, Queues, entry_id
 
 TIMEOUT_US = 60_000_000
 
@@ -440,3 +440,15 @@ def test_seats_whose_leases_end_soon_are_served_one_task_each(client: redis.Redi
     # Until its copy arrives a served seat is held for the trip's allowance, not a lease.
     assert max(float(score) for _, score in leases) < now + 11_000_000
     gate.close()
+
+
+def test_a_task_is_handed_out_ahead_of_its_start_by_the_lead_and_the_measured_trip(
+        client: redis.Redis, prefix: str) -> None:
+    """What a worker books at most while others wait in line: the dispatch's ahead, the lead
+    plus the trip's average and two deviations, never beyond MAX_AHEAD_US."""
+    queues = Queues(client, prefix)
+    assert queues.ahead(5_000) == 0.005  # (no trip measured yet)
+    client.hset(queues.trip, mapping={"avg": 40_000, "dev": 10_000})
+    assert queues.ahead(6_000) == 0.066
+    client.hset(queues.trip, mapping={"avg": 900_000, "dev": 0})
+    assert queues.ahead(7_000) == MAX_AHEAD_US / 1e6

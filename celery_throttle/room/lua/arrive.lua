@@ -24,6 +24,8 @@ ARGV[4]  the epoch the entry was parked in
 ARGV[5]  the task's field in KEYS[7] (its id's digest), "" for none
 ARGV[6]  how long the moved note is kept, milliseconds
 ARGV[7]  the longest trip that counts, us (queues.MAX_AHEAD_US)
+ARGV[8]  how long the worker's consumer held this copy before its pool got it,
+         us (integration/arrival.py): not part of the way there
 
 The first arrival also measures the trip from its dispatch (the token is
 "<dispatch time>.<n>") into the trip estimate the dispatcher dispatches ahead by.
@@ -53,7 +55,7 @@ if redis.call('HDEL', KEYS[1], entry) == 1 then
     end
   end
   local dispatched = tonumber(string.match(ARGV[2], '^(%d+)%.'))
-  local trip = dispatched and math.max(now - dispatched, 0)
+  local trip = dispatched and math.max(now - dispatched - tonumber(ARGV[8] or 0), 0)
   if trip and trip <= tonumber(ARGV[7]) then
     -- Moving averages of the trip and of its deviation, an eighth of the way
     -- per arrival (as TCP estimates a round trip).

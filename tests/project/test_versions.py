@@ -30,8 +30,8 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 LOWEST_VENV = ROOT / ".venv-lowest"
 #: What the suite part below needs besides the package (no linters, no docs).
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "freezegun>=1.4", "msgpack>=1.0",
-              "prometheus-client>=0.17"]
+TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "freezegun>=1.4",
+              "msgpack>=1.0", "prometheus-client>=0.17"]
 #: The part of the suite run on other versions: every script, a config, a real worker, the
 #: Sentinel and Cluster clients.
 PART = ["tests/unit/test_gate.py", "tests/unit/test_leases.py", "tests/unit/test_parking.py",

@@ -59,8 +59,6 @@ if os.environ.get("BENCH_WAITING_ROOM"):  # "0": the countdown path; default: th
     app.conf.throttle_waiting_room = os.environ["BENCH_WAITING_ROOM"] == "1"
 if os.environ.get("BENCH_SCHEDULER"):  # "1": waiting tasks wait in line (the scheduler)
     app.conf.throttle_scheduler = os.environ["BENCH_SCHEDULER"] == "1"
-if os.environ.get("BENCH_SEATS_IN_LINE"):  # "1": a concurrency limit's waiters wait in line
-    app.conf.throttle_seats_in_line = os.environ["BENCH_SEATS_IN_LINE"] == "1"
 if os.environ.get("BENCH_STORE"):  # a throttle store of its own (benchmarks/outage.py)
     app.conf.throttle_redis_url = os.environ["BENCH_STORE"]
 if os.environ.get("BENCH_KEEP"):  # "1": waiting tasks kept beside the broker's queues

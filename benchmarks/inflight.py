@@ -6,10 +6,9 @@ The mock provider (examples.provider) refuses a 5th call in flight with 429;
 every call takes 0.5 s.  Contenders (benchmarks/bench_app.py), each on fresh
 workers (2 nodes x 4 processes) against the same Redis:
 
-* ``@throttled(concurrency=4)``: leases in the gate script; by default the waiters wait
-  in the limit's line for a seat and the dispatcher gives it
-  (``throttle_seats_in_line``), with that off a freed slot is handed to the oldest
-  parked waiter, without the waiting room waiters are paced by countdowns;
+* ``@throttled(concurrency=4)``: leases in the gate script; the waiters wait in the
+  limit's line for a seat and the dispatcher gives it; without the waiting room
+  waiters are paced by countdowns;
 * a hand-written Redis counter (INCR/DECR) that retries after 0.1 s;
 * no limit: call and retry after the provider's Retry-After.
 
@@ -106,13 +105,10 @@ def main(argv: list[str] | None = None) -> None:
             os.environ["BENCH_REDIS"], os.environ["BENCH_PROVIDER"] = url, provider.url
             rows = {name: _run(url, name, args.n, provider)
                     for name in ("inflight_ours", "inflight_counter", "inflight_retry")}
-            rows["parked"] = _run(url, "inflight_ours", args.n, provider,
-                                  BENCH_SEATS_IN_LINE="0")
             rows["countdown"] = _run(url, "inflight_ours", args.n, provider,
                                      BENCH_WAITING_ROOM="0")
             crash = {name: _crash(url, provider, name)
                      for name in ("inflight_ours", "inflight_counter")}
-            crash["parked"] = _crash(url, provider, "inflight_ours", BENCH_SEATS_IN_LINE="0")
     finally:
         provider.stop()
     print(f"{args.n} calls of 0.5 s each; the provider takes 4 at once (ideal drain "
@@ -121,8 +117,6 @@ def main(argv: list[str] | None = None) -> None:
           "slots | publishes / task |")
     print("|---|---|---:|---:|---:|---:|---:|")
     labels = {"inflight_ours": "`@throttled(concurrency=4)` (the seat's line)",
-              "parked": "`@throttled(concurrency=4)`, `throttle_seats_in_line=False` (parked, "
-                        "handed a freed seat)",
               "countdown": "`@throttled(concurrency=4)`, `throttle_waiting_room=False` (paced "
                            "countdowns)",
               "inflight_counter": "Redis INCR/DECR counter, retry 0.1 s",

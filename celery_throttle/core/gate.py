@@ -154,12 +154,9 @@ class GateCalls:
         args = list(_head_args(now=self._now_us(), holder=holder, op=op.encode(), op_arg=arg))
         keys = self._keys(limits)
         if op == "release":
-            keys += [k for lim in limits for k in lim.waiter_keys(self.prefix)]
-            keys += [room_key(self.prefix, part).encode() for part in ("parked", "messages",
-                                                                       "wake")]
             # A seat given back: the tasks in line for one are due at once.
             keys += [lim.queue_in(self.prefix) for lim in limits if lim.leased]
-            keys.append(room_key(self.prefix, "ready").encode())
+            keys += [room_key(self.prefix, part).encode() for part in ("ready", "wake")]
         return keys, args + self._limit_args(limits)
 
     def _cancel_call(self, limits: Sequence[AnyLimit], booking: Reservation) -> Call:
@@ -363,9 +360,9 @@ class Gate(GateCalls):
     def release(self, limits: Sequence[AnyLimit], holder: str, ran_for: float = 0.0) -> int:
         """Give back ``holder``'s leases in the concurrency limits among ``limits``.
 
-        ``ran_for`` (seconds) feeds the average run that paces waiters.  A
-        freed seat goes at once to the oldest task parked for it in the
-        waiting room (its lease is taken in its name).  Returns how many
+        ``ran_for`` (seconds) feeds the average run that paces waiters.  The
+        tasks waiting in line for a freed seat are due at once (the waiting
+        room's dispatcher serves them in their line's order).  Returns how many
         leases were released (0: none held, e.g. expired).
         """
         return self._op(limits, "release", to_us(ran_for), holder)

@@ -6,8 +6,7 @@ turns of a fair queue), ``h`` (why a provider's report holds it back),
 ``o`` (an operator paused it),
 ``l`` (a concurrency limit's leases), ``m`` (its meta
 hash), ``k`` and ``u`` (its queue of tasks waiting for a seat, and that
-queue's turns) or ``w`` (its waiters as an earlier version parked them),
-and ``digest`` is the hashed key
+queue's turns), and ``digest`` is the hashed key
 value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
 one.  The name comes last, after two parts of fixed form, so a limit name
 can hold any character (``:`` included) and still never be the key of
@@ -42,7 +41,7 @@ __all__ = ["bucket_key", "copy_key", "counts_key", "enforce_key", "epoch_key", "
            "key_digest", "leases_key", "limit_of", "line_of", "live_key", "meta_key",
            "operator_key", "queue_key", "room_key", "seat_queue_key", "seat_turns_key",
            "sibling_key", "split_limit_key", "task_key", "turns_key",
-           "validate_name", "validate_prefix", "waiters_key"]
+           "validate_name", "validate_prefix"]
 
 _MAX_NAME = 200
 
@@ -173,11 +172,6 @@ def leases_key(prefix: str, name: str, key: object = None) -> str:
 def meta_key(prefix: str, name: str, key: object = None) -> str:
     """A concurrency limit's hash: average run, holders' starts, pacing cursor, pause."""
     return _limit_key("m", prefix, name, key)
-
-
-def waiters_key(prefix: str, name: str, key: object = None) -> str:
-    """A concurrency limit's list of tasks parked for a seat ("entry holder", oldest first)."""
-    return _limit_key("w", prefix, name, key)
 
 
 def _limit_key(kind: str, prefix: str, name: str, key: object) -> str:

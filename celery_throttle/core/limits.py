@@ -24,7 +24,6 @@ from .keys import (
     seat_turns_key,
     turns_key,
     validate_name,
-    waiters_key,
 )
 from .rates import Rate, parse_rate
 
@@ -94,10 +93,6 @@ class Limit:
         """The turns of its fair queue (``room/queues.py``)."""
         return _key_bytes(turns_key, prefix, self.name, self.key)
 
-    def waiter_keys(self, prefix: str) -> tuple[bytes, ...]:
-        """The list of tasks waiting for a seat (a concurrency limit's): none."""
-        return ()
-
 
 @dataclass(frozen=True, slots=True)
 class Concurrency:
@@ -151,10 +146,6 @@ class Concurrency:
     def turns_in(self, prefix: str) -> bytes:
         """The turns of that queue (fair share is a rate limit's: unused for now)."""
         return _key_bytes(seat_turns_key, prefix, self.name, self.key)
-
-    def waiter_keys(self, prefix: str) -> tuple[bytes, ...]:
-        """The tasks parked for a seat, handed a freed one in order."""
-        return (_key_bytes(waiters_key, prefix, self.name, self.key),)
 
 
 #: Either kind of limit; :meth:`Gate.acquire_many` decides them together.

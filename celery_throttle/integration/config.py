@@ -25,7 +25,7 @@ from ..errors import ThrottleConfigError
 from ..room.native import patched
 from ..values import LONGEST_WAIT, seconds
 
-__all__ = ["SETTINGS", "Config", "QueueLimit", "read_config"]
+__all__ = ["REMOVED", "SETTINGS", "Config", "QueueLimit", "read_config"]
 
 _POLICIES = ("defer", "allow", "fail")
 
@@ -85,11 +85,6 @@ SETTINGS: dict[str, tuple[object, str]] = {
                            "arrives while its limit has tasks in line joins them in the "
                            "worker's main process; False: they book their slot when they "
                            "arrive"),
-    "throttle_seats_in_line": (True, "with the scheduler, a task with a concurrency limit "
-                               "waits in line too: for its rate limits, and for a seat in the "
-                               "concurrency limit's own line (handed the next seat given back, "
-                               "best priority first); False: it books its rate slots when it "
-                               "arrives and is parked for a seat"),
     "throttle_priority_ageing": (3600.0, "with the scheduler, seconds of waiting that are worth "
                                  "one priority level: a waiting task moves up one level per "
                                  "step, so urgent work never starves the rest for ever"),
@@ -145,7 +140,6 @@ class Config:
     park_anywhere: bool
     keep_beside_broker: bool  # the store alone is not safe: keep a copy on the broker's server
     scheduler: bool
-    seats_in_line: bool
     priority_ageing: float
     # limit name -> fair key value digest -> weight (values are never kept in clear)
     fair_weights: Mapping[str, Mapping[str, int]] = field(default_factory=dict, repr=False)
@@ -223,6 +217,16 @@ def _default_max_countdown(visibility: float) -> float:
     return max(1.0, min(900.0, visibility / 2))
 
 
+#: Settings that earlier versions read, and what takes their place: naming one is an
+#: error (it would otherwise be ignored, or taken for a typo of another setting).
+REMOVED: dict[str, str] = {
+    "throttle_seats_in_line": "a task with a concurrency limit always waits in the seat's "
+                              "line; remove the setting",
+    "throttle_line_on_arrival": "a worker always lines up an arriving task whose limit has "
+                                "tasks in line; remove the setting",
+}
+
+
 def read_config(app: Celery) -> Config:
     """Read and validate ``app``'s ``throttle_*`` settings (raises :class:`ThrottleConfigError`)."""
     conf = app.conf
@@ -237,6 +241,8 @@ def read_config(app: Celery) -> Config:
             unknown.append((key, plain))
     if unknown:
         key, plain = sorted(unknown)[0]
+        if plain in REMOVED:
+            raise ThrottleConfigError(f"setting {key!r} was removed in 0.2.0: {REMOVED[plain]}")
         hint = difflib.get_close_matches(plain, SETTINGS, n=1)
         shown = [f"{spaced}{name.upper()}" if key != plain else name
                  for name in (hint or list(SETTINGS))]
@@ -306,7 +312,6 @@ def read_config(app: Celery) -> Config:
         store_is_broker=url == broker,
         broker_redis_url=broker if _is_server(broker) else None,
         scheduler=_flag("throttle_scheduler", get("throttle_scheduler")),
-        seats_in_line=_flag("throttle_seats_in_line", get("throttle_seats_in_line")),
         priority_ageing=_at_least_one("throttle_priority_ageing",
                                       get("throttle_priority_ageing")),
         high_priority_first=_amqp(conf.broker_url),

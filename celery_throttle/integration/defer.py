@@ -30,7 +30,6 @@ from celery.exceptions import Ignore
 from .. import faults, metrics
 from ..core import waiting
 from ..core.gate import AnyLimit, Concurrency, Decision, Limit, Reservation
-from ..core.keys import waiters_key
 from ..core.logs import logger
 from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import queue_of
@@ -354,16 +353,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     name = _limit_name(decision, limits)
     # Dispatched a lead before the slot, on the server clock the slot is on.
     dispatch_at = decision.now + to_us(countdown) - to_us(config.dispatch_lead)
-    seat_of = decision.limit if isinstance(decision.limit, Concurrency) and not new.booked \
-        else None
-    if seat_of is not None:
-        # Waiting for a concurrency seat (nothing booked): it queues for the
-        # next one freed and is handed it.  Its own return is the fallback
-        # for a holder that dies without giving its slot back: by then its
-        # lease has expired.
-        dispatch_at = max(dispatch_at, decision.now + seat_of.lease_us)
     parked = _send_back(task, runtime, new, countdown, at_us=max(dispatch_at, 1),
-                        seat_of=seat_of, was=arrived,
                         note=wait_note(task, name, decision, new,
                                        parked_until=max(dispatch_at, 1),
                                        entry=_entry_of(task, new.prev)))
@@ -394,12 +384,9 @@ def _kept(runtime: Runtime) -> bool:
 
 
 def _in_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit]) -> bool:
-    """Does the task wait in line (the scheduler)?  A task with a concurrency limit does
-    with ``throttle_seats_in_line``; else it waits as before (booked, or parked for a
-    seat, which is handed over in order)."""
-    config = runtime.config
-    return (config.scheduler
-            and (config.seats_in_line or all(isinstance(lim, Limit) for lim in limits))
+    """Does the task wait in line (the scheduler; a task with a concurrency limit always
+    does, for a seat is never booked)?"""
+    return ((runtime.config.scheduler or any(isinstance(lim, Concurrency) for lim in limits))
             and _room_open(task, runtime))
 
 
@@ -509,9 +496,9 @@ def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[Li
 
 
 def _place(task: Task[Any, Any], runtime: Runtime, since: int) -> int:
-    """A waiting task's place (us), in a limit's queue and among a concurrency limit's
-    waiters alike: when it first waited (``since``, server clock) plus its priority's rank
-    times the ageing step, so rank 0 goes first and the others age toward it."""
+    """A waiting task's place (us) in a limit's queue: when it first waited (``since``,
+    server clock) plus its priority's rank times the ageing step, so rank 0 goes first and
+    the others age toward it."""
     return since + _rank(task, runtime) * to_us(runtime.config.priority_ageing)
 
 
@@ -647,9 +634,9 @@ def _waited(runtime: Runtime, state: WaitState) -> float:
 
 
 def _queues_for_slot(task: Task[Any, Any], runtime: Runtime, decision: Decision) -> bool:
-    """A wait for a full concurrency limit: with the waiting room, park it at once.
+    """A wait for a full concurrency limit: with the waiting room, wait in line at once.
 
-    Parked, it queues for the next freed seat and is handed it in order; a
+    In the seat's line it is served the next freed seat in its line's order; a
     task sleeping in a worker for its paced return would only compete.
     """
     booking = decision.reservation
@@ -658,31 +645,25 @@ def _queues_for_slot(task: Task[Any, Any], runtime: Runtime, decision: Decision)
 
 
 def _send_back(task: Task[Any, Any], runtime: Runtime, state: WaitState, countdown: float, *,
-               at_us: int = 0, delay_us: int = 0, note: str = "",
-               seat_of: Concurrency | None = None, was: str = "", room: bool = True) -> bool:
+               at_us: int = 0, delay_us: int = 0, note: str = "", room: bool = True) -> bool:
     """The one way a task that must wait leaves the worker (for a busy limit, a provider's
     pause or the store being down): parked in the waiting room (:func:`_park`: until
     ``at_us`` or ``delay_us`` from now) where it is open and ``room`` allows (not with the
     store down), else re-published with ``countdown`` (at most ``throttle_max_countdown``:
     it comes back then and asks again).  True when it was parked."""
-    if room and _park(task, runtime, state, at_us=at_us, delay_us=delay_us, note=note,
-                      seat_of=seat_of, was=was):
+    if room and _park(task, runtime, state, at_us=at_us, delay_us=delay_us, note=note):
         return True
     _republish(task, state, min(countdown, runtime.config.max_countdown))
     return False
 
 
 def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: int = 0,
-          delay_us: int = 0, note: str = "", seat_of: Concurrency | None = None,
-          was: str = "") -> bool:
+          delay_us: int = 0, note: str = "") -> bool:
     """Park the task in the waiting room until ``at_us`` (server clock) or ``delay_us`` from now.
 
     False when it cannot be parked (the waiting room is off, the app was
     never installed so no worker dispatches it, or the store failed): the
     caller re-publishes it with a countdown instead, never losing it.
-    ``seat_of``: the full concurrency limit it waits for; it queues for the
-    next freed seat of it too (handed over by ``Gate.release``), keeping the
-    turn of ``was``, the entry it arrived as, if it had one.
     """
     if not _room_open(task, runtime):
         return False
@@ -693,11 +674,8 @@ def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: in
                HEADER: replace(state, entry=entry, kept=kept).to_header()}
     envelope = capture(task.signature_from_request(request, headers=headers))
     try:
-        waiters = (waiters_key(runtime.config.prefix, seat_of.name, seat_of.key)
-                   if seat_of is not None else "")
         at = runtime.room.park(entry, envelope.dumps(), str(request.id), at_us=at_us,
-                               delay_us=delay_us, note=note, waiters=waiters, was=was,
-                               place_us=_place(task, runtime, state.since or 0), kept=kept)
+                               delay_us=delay_us, note=note, kept=kept)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _log_outage(runtime, exc, "re-published with a countdown instead of parked")

@@ -113,26 +113,18 @@ class WaitingRoom:
         self.queues = Queues(client, prefix)  # the limits' queues share the messages
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
-             delay_us: int = 0, note: str = "", waiters: str = "", was: str = "",
-             place_us: int = 0, kept: bool = False) -> int:
+             delay_us: int = 0, note: str = "", kept: bool = False) -> int:
         """Park ``message`` until ``at_us`` (server clock), or ``delay_us`` from now.
 
         ``note``: the wait note to leave for ``celery throttle why`` under
         ``task_id``, kept while it waits (its arrival moves it, :meth:`arrive`).
-        ``waiters``: a concurrency limit's waiters (``keys.waiters_key``) to
-        join at ``place_us`` (when it first waited plus its priority's ageing
-        steps, as in a limit's queue), so a freed seat is handed to this task
-        when it is first (``task_id`` is the lease holder); ``was``: the entry
-        it had there before, whose turn it keeps.  ``kept``: keep the message
-        beside the broker's queues first (:meth:`_stored`).  Returns the dispatch
-        time (server clock, microseconds), or 0 when ``entry`` is parked already
-        (nothing written).
+        ``kept``: keep the message beside the broker's queues first
+        (:meth:`_stored`).  Returns the dispatch time (server clock, microseconds),
+        or 0 when ``entry`` is parked already (nothing written).
         """
-        keys = [self.parked, self.messages, self.wake, self.notes, waiters or self.wake]
+        keys = [self.parked, self.messages, self.wake, self.notes]
         args: list[str | bytes | int] = [entry, message, at_us, delay_us, note,
-                                         key_digest(task_id),
-                f"{entry} {task_id}" if waiters else "",
-                f"{was} {task_id}" if waiters and was else "", place_us]
+                                         key_digest(task_id)]
         at, _now = self._stored(entry, message, kept,
                                 lambda: self._replicated(self._park, keys, args))
         return int(at)

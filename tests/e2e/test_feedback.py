@@ -52,10 +52,9 @@ def _prompt(rng: random.Random) -> str:
     return "x" * (4 * rng.randint(20, 40))  # 20 to 40 tokens
 
 
-@pytest.mark.parametrize("seats", ["booked", "in-line"])
 def test_concurrency_rate_and_settled_tokens_make_no_429(
-        redis_base: str, capp: ModuleType, records: redis.Redis, provider: MockProvider,
-        seats: str) -> None:
+        redis_base: str, capp: ModuleType, records: redis.Redis, provider: MockProvider
+) -> None:
     """40 calls with token estimates off by 2x (7 in 8 half the truth, 1 in 8 double).
 
     No 429, every quota kept.  Tokens are judged over every 2 s window of the
@@ -67,9 +66,7 @@ def test_concurrency_rate_and_settled_tokens_make_no_429(
     jobs = [(_prompt(rng), rng.choice([0.5] * 7 + [2.0]), rng.uniform(0.1, 0.6))
             for _ in range(40)]
     env = {"CT_PROVIDER": provider.url}
-    # (A task with a concurrency limit books its slots at arrival, or waits in line.)
-    conf = {"throttle_seats_in_line": seats == "in-line"}
-    with worker_nodes(redis_base, ("w1", "w2"), concurrency=3, env=env, conf=conf):
+    with worker_nodes(redis_base, ("w1", "w2"), concurrency=3, env=env):
         results = [capp.llm_call.delay(*job) for job in jobs]
         states = wait_results(results, timeout=90)
     assert Counter(states) == {"SUCCESS": 40}

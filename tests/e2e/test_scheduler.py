@@ -89,15 +89,12 @@ def test_urgent_task_starts_ahead_of_a_waiting_batch(
         ["0", "1", "2"], listed.stdout
 
 
-@pytest.mark.parametrize("seats", ["parked", "in-line"])
 def test_a_freed_concurrency_seat_goes_to_an_urgent_waiter_first(
-    capp: ModuleType, records: redis.Redis, redis_base: str, seats: str
+    capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """concurrency=1: four batch tasks wait for the seat, then an urgent one: the urgent
-    task is handed the next seat freed, and the batch follows in its order (parked for a
-    seat, or in the seat's line with ``throttle_seats_in_line``)."""
-    conf = {**LINE, "throttle_seats_in_line": seats == "in-line"}
-    with worker_nodes(redis_base, ("w1", "w2"), conf=conf):
+    """concurrency=1: four batch tasks wait in the seat's line, then an urgent one: the
+    urgent task is served the next seat freed, and the batch follows in its order."""
+    with worker_nodes(redis_base, ("w1", "w2"), conf=LINE):
         first = capp.one_slot.apply_async((2.0,), priority=BATCH)
         time.sleep(0.3)  # the first holds the seat before the others arrive
         batch = []
@@ -110,7 +107,7 @@ def test_a_freed_concurrency_seat_goes_to_an_urgent_waiter_first(
     assert states == ["SUCCESS"] * 6
     assert [r["id"] for r in rows] == [first.id, urgent.id] + [b.id for b in batch]
     gaps = [b["t"] - (a["t"] + a["seconds"]) for a, b in itertools.pairwise(rows)]
-    print(f"\nseats {seats}: gaps between one run's end and the next start "
+    print(f"\ngaps between one run's end and the next start "
           f"{[round(g, 3) for g in gaps]}")
     assert min(gaps) > 0, gaps  # never two at once
     assert max(gaps) < 0.25, gaps  # each seat handed over at once

@@ -223,23 +223,24 @@ def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(
 def test_a_freed_concurrency_slot_goes_to_the_oldest_waiter_at_once(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """concurrency=1: parked waiters start in their order, each right after the last ends."""
+    """concurrency=1: tasks in the seat's line start in their order, each right after the
+    last ends."""
     with worker_nodes(redis_base, ("w1", "w2"), conf=ROOM):
         first = capp.one_slot.delay(1.0)
         time.sleep(0.3)  # the first holds the slot before the waiters arrive
         waiters = []
         for _ in range(5):
             waiters.append(capp.one_slot.delay(0.3))
-            time.sleep(0.1)  # parked in this order
+            time.sleep(0.1)  # in line in this order
         states = wait_results([first, *waiters], timeout=30)
         rows = read_records(records, expect=6, timeout=5)
     assert states == ["SUCCESS"] * 6
     assert [r["id"] for r in rows] == [first.id] + [w.id for w in waiters]  # FIFO
     gaps = [b["t"] - (a["t"] + a["seconds"]) for a, b in itertools.pairwise(rows)]
-    print(f"\nhand-off gaps between one run's end and the next start: "
+    print(f"\ngaps between one run's end and the next start: "
           f"{[round(g, 3) for g in gaps]}")
     # Each freed seat is taken within one dispatch and one broker trip (the
-    # paced return without a hand-off would come back up to a second later).
+    # paced return without the line would come back up to a second later).
     assert max(gaps) < 0.25
     assert min(gaps) > 0  # never two at once
 

@@ -13,7 +13,7 @@ from redis.exceptions import RedisClusterException
 import celery_throttle
 from celery_throttle import ThrottleConfigError
 from celery_throttle.core.connect import connect
-from celery_throttle.integration.config import read_config
+from celery_throttle.integration.config import REMOVED, SETTINGS, read_config
 from celery_throttle.testing import free_port
 
 
@@ -35,6 +35,10 @@ from celery_throttle.testing import free_port
         ("throttle_park_replicas", -1, "throttle_park_replicas=-1"),
         ("throttle_sentinel_kwargs", "x", "expected a dict"),
         ("throttle_queus", {}, "unknown setting 'throttle_queus'; did you mean 'throttle_queues'"),
+        ("throttle_seats_in_line", False, "setting 'throttle_seats_in_line' was removed in "
+                                          "0.2.0: a task with a concurrency limit always"),
+        ("throttle_line_on_arrival", True, "setting 'throttle_line_on_arrival' was removed "
+                                           "in 0.2.0"),
         ("throttle_scheduler", "yes", "throttle_scheduler='yes'"),
         ("throttle_priority_ageing", 0.5, "throttle_priority_ageing=0.5"),
         ("throttle_fair_weights", ["a"], "throttle_fair_weights: expected a dict"),
@@ -54,6 +58,12 @@ def test_bad_settings_fail_at_install(
     with pytest.raises(ThrottleConfigError, match=message):
         celery_throttle.install(app)
 
+
+
+def test_a_removed_setting_is_no_longer_a_setting() -> None:
+    """Every removed name has its own error, never a "did you mean" to a setting."""
+    assert not set(REMOVED) & set(SETTINGS)
+    assert all(name.startswith("throttle_") for name in REMOVED)
 
 
 def test_config_defaults(app: Celery) -> None:

@@ -14,9 +14,10 @@ from celery_throttle.core.keys import (
     key_digest,
     leases_key,
     meta_key,
+    queue_key,
     room_key,
+    seat_queue_key,
     task_key,
-    waiters_key,
 )
 from celery_throttle.room.parking import WaitingRoom
 
@@ -24,7 +25,7 @@ from celery_throttle.room.parking import WaitingRoom
 LOOKALIKES = ["epoch", "room:parked", "room:messages", "room:claimed", "room:wake", "room:trip",
               "wait:x", "copy:x:0", "arrived:x", "trip", "api:leases", "api:meta",
               "api:waiters", f"api:k:{key_digest('acme')}", "b:-:api", "-:api"]
-LIMIT_KEYS = [bucket_key, leases_key, meta_key, waiters_key]
+LIMIT_KEYS = [bucket_key, leases_key, meta_key, queue_key, seat_queue_key]
 names = st.text(min_size=1, max_size=12).filter(str.strip)
 key_values = st.one_of(st.none(), st.text(max_size=6), st.integers())
 

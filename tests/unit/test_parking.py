@@ -223,92 +223,9 @@ def test_prometheus_collector_reports_parked_and_dispatching(redis_url: str, pre
     assert values == {"celery_throttle_parked": 2, "celery_throttle_dispatching": 1}
 
 
-def test_a_freed_slot_is_handed_to_the_first_parked_waiter(
-    client: redis.Redis, prefix: str
-) -> None:
-    """release() gives the lease to the first task parked for it (by place: first waited,
-    equal priorities) and makes it due now."""
-    from celery_throttle import Concurrency, Gate
-    from celery_throttle.core.keys import waiters_key
-
-    gate, room = Gate(client, prefix=prefix), WaitingRoom(client, prefix)
-    lim = Concurrency("slot", 1, lease=30)
-    waiters = waiters_key(prefix, "slot", None)
-    assert gate.acquire_many([lim], holder="running").allowed
-    room.park("gone", b"m", "t-gone", delay_us=LATER_US, waiters=waiters, place_us=1)
-    client.hdel(room.messages, "gone")  # left the waiting room meanwhile (ran, expired)
-    room.park("second", b"m", "t-second", delay_us=LATER_US, waiters=waiters, place_us=3)
-    room.park("first", b"m", "t-first", delay_us=LATER_US, waiters=waiters, place_us=2)
-    client.delete(room.wake)
-    assert gate.release([lim], "running") == 1
-    assert client.zscore(gate.key_of(lim), "t-first") is not None  # its lease, in its name
-    _due, dispatched = room.claim_due(10, 60_000_000)
-    assert [p.entry for p in dispatched] == ["first"]
-    assert room.sleep(0.01) is True  # the dispatcher was woken
-    assert not gate.acquire_many([lim], holder="newcomer").allowed  # no newcomer takes it
-    assert gate.acquire_many([lim], holder="t-first").allowed  # the waiter holds it
-    assert client.zrange(waiters, 0, -1) == [b"second t-second"]
-
-
-def test_a_freed_slot_goes_to_the_best_priority_before_the_longest_waiting(
-    client: redis.Redis, prefix: str
-) -> None:
-    """Places are a limit's queue's: when first waited plus the priority's ageing steps.
-    A rank-0 task parked after two rank-5 tasks is handed the seat first; the rank-5 ones
-    follow in the order they first waited."""
-    from celery_throttle import Concurrency, Gate
-    from celery_throttle.core.keys import waiters_key
-
-    gate, room = Gate(client, prefix=prefix), WaitingRoom(client, prefix)
-    lim = Concurrency("prio", 1, lease=30)
-    waiters = waiters_key(prefix, "prio", None)
-    step = 60_000_000  # the ageing step, us
-    since = _now_us(client)
-    assert gate.acquire_many([lim], holder="running").allowed
-    room.park("batch-1", b"m", "t-b1", delay_us=LATER_US, waiters=waiters,
-              place_us=since + 5 * step)
-    room.park("batch-2", b"m", "t-b2", delay_us=LATER_US, waiters=waiters,
-              place_us=since + 1 + 5 * step)
-    room.park("urgent", b"m", "t-urgent", delay_us=LATER_US, waiters=waiters,
-              place_us=since + 2)
-    handed = []
-    for holder in ("running", "t-urgent", "t-b1"):
-        assert gate.release([lim], holder) == 1
-        handed += [p.entry for p in room.claim_due(10, 60_000_000)[1]]
-    assert handed == ["urgent", "batch-1", "batch-2"]
-
-
-def test_an_earlier_versions_waiters_list_is_served_first(
-    client: redis.Redis, prefix: str
-) -> None:
-    """A rolling upgrade: the waiters an earlier version left in a list (oldest first) are
-    handed seats in that order, waiters keep joining that list while it lasts, and once it
-    is empty new waiters join by place."""
-    from celery_throttle import Concurrency, Gate
-    from celery_throttle.core.keys import waiters_key
-
-    gate, room = Gate(client, prefix=prefix), WaitingRoom(client, prefix)
-    lim = Concurrency("upgrade", 1, lease=30)
-    waiters = waiters_key(prefix, "upgrade", None)
-    assert gate.acquire_many([lim], holder="running").allowed
-    for entry in ("old-1", "old-2"):  # as the earlier park.lua left them
-        client.hset(room.messages, entry, b"m")
-        client.zadd(room.parked, {entry: _now_us(client) + LATER_US})
-        client.rpush(waiters, f"{entry} t-{entry}")
-    room.park("new-1", b"m", "t-new-1", delay_us=LATER_US, waiters=waiters, place_us=1)
-    assert client.type(waiters) == b"list"
-    handed = []
-    for holder in ("running", "t-old-1", "t-old-2", "t-new-1"):
-        assert gate.release([lim], holder) == 1
-        handed += [p.entry for p in room.claim_due(10, 60_000_000)[1]]
-    assert handed == ["old-1", "old-2", "new-1"]
-    room.park("new-2", b"m", "t-new-2", delay_us=LATER_US, waiters=waiters, place_us=5)
-    room.park("new-3", b"m", "t-new-3", delay_us=LATER_US, waiters=waiters, place_us=4)
-    assert client.zrange(waiters, 0, -1) == [b"new-3 t-new-3", b"new-2 t-new-2"]
-
-
-def test_release_without_waiters_frees_the_seat(client: redis.Redis, prefix: str) -> None:
-    """No task parked for the limit: the slot is simply free for the next caller."""
+def test_release_with_nothing_in_line_frees_the_seat(client: redis.Redis,
+                                                     prefix: str) -> None:
+    """No task in the seat's line: the seat is simply free for the next caller."""
     from celery_throttle import Concurrency, Gate
 
     gate = Gate(client, prefix=prefix)
@@ -316,19 +233,6 @@ def test_release_without_waiters_frees_the_seat(client: redis.Redis, prefix: str
     assert gate.acquire_many([lim], holder="a").allowed
     assert gate.release([lim], "a") == 1
     assert gate.acquire_many([lim], holder="b").allowed
-
-
-def test_a_waiter_that_waits_again_keeps_its_turn(client: redis.Redis, prefix: str) -> None:
-    """Parked again under a new entry, a waiter replaces its old item instead of queueing last."""
-    from celery_throttle.core.keys import waiters_key
-
-    room = WaitingRoom(client, prefix)
-    waiters = waiters_key(prefix, "slot", None)
-    room.park("a1", b"m", "task-a", delay_us=LATER_US, waiters=waiters, place_us=1)
-    room.park("b1", b"m", "task-b", delay_us=LATER_US, waiters=waiters, place_us=2)
-    room.park("a2", b"m", "task-a", delay_us=LATER_US, waiters=waiters, was="a1", place_us=9)
-    assert client.zrange(waiters, 0, -1, withscores=True) == [(b"a2 task-a", 1.0),
-                                                                (b"b1 task-b", 2.0)]
 
 
 def test_dispatches_run_ahead_by_the_measured_trip(client: redis.Redis, prefix: str) -> None:

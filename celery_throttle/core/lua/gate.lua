@@ -45,15 +45,10 @@ KEYS[n+1] the prefix's epoch (epoch.lua): set once (no TTL) when first needed.  
           count (honouring them next to fresh starts would double the rate).
 KEYS[n+1+j] the meta hash of the j-th concurrency limit among the n
 With op "release" only (m = the number of concurrency limits):
-KEYS[n+1+m+j] the j-th concurrency limit's waiters: a sorted set of "entry
-          holder", tasks parked in the waiting room for a slot, by place (when
-          first waiting plus priority ageing steps); an earlier version's list,
-          oldest first, is emptied first
-KEYS[n+2+2m], KEYS[n+3+2m], KEYS[n+4+2m] the waiting room's parked set,
-          messages hash and wake list (room/parking.py)
-KEYS[n+4+2m+j] the j-th concurrency limit's queue of tasks waiting in line
+KEYS[n+1+m+j] the j-th concurrency limit's queue of tasks waiting in line
           for a seat (room/queues.py): due at once when a seat is given back
-KEYS[n+5+3m] the limits' queues' ready index (room/queues.py)
+KEYS[n+2+2m] the limits' queues' ready index (room/queues.py)
+KEYS[n+3+2m] the dispatchers' wake list (room/parking.py): one token
 With op "q" only:
 KEYS[n+1+m+i] limit i's queue of waiting tasks (room/queues.py), i = 1..n: a
           rate limit's, or a concurrency limit's queue for a seat
@@ -166,7 +161,7 @@ end
 
 -- The limits, read once.  A rate limit: { key, interval, burst, cost }; a
 -- concurrency limit (interval 0 in ARGV): { key, concurrent, slots, lease,
--- meta, waiters, line }, waiters and line (its queue) only with op "release".
+-- meta, line }, line (its queue) only with op "release".
 local L = {}
 local m = 0 -- concurrency limits among the n
 for i = 1, n do
@@ -184,8 +179,7 @@ end
 if op == 'release' then
   for i = 1, n do
     if L[i].concurrent then
-      L[i].waiters = KEYS[n + 1 + m + L[i].nth]
-      L[i].line = KEYS[n + 4 + 2 * m + L[i].nth]
+      L[i].line = KEYS[n + 1 + m + L[i].nth]
     end
   end
 end
@@ -248,48 +242,11 @@ local function step_of(lim)
   return math.ceil(math.max(run, MIN_RUN) / lim.slots)
 end
 
--- A freed seat goes to the first task parked for it (best priority, then
--- the longest waiting), within this call, so no newcomer can take it first:
--- its lease is taken in its name and it is due for release now.  Waiters
--- that left the waiting room (ran, expired, lost) are skipped, a few per call.
-local function next_waiter(lim)
-  if redis.call('TYPE', lim.waiters).ok == 'list' then
-    return redis.call('LPOP', lim.waiters) -- (an earlier version's list)
-  end
-  local first = redis.call('ZRANGE', lim.waiters, 0, 0)[1]
-  if first then
-    redis.call('ZREM', lim.waiters, first)
-  end
-  return first
-end
-
 -- Wake a dispatcher: one token is enough (as park.lua).
 local function wake_up(wake)
   redis.call('LPUSH', wake, '1')
   redis.call('LTRIM', wake, 0, 0)
   redis.call('PEXPIRE', wake, 60000)
-end
-
-local function hand_off(lim)
-  local parked, messages, wake = KEYS[n + 2 + 2 * m], KEYS[n + 3 + 2 * m], KEYS[n + 4 + 2 * m]
-  reclaim(lim)
-  for _ = 1, 10 do
-    if redis.call('ZCARD', lim.key) >= lim.slots then
-      return
-    end
-    local item = next_waiter(lim)
-    if not item then
-      return
-    end
-    local entry, who = string.match(item, '^(%S+) (.+)$')
-    if entry and redis.call('HEXISTS', messages, entry) == 1 then
-      take(lim, who, now)
-      if redis.call('ZADD', parked, 'XX', 'CH', now, entry) == 1 then
-        wake_up(wake)
-      end
-      return
-    end
-  end
 end
 
 -- A seat given back: the tasks waiting in line for one are due now (the
@@ -299,7 +256,7 @@ local function line_due(lim)
   if redis.call('EXISTS', lim.line) == 0 then
     return
   end
-  local ready, wake = KEYS[n + 5 + 3 * m], KEYS[n + 4 + 2 * m]
+  local ready, wake = KEYS[n + 2 + 2 * m], KEYS[n + 3 + 2 * m]
   local current = tonumber(redis.call('ZSCORE', ready, lim.line))
   if not current or current > now then
     redis.call('ZADD', ready, now, lim.line)
@@ -310,7 +267,7 @@ end
 -- ---------------------------------------------------------------------------
 -- The operations besides the decision: one function each.
 
--- Give back holder's leases; feed the average run; hand the slot on.
+-- Give back holder's leases; feed the average run; ring the seat's line.
 local function release()
   local count = 0
   for i = 1, n do
@@ -335,8 +292,7 @@ local function release()
           redis.call('PEXPIRE', lim.meta, META_TTL_MS)
         end
       end
-      if lim.waiters then
-        hand_off(lim)
+      if lim.line then
         line_due(lim)
       end
     end

@@ -18,7 +18,7 @@ task at the same limit, RATE per second, burst 1:
 
 Configured from the environment: BENCH_REDIS (server URL; broker db 5,
 store db 6, results db 7, records db 8), BENCH_RATE, BENCH_MAX_SLEEP,
-BENCH_WAITING_ROOM, BENCH_SCHEDULER, BENCH_KEEP and BENCH_GC_FREEZE ("0" or "1"),
+BENCH_WAITING_ROOM, BENCH_KEEP and BENCH_GC_FREEZE ("0" or "1"),
 BENCH_STORE (a store of its own instead of db 6);
 section 4 (calls in flight): BENCH_PROVIDER, BENCH_CALL_SECONDS, BENCH_LEASE; the SDK
 section: BENCH_PROVIDER.
@@ -57,8 +57,6 @@ if os.environ.get("BENCH_GC_FREEZE"):  # "0": off (benchmarks/pool_memory.py's c
     app.conf.throttle_gc_freeze = os.environ["BENCH_GC_FREEZE"] == "1"
 if os.environ.get("BENCH_WAITING_ROOM"):  # "0": the countdown path; default: the room
     app.conf.throttle_waiting_room = os.environ["BENCH_WAITING_ROOM"] == "1"
-if os.environ.get("BENCH_SCHEDULER"):  # "1": waiting tasks wait in line (the scheduler)
-    app.conf.throttle_scheduler = os.environ["BENCH_SCHEDULER"] == "1"
 if os.environ.get("BENCH_STORE"):  # a throttle store of its own (benchmarks/outage.py)
     app.conf.throttle_redis_url = os.environ["BENCH_STORE"]
 if os.environ.get("BENCH_KEEP"):  # "1": waiting tasks kept beside the broker's queues

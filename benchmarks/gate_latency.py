@@ -74,7 +74,7 @@ def run(url: str, n: int) -> None:
         "gate, 1 limit": lambda: gate.acquire_many(fast),
         "gate, 1 limit, unpacked (redis-py Script per call)": lambda: unpacked.acquire_many(fast),
         "gate, 2 limits": lambda: gate.acquire_many(two),
-        # A task's decision with the scheduler on and nobody in line: the same
+        # A task's decision in a worker with nobody in line: the same
         # call, which also looks at the limit's queue.
         "gate, 1 limit, in line (scheduler; empty queue)": lambda: gate.acquire_many(
             fast, in_line=True),

@@ -3,10 +3,9 @@
     python -m benchmarks.scale [--n 50000] [--rate 5] [--measure 150] [--paths P,P]
 
 All tasks are published at once (one producer thread, Celery priority 9: a
-batch) to 2 prefork nodes x 4 processes with default settings (the scheduler:
-waiting tasks wait in line), next to the same run on the countdown path
-(``throttle_waiting_room=False``) and in the waiting room with slots booked at
-arrival (``throttle_scheduler=False``), and measured for ``--measure`` seconds
+batch) to 2 prefork nodes x 4 processes with default settings (waiting tasks
+wait in line), next to the same run on the countdown path
+(``throttle_waiting_room=False``), and measured for ``--measure`` seconds
 after the last publish (a backlog at a slow quota takes hours to drain: the
 steady state is what counts). Ten seconds after the last publish one urgent
 task of the same limit (priority 0: first on a Redis broker) is sent: how long
@@ -68,8 +67,8 @@ def _held(broker: redis.Redis) -> int:
     return sum(int(broker.llen(name)) for name in lists) + int(broker.hlen("unacked"))
 
 
-#: The paths compared: (waiting room, scheduler).
-PATHS = {"countdown": (False, False), "room": (True, False), "scheduler": (True, True)}
+#: The paths compared: is the waiting room on?
+PATHS = {"countdown": False, "scheduler": True}
 #: Seconds after the last publish at which the urgent task is sent.
 URGENT_AFTER = 10.0
 
@@ -89,9 +88,7 @@ def run(n: int, rate: int, measure: float, path: str) -> dict[str, float]:
         broker = redis.Redis.from_url(f"{url}/5")
         store = redis.Redis.from_url(f"{url}/6")
         env = {"BENCH_REDIS": url, "BENCH_RATE": str(rate), "PYTHONPATH": str(ROOT)}
-        waiting_room, scheduler = PATHS[path]
-        env["BENCH_WAITING_ROOM"] = "1" if waiting_room else "0"
-        env["BENCH_SCHEDULER"] = "1" if scheduler else "0"
+        env["BENCH_WAITING_ROOM"] = "1" if PATHS[path] else "0"
         with workers("benchmarks.bench_app", ("s1", "s2"), concurrency=4, queues=("celery",),
                      cwd=ROOT, env=env) as nodes:
             base_mem = int(client.info("memory")["used_memory"])
@@ -165,8 +162,7 @@ def main(argv: list[str] | None = None) -> None:
           f"(`python -m benchmarks.scale --n {args.n} --rate {args.rate} --measure "
           f"{args.measure:g}`).  The tasks are sent with priority 9, the urgent one with 0.\n")
     names = {"countdown": "countdown (`throttle_waiting_room=False`)",
-             "room": "waiting room, slots booked (`throttle_scheduler=False`)",
-             "scheduler": "scheduler (default)"}
+             "scheduler": "in line (default)"}
     print("| measure | " + " | ".join(names[p] for p in paths) + " |")
     print("|---|" + "---:|" * len(paths))
     lines: list[tuple[str, Callable[[dict[str, float]], str]]] = [

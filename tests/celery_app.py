@@ -291,7 +291,7 @@ def parked_msgpack(self: Task[Any, Any], i: int) -> int:
     return i
 
 
-# --- The scheduler: tasks waiting in line (throttle_scheduler) ---
+# --- The scheduler: tasks waiting in line ---
 # CT_LINE_RATE: the rate of the "line" limit, as a new release of the code
 # would change it (the tests restart the workers with another one).
 

@@ -8,7 +8,7 @@ Two things happen here, where waiting costs no pool process:
   empty is not asked again for :data:`EMPTY_FOR_S`), its message is
   acknowledged, and no pool process sees it until its turn.  So a backlog
   moves from the broker's queue, in the broker's order, into the line, where
-  the scheduler orders it (turns, priorities), as fast as the consumer takes
+  the line orders it (turns, priorities), as fast as the consumer takes
   messages in, not as fast as pool processes come free; and a pool whose
   processes are recycled (``worker_max_tasks_per_child``) is not brought
   closer to a replacement by a run that only lines a task up.
@@ -77,8 +77,9 @@ HANDOFF_S = 0.02
 
 
 def lines_up(app: Celery) -> bool:
-    """Does this worker line tasks up on arrival (with the scheduler: tasks wait in lines)?"""
-    return runtime_for(app).config.scheduler
+    """Does this worker line tasks up on arrival (with the waiting room: tasks wait in
+    lines)?"""
+    return runtime_for(app).config.waiting_room
 
 
 def strategy(task: Task[Any, Any], app: Celery, consumer: Any, **kwargs: Any) -> Any:

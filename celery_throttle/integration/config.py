@@ -23,7 +23,7 @@ from ..core.keys import key_digest, validate_prefix
 from ..core.rates import parse_rate
 from ..errors import ThrottleConfigError
 from ..room.native import patched
-from ..values import LONGEST_WAIT, seconds
+from ..values import seconds
 
 __all__ = ["REMOVED", "SETTINGS", "Config", "QueueLimit", "read_config"]
 
@@ -50,24 +50,27 @@ SETTINGS: dict[str, tuple[object, str]] = {
                           "with backoff), 'allow' (run unthrottled, WARNING) or 'fail'"),
     "throttle_max_wait": (None, "seconds a task may wait in total before it fails with "
                           "ThrottleTimeout; None: no limit"),
-    "throttle_horizon": (None, "how far ahead (s) a slot may be booked; later waits "
-                         "return when a slot comes within reach; default: 3600, or 604800 "
-                         "(7 days) with the waiting room"),
+    "throttle_horizon": (3600.0, "where a waiting task is re-published with a countdown "
+                         "(the waiting room is off or the store would lose it): how far "
+                         "ahead (s) it books its slot; a later wait comes back when a slot "
+                         "is within reach"),
     "throttle_max_countdown": (None, "longest single countdown (s); default: half the broker's "
                                "visibility_timeout (Redis/SQS), at most 900"),
     "throttle_max_sleep": (0.5, "waits up to this many seconds are slept in the worker "
-                           "instead of re-publishing the task (with the scheduler, at most "
-                           "the dispatch lead plus the measured trip: a longer wait waits "
-                           "in line)"),
+                           "instead of re-publishing the task; where the task would wait in "
+                           "line, at most the dispatch lead plus the measured trip: a longer "
+                           "wait waits in line"),
     "throttle_claim_grace": (None, "how late (s) a task may start in its booked slot; later "
                              "it asks again; default: half the slot (cost x interval), "
                              "between 0.02 and 0.25"),
-    "throttle_waiting_room": (True, "park tasks that wait longer than throttle_max_sleep in "
-                              "Redis (dispatched to their queue just before their slot) "
-                              "instead of re-publishing them with a countdown, where they are "
-                              "kept as well as in the broker (the store is the broker's "
-                              "server, appends to disk, or parks wait for replicas); "
-                              "\"always\": on any store; False: never"),
+    "throttle_waiting_room": (True, "tasks that must wait longer than a sleep in the worker "
+                              "wait in Redis, in the line of the limit that blocks them, and "
+                              "are dispatched to their queue when it admits them, best "
+                              "priority first, where they are kept as well as in the broker "
+                              "(the store is the broker's server, appends to disk, waits for "
+                              "replicas, or a copy is kept beside the broker); else, and with "
+                              "False, they are re-published with a countdown; \"always\": "
+                              "on any store"),
     "throttle_keep_beside_broker": (True, "where the store alone would lose waiting tasks (no "
                                     "appendonly, not the broker's server) and the broker is "
                                     "a Redis server: wait in the store anyway, with a copy of "
@@ -78,19 +81,12 @@ SETTINGS: dict[str, tuple[object, str]] = {
                          "made and counted (would have waited, how long, for which limit) "
                          "but every task runs at once; @throttled(enforce=...) overrides it "
                          "per limit, `celery throttle shadow NAME on|off` overrides both"),
-    "throttle_scheduler": (True, "tasks that must wait longer than the dispatch lead plus the "
-                           "measured trip (at most throttle_max_sleep) wait in line, in the "
-                           "queue of the limit that blocks them, and are dispatched when it "
-                           "admits them, best priority first (see the scheduler); a task that "
-                           "arrives while its limit has tasks in line joins them in the "
-                           "worker's main process; False: they book their slot when they "
-                           "arrive"),
-    "throttle_priority_ageing": (3600.0, "with the scheduler, seconds of waiting that are worth "
+    "throttle_priority_ageing": (3600.0, "seconds of waiting in line that are worth "
                                  "one priority level: a waiting task moves up one level per "
                                  "step, so urgent work never starves the rest for ever"),
-    "throttle_fair_weights": ({}, "{limit name: {fair key value: weight}}: with the scheduler, "
-                              "a fair limit serves a value weight times as often as a value "
-                              "of weight 1 (the default)"),
+    "throttle_fair_weights": ({}, "{limit name: {fair key value: weight}}: a fair limit's "
+                              "line serves a value weight times as often as a value of "
+                              "weight 1 (the default)"),
     "throttle_dispatch_lead": (None, "the waiting room dispatches a task this many seconds before "
                               "its slot besides the measured broker trip (it sleeps the rest); "
                               "default: 0.05, or 0.15 on the gevent and eventlet pools"),
@@ -139,7 +135,6 @@ class Config:
     # throttle_waiting_room = "always": park whatever the store keeps (room/durability.py)
     park_anywhere: bool
     keep_beside_broker: bool  # the store alone is not safe: keep a copy on the broker's server
-    scheduler: bool
     priority_ageing: float
     # limit name -> fair key value digest -> weight (values are never kept in clear)
     fair_weights: Mapping[str, Mapping[str, int]] = field(default_factory=dict, repr=False)
@@ -224,6 +219,9 @@ REMOVED: dict[str, str] = {
                               "line; remove the setting",
     "throttle_line_on_arrival": "a worker always lines up an arriving task whose limit has "
                                 "tasks in line; remove the setting",
+    "throttle_scheduler": "a task that waits longer than a sleep in the worker always waits "
+                          "in its limit's line (where the waiting room is open); remove the "
+                          "setting",
 }
 
 
@@ -297,7 +295,7 @@ def read_config(app: Celery) -> Config:
         queues=_queue_limits(get("throttle_queues")),
         on_error=on_error,
         max_wait=_seconds("throttle_max_wait", get("throttle_max_wait"), allow_none=True),
-        horizon=_horizon(get("throttle_horizon"), waiting_room),
+        horizon=_seconds("throttle_horizon", get("throttle_horizon"), allow_none=False) or 0.0,
         max_countdown=max_countdown or _default_max_countdown(visibility),
         max_sleep=_seconds("throttle_max_sleep", get("throttle_max_sleep"),
                            allow_none=False) or 0.0,
@@ -311,7 +309,6 @@ def read_config(app: Celery) -> Config:
                                  get("throttle_keep_beside_broker")),
         store_is_broker=url == broker,
         broker_redis_url=broker if _is_server(broker) else None,
-        scheduler=_flag("throttle_scheduler", get("throttle_scheduler")),
         priority_ageing=_at_least_one("throttle_priority_ageing",
                                       get("throttle_priority_ageing")),
         high_priority_first=_amqp(conf.broker_url),
@@ -346,17 +343,6 @@ def _at_least_one(name: str, value: object) -> float:
     if seconds < 1:
         raise ThrottleConfigError(f"setting {name}={value!r}: expected seconds >= 1")
     return seconds
-
-
-def _horizon(value: object, waiting_room: bool) -> float:
-    # A booking held by a countdown is an ETA message in some worker's
-    # memory: an hour's worth at most.  A parked task costs only its bytes
-    # in Redis, and a backlog deeper than an hour of the limit (50,000 at
-    # 300/m is 2.8 h) must still book slots, or the tasks beyond the horizon
-    # would come back again and again to ask.
-    if value is None:
-        return LONGEST_WAIT if waiting_room else 3600.0
-    return _seconds("throttle_horizon", value, allow_none=False) or 0.0
 
 
 def _fair_weights(value: object) -> dict[str, dict[str, int]]:

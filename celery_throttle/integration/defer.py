@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import redis
 from celery import Task
@@ -243,7 +243,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     release_leases_of(task)
     new = WaitState(deferrals=state.deferrals + 1, since=state.since, copy=new_copy(),
                     prev=state.copy_id, spacing=spacing_of(limits))
-    _send_back(task, runtime, new, max(seconds, 0.001), delay_us=to_us(max(seconds, 0.0)))
+    _send_back(task, runtime, new, seconds)
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
     metrics.deferred(limits[0].name if limits else "(provider)", seconds)
@@ -269,7 +269,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         horizon = min(horizon, max(0.0, to_expiry))
     if max_wait is not None:
         horizon = min(horizon, max_wait)
-    in_line = _in_line(task, runtime, limits)
+    in_line = _room_open(task, runtime)
     if in_line:
         # Book only a start the line would hand out now (the dispatch's ahead: the
         # lead and the trip): a later one waits in line, unbooked, where turns and
@@ -335,15 +335,21 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     if decision.allowed:
         _late(task, outcome.late)
         return True
-    if in_line and _line_for(decision):
-        _join_line(task, runtime, limits, decision, state, to_expiry, max_wait)
-    if decision.slot is not None:
-        countdown = decision.retry_after
-    else:
-        # Nothing booked (the wait is beyond the horizon): come back when a
-        # slot is within reach.
-        countdown = max(decision.retry_after - horizon, config.max_sleep, 0.001)
     booking = decision.reservation
+    if in_line:
+        # Every wait left to wait out of the process waits in line, a booked one too
+        # (its slot lost again and again, or answered early beyond a sleep): the
+        # booking is given back, and the line serves the task from that moment on.
+        if booking is not None and booking.booked:
+            with contextlib.suppress(redis.RedisError):
+                runtime.gate.cancel(limits, booking)
+        booking = None
+        _join_line(task, runtime, limits, decision, state, to_expiry, max_wait)
+    # Not in line (the waiting room is off, the store would lose it, or it failed just
+    # now): re-published with a countdown, to the slot it booked, or, with nothing
+    # booked (the wait is beyond the horizon), to when a slot comes within reach.
+    countdown = decision.retry_after if booking is not None else \
+        max(decision.retry_after - horizon, config.max_sleep, 0.001)
     new = WaitState(slot=booking.slot if booking else None,
                     booked=booking.booked if booking else 0,
                     epoch=booking.epoch if booking else 0,
@@ -351,22 +357,15 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
                     since=state.since or decision.now, copy=new_copy(), prev=state.copy_id,
                     spacing=spacing_of(limits))
     name = _limit_name(decision, limits)
-    # Dispatched a lead before the slot, on the server clock the slot is on.
-    dispatch_at = decision.now + to_us(countdown) - to_us(config.dispatch_lead)
-    parked = _send_back(task, runtime, new, countdown, at_us=max(dispatch_at, 1),
-                        note=wait_note(task, name, decision, new,
-                                       parked_until=max(dispatch_at, 1),
-                                       entry=_entry_of(task, new.prev)))
-    if not parked:  # (a parked task's note was written by the script that parked it)
-        write_note(task, runtime, wait_note(task, name, decision, new), decision.retry_after)
+    _republish(task, new, min(countdown, config.max_countdown))
+    write_note(task, runtime, wait_note(task, name, decision, new), decision.retry_after)
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
     metrics.deferred(name, decision.retry_after)
     announce(task, limit=name, wait=decision.retry_after, deferrals=new.deferrals,
              reason="limit")
-    logger.info("throttle: task %s[%s] waits %.3fs for limit %r (deferral %d%s)",
-                task.name, request.id, decision.retry_after, name, new.deferrals,
-                ", parked" if parked else "")
+    logger.info("throttle: task %s[%s] waits %.3fs for limit %r (deferral %d)",
+                task.name, request.id, decision.retry_after, name, new.deferrals)
     raise Ignore()
 
 
@@ -383,28 +382,12 @@ def _kept(runtime: Runtime) -> bool:
     return runtime.room.keeper is not None and runtime.durability.verdict().kept
 
 
-def _in_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit]) -> bool:
-    """Does the task wait in line (the scheduler; a task with a concurrency limit always
-    does, for a seat is never booked)?"""
-    return ((runtime.config.scheduler or any(isinstance(lim, Concurrency) for lim in limits))
-            and _room_open(task, runtime))
-
-
 def _handed_out_within(runtime: Runtime) -> float:
     """How far ahead of its start the line hands a task out (seconds; ``queues.ahead``)."""
     try:
         return runtime.room.queues.ahead(to_us(runtime.config.dispatch_lead))
     except redis.RedisError:
         return runtime.config.max_sleep  # (the decision meets the store's failure next)
-
-
-def _line_for(decision: Decision) -> bool:
-    """A refusal the task waits out in line: the limit has tasks in line, or its wait is
-    beyond what may be booked (a rate limit, nothing booked), or it is a full concurrency
-    limit (nothing is booked for a seat)."""
-    booking = decision.reservation
-    return decision.queued or (booking is None and isinstance(decision.limit, Limit)) or (
-        isinstance(decision.limit, Concurrency) and (booking is None or not booking.booked))
 
 
 def _rank(task: Task[Any, Any], runtime: Runtime) -> int:
@@ -428,7 +411,9 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     store failed.  Its place: its first wait plus its rank's ageing steps.
     """
     request = task.request
-    blocking = cast(AnyLimit, decision.limit)
+    # (An early answer names no limit: its slot was its rate limits'.)
+    blocking = decision.limit if decision.limit is not None else \
+        next((lim for lim in limits if isinstance(lim, Limit)), limits[0])
     since = state.since or decision.now
     seats = [lim for lim in limits if isinstance(lim, Concurrency)]
     if seats:
@@ -472,7 +457,7 @@ def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[Li
     request = task.request
     runtime.counts.start()  # (once per process) as admit(): the dashboard's history
     to_expiry = _seconds_to_expiry(request)
-    if not _in_line(task, runtime, list(limits)) or (to_expiry is not None and to_expiry <= 0):
+    if not _room_open(task, runtime) or (to_expiry is not None and to_expiry <= 0):
         return False
     state = WaitState()
     blocking = limits[0]
@@ -645,21 +630,19 @@ def _queues_for_slot(task: Task[Any, Any], runtime: Runtime, decision: Decision)
 
 
 def _send_back(task: Task[Any, Any], runtime: Runtime, state: WaitState, countdown: float, *,
-               at_us: int = 0, delay_us: int = 0, note: str = "", room: bool = True) -> bool:
-    """The one way a task that must wait leaves the worker (for a busy limit, a provider's
-    pause or the store being down): parked in the waiting room (:func:`_park`: until
-    ``at_us`` or ``delay_us`` from now) where it is open and ``room`` allows (not with the
-    store down), else re-published with ``countdown`` (at most ``throttle_max_countdown``:
-    it comes back then and asks again).  True when it was parked."""
-    if room and _park(task, runtime, state, at_us=at_us, delay_us=delay_us, note=note):
-        return True
-    _republish(task, state, min(countdown, runtime.config.max_countdown))
-    return False
+               room: bool = True) -> None:
+    """A task due again in ``countdown`` seconds, uncharged (a provider's pause, the store
+    being down), leaves the worker: parked in the waiting room's timer (:func:`_park`)
+    where it is open and ``room`` allows (not with the store down), else re-published
+    with ``countdown`` (at most ``throttle_max_countdown``: it comes back then and asks
+    again)."""
+    if room and _park(task, runtime, state, to_us(max(countdown, 0.0))):
+        return
+    _republish(task, state, min(max(countdown, 0.001), runtime.config.max_countdown))
 
 
-def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: int = 0,
-          delay_us: int = 0, note: str = "") -> bool:
-    """Park the task in the waiting room until ``at_us`` (server clock) or ``delay_us`` from now.
+def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, delay_us: int) -> bool:
+    """Park the task in the waiting room's timer, due ``delay_us`` from now.
 
     False when it cannot be parked (the waiting room is off, the app was
     never installed so no worker dispatches it, or the store failed): the
@@ -674,8 +657,8 @@ def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, *, at_us: in
                HEADER: replace(state, entry=entry, kept=kept).to_header()}
     envelope = capture(task.signature_from_request(request, headers=headers))
     try:
-        at = runtime.room.park(entry, envelope.dumps(), str(request.id), at_us=at_us,
-                               delay_us=delay_us, note=note, kept=kept)
+        at = runtime.room.park(entry, envelope.dumps(), str(request.id), delay_us=delay_us,
+                               kept=kept)
     except redis.RedisError as exc:
         metrics.store_error(["(waiting room)"])
         _log_outage(runtime, exc, "re-published with a countdown instead of parked")

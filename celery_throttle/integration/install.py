@@ -112,7 +112,6 @@ def install(app: Celery) -> Celery:
                                type(exc).__name__)
             if config.waiting_room:
                 _report_durability(runtime_for(app).durability.verdict())
-            if config.scheduler:
                 try:
                     # The tasks already waiting in line follow the rates of this code.
                     runtime_for(app).room.queues.declare(

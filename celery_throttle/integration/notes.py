@@ -39,14 +39,10 @@ def _wait_key(runtime: Runtime, task_id: str) -> str:
 NOTE_AFTER_MS = 60_000
 
 
-def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitState,
-              parked_until: int = 0, entry: str = "") -> str:
-    """Why and until when the task waits, for ``celery throttle why`` (JSON).
-
-    ``parked_until``: when the waiting room dispatches it (server clock, us);
-    0 when it waits as a countdown.  ``entry``: its entry there, noted as
-    "parked_as" (a revoked task is found by it: ``WaitingRoom.cancel``).  (A task waiting in line
-    writes none: its entry is its note, see :func:`read_wait`.)
+def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitState) -> str:
+    """Why and until when a task re-published with a countdown waits, for ``celery throttle
+    why`` (JSON).  (A task waiting in line writes none: its entry is its note, see
+    :func:`read_wait`.)
     """
     due = decision.now + to_us(decision.retry_after)
     # Compact, defaults left out (read_wait puts them back): a note is kept
@@ -55,10 +51,6 @@ def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitS
                             "deferrals": state.deferrals, "since": state.since}
     if state.booked:
         note["booked"] = True
-    if parked_until:
-        note["parked_until"] = parked_until
-    if entry:
-        note["parked_as"] = entry
     return json.dumps(note, separators=(",", ":"))
 
 

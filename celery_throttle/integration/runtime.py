@@ -24,6 +24,7 @@ from ..core.logs import Every
 from ..room.durability import Durability, server_ids
 from ..room.keeper import Keeper
 from ..room.parking import WaitingRoom
+from ..values import LONGEST_WAIT
 from .config import Config, read_config
 from .copies import CopyPointer
 from .history import CountsWriter
@@ -79,8 +80,9 @@ def runtime_for(app: Celery) -> Runtime:
             rt = Runtime(config, Gate(client, prefix=config.prefix),
                          WaitingRoom(client, config.prefix, replicas=config.park_replicas,
                                      keeper=keeper_of(config)),
+                         # (A pointer outlives the longest wait, in line or booked.)
                          CopyPointer(client, config.prefix, config.visibility_timeout
-                                     + config.horizon + 60),
+                                     + max(config.horizon, LONGEST_WAIT) + 60),
                          LiveLimits(client, config.prefix), durability_of(config, client),
                          os.getpid(), CountsWriter(client, config.prefix),
                          Gate(client, prefix=config.prefix + SHADOW_SUFFIX))

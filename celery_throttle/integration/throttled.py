@@ -151,7 +151,7 @@ def throttled(
       :func:`celery_throttle.settle` once the true cost is known).
     * ``max_wait``: seconds the task may wait in total before it fails with
       :class:`~celery_throttle.ThrottleTimeout` (overrides ``throttle_max_wait``).
-    * ``fair``: the same forms as ``key``: with ``throttle_scheduler``, the
+    * ``fair``: the same forms as ``key``: the
       tasks waiting in line for the rate limit are served by this value in
       turn (a tenant that floods the limit does not make the others wait
       behind all of its tasks), weighted by ``throttle_fair_weights``.

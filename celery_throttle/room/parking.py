@@ -1,11 +1,13 @@
-"""The waiting room: tasks waiting for a later slot, parked in Redis on the server's clock.
+"""The waiting room: tasks waiting in Redis on the server's clock, not as countdowns.
 
-A task that must wait longer than ``throttle_max_sleep`` is not re-published
+A task that must wait longer than a sleep in the worker is not re-published
 with a countdown (a Celery ETA message held in some worker's memory until
-its slot, on that worker's clock).  Its message is stored here, scored by
-its dispatch time on the Redis server's clock; a dispatcher in every worker
-node (``dispatcher.py``) moves due messages back to their queue, without an
-ETA, a short lead before their slot.  Three scripts, each a few lines:
+its slot, on that worker's clock).  It waits in its limit's line
+(``queues.py``); one due again at a known time without a charge (a
+provider's pause, a kept copy restored) waits in the room's timer, the
+parked set, scored by when it is due on the Redis server's clock.  A
+dispatcher in every worker node (``dispatcher.py``) moves due messages back
+to their queue, without an ETA.  Three scripts, each a few lines:
 
 * ``lua/park.lua``: store the message and its dispatch time (and the wait
   note), wake a dispatcher if it is the new earliest;
@@ -247,15 +249,15 @@ class WaitingRoom:
         if self.keeper is None or self.keeper.restored_for() == str(epoch):
             return None
 
-        keys = [self.parked, self.messages, self.wake, self.notes, self.wake]
+        keys = [self.parked, self.messages, self.wake, self.notes]
 
         def park(batch: list[tuple[str, bytes]]) -> None:
             # (An entry the store has already stays as it is.)  One round trip per batch;
             # a cluster's pipeline does not take scripts, so one per entry there.
             pipe = (self.client.pipeline(transaction=False)
                     if isinstance(self.client, redis.Redis) else None)
-            for entry, message in batch:  # due now, no note, no seat
-                self._park(keys=keys, args=[entry, message, 0, 0, "", "", "", "", 0],
+            for entry, message in batch:  # due now, no note
+                self._park(keys=keys, args=[entry, message, 0, 0, "", ""],
                            client=self.client if pipe is None else pipe)
             if pipe is not None:
                 pipe.execute()

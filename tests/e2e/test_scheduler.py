@@ -1,8 +1,8 @@
 """The scheduler with real prefork workers: waiting tasks in line, ordered and dispatched in time.
 
-Every node here runs with ``throttle_scheduler``: a task that must wait longer
-than ``throttle_max_sleep`` waits unbooked in the queue of its limit, and its
-limits are charged when the dispatcher gives it its turn.  Judged from the
+Every node here runs with the defaults: a task that must wait longer than a sleep
+in the worker waits unbooked in the queue of its limit, and its limits are
+charged when the dispatcher gives it its turn.  Judged from the
 start records and the result backend, as in test_waiting_room.py.
 """
 
@@ -30,7 +30,7 @@ from ..workers import (
 
 pytestmark = pytest.mark.integration
 
-LINE: dict[str, object] = {"throttle_scheduler": True}
+LINE: dict[str, object] = {}  # (the defaults)
 # kombu's Redis transport delivers priority 0 first: the batch goes last.
 BATCH, URGENT = 9, 0
 

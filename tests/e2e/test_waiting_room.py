@@ -32,18 +32,16 @@ from ..workers import (
 
 pytestmark = pytest.mark.integration
 
-#: The waiting room with booked slots (the scheduler off): a task books its slot when it
-#: arrives and is parked until it (tests/e2e/test_scheduler.py has the lines).
-ROOM: dict[str, object] = {"throttle_waiting_room": True, "throttle_scheduler": False}
-#: Both ways of waiting in the store, for the crash and clock cases.
-PATHS: dict[str, dict[str, object]] = {
-    "booked": ROOM, "line": {"throttle_waiting_room": True, "throttle_scheduler": True}}
+#: The waiting room: a task that must wait waits in its limit's line
+#: (tests/e2e/test_scheduler.py has the lines' ordering).
+ROOM: dict[str, object] = {"throttle_waiting_room": True}
 
 
-def test_parked_tasks_run_once_in_their_slots_with_no_eta(
+def test_waiting_tasks_run_once_in_their_turns_with_no_eta(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """40 tasks at 5/s (pickle, msgpack): parked, dispatched, each run once, no ETA, bound held."""
+    """40 tasks at 5/s (pickle, msgpack): in line, dispatched, each run once, no ETA, bound
+    held."""
     with worker_nodes(redis_base, ("w1", "w2"), conf={**ROOM, **PICKLE}) as nodes:
         results = [capp.parked_pickle.delay(i, payload={1, 2}) for i in range(30)]
         results += [capp.parked_msgpack.delay(i) for i in range(30, 40)]
@@ -61,16 +59,17 @@ def test_parked_tasks_run_once_in_their_slots_with_no_eta(
     print(f"\nwaiting room: 40 at 5/s in {span:.2f}s (ideal 7.8), worst windows {worst}, "
           f"deferrals/task {deferrals:.2f}")
     assert span <= 7.8 / 0.9  # at least 90 % of the limit
-    assert deferrals <= 1.1  # parked once, no hops
+    assert deferrals <= 1.1  # in line once, no hops
     assert "waiting room on" in text
-    assert "parked" in text
+    assert "waits in line" in text
     assert " ERROR" not in text
 
 
 def test_waits_three_times_the_visibility_timeout_with_no_hops(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """Broker visibility_timeout 4 s, waits up to 15 s: parked once, run once, never redelivered."""
+    """Broker visibility_timeout 4 s, waits up to 15 s: in line once, run once, never
+    redelivered."""
     with worker_nodes(redis_base, ("w1", "w2"), conf={**ROOM, **short_visibility(4)}) as nodes:
         results = [capp.patient.delay(i) for i in range(16)]  # 1/s: the last waits ~15 s
         states = wait_results(results, timeout=40)
@@ -81,19 +80,18 @@ def test_waits_three_times_the_visibility_timeout_with_no_hops(
     assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
     starts = [r["t"] for r in rows]
     assert starts[-1] - starts[0] >= 14.0  # the longest wait was 3.5x the visibility timeout
-    assert max(r["deferrals"] for r in rows) == 1  # one park each, no hop through the broker
+    assert max(r["deferrals"] for r in rows) == 1  # in line once each, no hop through the broker
     assert "re-published" not in text
     check_window_bound(starts, rate=1, burst=1, period=1.0)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
 def test_dispatcher_killed_mid_dispatch_loses_nothing_and_runs_nothing_twice(
-    capp: ModuleType, records: redis.Redis, redis_base: str, path: str
+    capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """A node dies after its dispatcher claimed a due task, before publishing: it runs once."""
-    conf = {**PATHS[path], "throttle_dispatch_timeout": 3, **short_visibility(5)}
+    conf = {**ROOM, "throttle_dispatch_timeout": 3, **short_visibility(5)}
     with worker_nodes(redis_base, ("w1",), conf=conf, fault="dispatch.before_publish"):
-        results = [capp.patient.delay(i) for i in range(8)]  # 1/s: all parked within 1 s
+        results = [capp.patient.delay(i) for i in range(8)]  # 1/s: all in line within 1 s
         deadline = time.monotonic() + 15
         while records.get("crashed") is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -110,11 +108,11 @@ def test_dispatcher_killed_mid_dispatch_loses_nothing_and_runs_nothing_twice(
     check_window_bound([r["t"] for r in rows], rate=1, burst=1, period=1.0)
 
 
-def test_revoked_parked_task_never_runs(
+def test_revoked_waiting_task_never_runs(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """app.control.revoke on a parked task: it is dispatched at once and discarded (REVOKED
-    within seconds, not at its slot ~5.5 s later), the others run."""
+    """app.control.revoke on a task in line: it is dispatched at once and discarded (REVOKED
+    within seconds, not at its turn ~5.5 s later), the others run."""
     with worker_nodes(redis_base, ("w1",), conf=ROOM):
         results = [capp.patient.delay(i) for i in range(8)]  # 1/s: the 7th waits ~6 s
         time.sleep(0.5)
@@ -124,10 +122,10 @@ def test_revoked_parked_task_never_runs(
         took = time.monotonic() - revoked
         states = wait_results(results, timeout=20)
         rows = read_records(records, expect=7, timeout=1)
-    print(f"\na parked task revoked: REVOKED {took:.3f}s after the revoke")
+    print(f"\na task in line revoked: REVOKED {took:.3f}s after the revoke")
     assert states == ["SUCCESS"] * 6 + ["REVOKED", "SUCCESS"]
     assert sorted(r["i"] for r in rows) == [0, 1, 2, 3, 4, 5, 7]
-    assert took <= 2.5  # not at its slot
+    assert took <= 2.5  # not at its turn
 
 
 @pytest.fixture
@@ -138,13 +136,13 @@ def aof_store() -> Iterator[RedisServer]:
     server.stop()
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-def test_store_killed_with_tasks_parked_runs_each_once_after_restart(
-    capp: ModuleType, records: redis.Redis, redis_base: str, aof_store: RedisServer, path: str
+def test_store_killed_with_tasks_in_line_runs_each_once_after_restart(
+    capp: ModuleType, records: redis.Redis, redis_base: str, aof_store: RedisServer
 ) -> None:
-    """Store SIGKILLed for 3 s with tasks parked (AOF on): none starts meanwhile, all run once."""
+    """Store SIGKILLed for 3 s with tasks in line (AOF on): none starts meanwhile, all run
+    once."""
     with worker_nodes(redis_base, ("w1", "w2"),
-                      conf={**PATHS[path], "throttle_redis_url": f"{aof_store.url}/0"}) as nodes:
+                      conf={**ROOM, "throttle_redis_url": f"{aof_store.url}/0"}) as nodes:
         results = [capp.patient.delay(i) for i in range(10)]  # 1/s: 9 s of waits
         time.sleep(2.5)
         aof_store.kill()
@@ -165,44 +163,17 @@ def test_store_killed_with_tasks_parked_runs_each_once_after_restart(
     assert "dispatcher" in text  # the dispatcher reported the outage
 
 
-def test_commands_show_parked_tasks_and_why_one_waits(
+def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """`celery throttle status` counts the parked tasks; `why` names a parked task's limit."""
-    with worker_nodes(redis_base, ("w1",), conf=ROOM):
-        results = [capp.patient.delay(i) for i in range(12)]  # 1/s: an 11 s queue
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and records.llen("records") < 2:
-            time.sleep(0.1)
-        status = throttle_cli(["status", "--json", "patient"], redis_base)
-        table = throttle_cli(["status", "patient"], redis_base)
-        why = throttle_cli(["why", results[9].id], redis_base)
-        wait_results(results, timeout=20)
-    for done in (status, table, why):
-        assert done.returncode == 0, done.stderr
-    room = json.loads(status.stdout)["waiting_room"]
-    assert 6 <= room["parked"] + room["dispatching"] <= 10  # 12 sent, 2 or 3 started
-    assert 0 < room["next_dispatch"] <= 1.0
-    assert re.search(r"^waiting room: \d+ parked, 0 in line, \d dispatched and on their way; "
-                     r"next dispatch in \d\.\d{3}s$", table.stdout, flags=re.MULTILINE), \
-        table.stdout
-    assert re.search(rf"^task {results[9].id} \(tests\.celery_app\.patient\) is parked until "
-                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} UTC \(dispatched in \d+\.\d{3}s\) and "
-                     r"waits for limit 'patient': next start in ", why.stdout), why.stdout
-
-
-@pytest.mark.parametrize("path", list(PATHS))
-def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(
-    capp: ModuleType, records: redis.Redis, redis_base: str, path: str
-) -> None:
-    """Nodes at +3 s, -3 s and 0: parked tasks wait on Redis's clock, so the rate is kept.
+    """Nodes at +3 s, -3 s and 0: tasks in line wait on Redis's clock, so the rate is kept.
 
     The countdown path loses most of the rate here (0.45 of the limit in
     test_faults.py's run): ETAs are set on one node's clock and waited for on
-    another's.  Parked tasks have no ETA; their dispatch and their claim are
+    another's.  Tasks in line have no ETA; their dispatch and their start are
     judged on the server's clock.
     """
-    conf = {**PATHS[path], **PICKLE}
+    conf = {**ROOM, **PICKLE}
     with worker_nodes(redis_base, ("fast",), conf=conf, env={"CT_CLOCK_OFFSET": "3"}), worker_nodes(
             redis_base, ("slow",), conf=conf, env={"CT_CLOCK_OFFSET": "-3"}), worker_nodes(
             redis_base, ("true",), conf=conf):
@@ -214,7 +185,7 @@ def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(
     times = [r["t"] for r in rows]
     worst = check_window_bound(times, rate=5, burst=1, period=1.0)
     utilisation = 7.8 / (times[-1] - times[0])
-    print(f"\nskewed clocks with the waiting room ({path}): utilisation {utilisation:.2f}, "
+    print(f"\nskewed clocks with the waiting room: utilisation {utilisation:.2f}, "
           f"worst windows {worst}, hosts {sorted({r['host'] for r in rows})}")
     assert utilisation >= 0.9
     assert len({r["host"] for r in rows}) == 3  # every node ran some

@@ -173,9 +173,10 @@ def test_the_stored_message_runs_the_task_it_was(app: Celery) -> None:
     assert (args, kwargs) == ([42], {})
 
 
-def test_without_the_scheduler_no_task_is_lined_up_on_arrival(redis_url: str,
-                                                              prefix: str) -> None:
-    with installed_app("arrival-off", redis_url, prefix, throttle_scheduler=False) as a:
+def test_without_the_waiting_room_no_task_is_lined_up_on_arrival(redis_url: str,
+                                                                 prefix: str) -> None:
+    """With the waiting room off no task waits in a line: arrivals are not looked at."""
+    with installed_app("arrival-off", redis_url, prefix, throttle_waiting_room=False) as a:
         assert lines_up(a) is False
 
 

@@ -39,7 +39,7 @@ from celery_throttle.testing import free_port
                                           "0.2.0: a task with a concurrency limit always"),
         ("throttle_line_on_arrival", True, "setting 'throttle_line_on_arrival' was removed "
                                            "in 0.2.0"),
-        ("throttle_scheduler", "yes", "throttle_scheduler='yes'"),
+        ("throttle_scheduler", True, "setting 'throttle_scheduler' was removed in 0.2.0"),
         ("throttle_priority_ageing", 0.5, "throttle_priority_ageing=0.5"),
         ("throttle_fair_weights", ["a"], "throttle_fair_weights: expected a dict"),
         ("throttle_fair_weights", {"openai": {"acme": 0}},

@@ -28,7 +28,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celery_throttle.core.keys import key_digest, task_key
+from celery_throttle.core.keys import key_digest, room_key, task_key
 from celery_throttle.core.limits import Limit
 from celery_throttle.core.rates import parse_rate
 from celery_throttle.room.envelope import Envelope, capture, split_record
@@ -37,6 +37,8 @@ from celery_throttle.room.queues import entry_id
 from celery_throttle.testing import RedisServer
 
 T0 = 1_796_000_000_000_000  # a fixed place in line (us): the memory does not depend on it
+#: Where the earlier layouts kept each task's record (this version keeps none there).
+ENTRIES = room_key("throttle", "entries")
 
 
 def _message(app: Celery, task_id: str) -> Envelope:
@@ -104,10 +106,10 @@ def run(n: int, layout: str) -> dict[str, float]:
                     earlier: dict[str, object] = {"t": task_id, "p": T0 + i, "l": [row]}
                 else:  # (and every field, with its defaults)
                     earlier = {"t": task_id, "p": T0 + i, "e": 0, "w": 0, "l": [[*row, "", 1]]}
-                client.hset(room.queues.entries, entry,
+                client.hset(ENTRIES, entry,
                             json.dumps(earlier, separators=(",", ":")))
         total = int(client.info("memory")["used_memory"]) - base
-        parts = {"messages": room.messages, "entries": room.queues.entries,
+        parts = {"messages": room.messages, "entries": ENTRIES,
                  "queue": limit.queue_in("throttle").decode(), "notes hash": room.notes}
         out = {"total": total / n}
         for name, key in parts.items():

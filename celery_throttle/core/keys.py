@@ -5,8 +5,8 @@ A limit's keys: ``{<prefix>}:<kind>:<digest>:<name>``, where ``kind`` is
 turns of a fair queue), ``h`` (why a provider's report holds it back),
 ``o`` (an operator paused it),
 ``l`` (a concurrency limit's leases), ``m`` (its meta
-hash), ``k`` and ``u`` (its queue of tasks waiting for a seat, and that
-queue's turns), and ``digest`` is the hashed key
+hash), ``k`` (its queue of tasks waiting for a seat; never fair, it has no
+turns), and ``digest`` is the hashed key
 value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
 one.  The name comes last, after two parts of fixed form, so a limit name
 can hold any character (``:`` included) and still never be the key of
@@ -39,7 +39,7 @@ import uuid
 
 __all__ = ["bucket_key", "copy_key", "counts_key", "enforce_key", "epoch_key", "held_key",
            "key_digest", "leases_key", "limit_of", "line_of", "live_key", "meta_key",
-           "operator_key", "queue_key", "room_key", "seat_queue_key", "seat_turns_key",
+           "operator_key", "queue_key", "room_key", "seat_queue_key",
            "sibling_key", "split_limit_key", "task_key", "turns_key",
            "validate_name", "validate_prefix"]
 
@@ -107,14 +107,11 @@ def seat_queue_key(prefix: str, name: str, key: object = None) -> str:
     return _limit_key("k", prefix, name, key)
 
 
-def seat_turns_key(prefix: str, name: str, key: object = None) -> str:
-    """The turns of that queue, as :func:`turns_key` for a rate limit's."""
-    return _limit_key("u", prefix, name, key)
-
-
 #: A limit key's kind -> the kinds of its queue and of that queue's turns: a rate
-#: bucket's line (``q``, ``t``) and a concurrency limit's line for a seat (``k``, ``u``).
-LINES = {"b": ("q", "t"), "l": ("k", "u")}
+#: bucket's line (``q``, ``t``) and a concurrency limit's line for a seat (``k``).  A
+#: seat's line is never fair, so it has no turns: its queue stands in their place among
+#: a script's keys, where nothing reads or writes turns for it.
+LINES = {"b": ("q", "t"), "l": ("k", "k")}
 
 
 def line_of(key: str) -> tuple[str, str]:

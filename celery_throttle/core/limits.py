@@ -21,7 +21,6 @@ from .keys import (
     meta_key,
     queue_key,
     seat_queue_key,
-    seat_turns_key,
     turns_key,
     validate_name,
 )
@@ -144,8 +143,9 @@ class Concurrency:
         return _key_bytes(seat_queue_key, prefix, self.name, self.key)
 
     def turns_in(self, prefix: str) -> bytes:
-        """The turns of that queue (fair share is a rate limit's: unused for now)."""
-        return _key_bytes(seat_turns_key, prefix, self.name, self.key)
+        """A seat's line is never fair and has no turns: its queue stands in their place
+        among a script's keys (``keys.LINES``), where nothing reads or writes turns."""
+        return self.queue_in(prefix)
 
 
 #: Either kind of limit; :meth:`Gate.acquire_many` decides them together.

@@ -81,10 +81,8 @@ def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
         if note is None:
             return None
     else:
-        note = {"booked": False, "parked_until": 0, **json.loads(raw)}
+        note = {"booked": False, **json.loads(raw)}
     note["due_in_s"] = round(from_us(note["due"] - now), 3)
-    parked = note.get("parked_until") or 0
-    note["dispatched_in_s"] = round(from_us(parked - now), 3) if parked else None
     note["waiting_s"] = round(from_us(now - (note["since"] or now)), 3)
     return dict(note)
 
@@ -101,8 +99,7 @@ def _note_in_line(runtime: Runtime, entry: str, now: int) -> dict[str, Any] | No
         ours = {}
     return {"task": headers.get("task", "?"), "limit": line.limit,
             "due": now + (line.place + 1) * interval, "deferrals": ours.get("deferrals", 0),
-            "since": ours.get("since"), "booked": False, "parked_until": 0,
-            "entry": entry, "place": line.place}
+            "since": ours.get("since"), "booked": False, "entry": entry, "place": line.place}
 
 
 # Wait notes deleted per command (one slot: a cluster takes them in one DEL).

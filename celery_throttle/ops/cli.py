@@ -30,7 +30,6 @@ are stored hashed): name one with ``--key`` (``--int-key`` for integer keys).
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import time
 from typing import Any
@@ -43,7 +42,6 @@ from kombu.utils.url import maybe_sanitize_url
 from ..integration.config import read_config
 from ..integration.runtime import runtime_for
 from ..room.envelope import Envelope
-from ..values import from_us
 from . import control, report
 from .dashboard import TOKEN_ENV, serve
 
@@ -201,10 +199,6 @@ def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
     due = wait["due_in_s"]
     when = f"in {due:.3f}s" if due >= 0 else f"{-due:.3f}s ago (started, or deciding again)"
     parked = ""
-    if wait.get("parked_until"):
-        at = dt.datetime.fromtimestamp(from_us(wait["parked_until"]), dt.timezone.utc)
-        stamp = at.isoformat(sep=" ", timespec="milliseconds").removesuffix("+00:00")
-        parked = f" is parked until {stamp} UTC (dispatched in {wait['dispatched_in_s']:.3f}s) and"
     if wait.get("entry"):
         place = wait.get("place")
         parked = (f" is number {place + 1} in line" if place is not None else

@@ -23,7 +23,6 @@ it), so the first one ends it.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import zlib
@@ -39,7 +38,6 @@ __all__ = ["Envelope", "capture", "in_line", "split_record"]
 # The first byte of a stored envelope: its format.  A format, once stored,
 # is read for as long as a task may wait in it (a dictionary is never
 # changed in place: a new one gets a new tag).
-_JSON = b"{"  # the first format: the JSON of the fields, the body base64-encoded
 _DEFLATED = b"\x01"  # the fields' JSON, NUL, the raw body; deflated with _DICTIONARY
 _RECORD = b"\x02"  # a task in line: its dispatch record (JSON), a newline, its envelope
 # What most messages share, latest-used last (deflate finds nearer matches
@@ -111,8 +109,7 @@ class Envelope:
 
     @classmethod
     def loads(cls, raw: bytes | str) -> Envelope:
-        """Read an envelope written by :meth:`dumps` (or by the JSON format before it);
-        ``ValueError`` if it is neither."""
+        """Read an envelope written by :meth:`dumps`; ``ValueError`` if it is not one."""
         d, body = _fields(raw)
         try:
             return cls(body, d["ct"], d["ce"], d["x"], d["rk"], d["h"], d["p"])
@@ -177,11 +174,6 @@ def split_record(raw: bytes | str) -> tuple[bytes | None, bytes]:
 def _fields(raw: bytes | str) -> tuple[dict[str, Any], bytes]:
     """A stored envelope's fields and body, in any format (``ValueError`` if none)."""
     data = split_record(raw)[1]
-    if data[:1] == _JSON:
-        d = json.loads(data)
-        if not isinstance(d, dict):
-            raise ValueError("not a stored envelope (not a JSON object)")
-        return d, base64.b64decode(d.get("b") or "")
     if data[:1] != _DEFLATED:
         raise ValueError(f"not a stored envelope (format byte {data[:1]!r})")
     try:

@@ -231,7 +231,7 @@ class WaitingRoom:
         marker = task_key(self.prefix, "arrived", entry)
         wait = task_key(self.prefix, "wait", task_id) if task_id else self.notes
         now = int(self._arrive(keys=[self.messages, self.claimed, marker, self.epoch,
-                                      self.trip, self.queues.entries, self.notes, wait],
+                                      self.trip, self.notes, wait],
                                 args=[entry, token, marker_ttl_ms, epoch,
                                       key_digest(task_id) if task_id else "", note_ttl_ms,
                                       MAX_AHEAD_US, max(0, held_us)]))

@@ -35,8 +35,6 @@ its turn comes: an override set at run time (``core/live.py``), else the
 declared rate, else the one it was enqueued with.  Messages, the
 claimed set, the trip and the wake list are the waiting room's
 (``parking.py``): a task dispatched from a queue arrives as a parked one does.
-(An earlier version kept the records in an ``entries`` hash of their own:
-they are still read from there, and deleted with their tasks.)
 """
 
 from __future__ import annotations
@@ -178,7 +176,7 @@ class Queues:
     def __init__(self, client: redis.Redis | RedisCluster, prefix: str) -> None:
         self.client = client
         self.prefix = prefix
-        self.messages, self.entries = room_key(prefix, "messages"), room_key(prefix, "entries")
+        self.messages = room_key(prefix, "messages")
         self.ready, self.specs = room_key(prefix, "ready"), room_key(prefix, "specs")
         self.claimed, self.wake = room_key(prefix, "claimed"), room_key(prefix, "wake")
         self.trip, self.epoch = room_key(prefix, "trip"), epoch_key(prefix)
@@ -274,7 +272,7 @@ class Queues:
         if not queues:
             wait = int(reply[2])
             return (None if wait < 0 else from_us(wait)), []
-        heads = self._serve(keys=[self.messages, self.entries, *queues],
+        heads = self._serve(keys=[self.messages, *queues],
                             args=["heads", LOOK_HEADS])
         others: dict[str, None] = {}  # buckets of the tasks' other limits, in order
         uncharged = []
@@ -296,7 +294,7 @@ class Queues:
             others.pop(bucket, None)
         quads = [k for b in [*own, *others] for k in (b, *line_of(b), sibling_key(b, "m"))]
         reply = self._serve(
-            keys=[self.messages, self.entries, self.ready, self.claimed, self.epoch, self.trip,
+            keys=[self.messages, self.ready, self.claimed, self.epoch, self.trip,
                   self.wake, self.specs, self.live, *quads],
             args=["serve", batch, timeout_us, " ".join(uncharged), len(own), MAX_AHEAD_US,
                   lead_us])
@@ -310,7 +308,7 @@ class Queues:
         (``parked_key``: the waiting room's parked set); ``WaitingRoom.cancel`` finds them."""
         queues = list(dict.fromkeys(q for found in in_line.values() for q in found))
         reply = self._serve(
-            keys=[self.messages, self.entries, self.claimed, self.epoch, parked_key, self.wake,
+            keys=[self.messages, self.claimed, self.epoch, parked_key, self.wake,
                   *queues],
             args=["cancel", timeout_us, " ".join(in_line), " ".join(parked)])
         return _served(int(reply[1]), reply[2:]), int(reply[0])
@@ -377,8 +375,6 @@ class Queues:
         if stored is None:
             return None
         record, message = split_record(stored)
-        if record is None:  # (a record of an earlier version)
-            record = cast(bytes | None, self.client.hget(self.entries, entry))
         task = _task(record or b"")
         if task is None:
             return None
@@ -441,7 +437,7 @@ class Queues:
         # One DEL per key: on a Cluster they share a slot, but redis-py's
         # cluster client splits a multi-key DEL anyway.
         turns = [line_of(limit_of(q))[1] for q in queues]
-        for key in [*queues, *turns, self.ready, self.entries]:
+        for key in [*queues, *turns, self.ready]:
             self.client.delete(key)
 
 
@@ -476,8 +472,7 @@ def _rows_of(task: dict[str, Any]) -> list[tuple[str, int, int]]:
     """A waiting task's limits, the readable ones: (bucket key, interval when enqueued, us,
     burst: a concurrency limit's seats).""
 
-    A row is [bucket, interval, burst, cost, ...]; an earlier version's had the
-    limit's name second (serve.lua reads both).  A concurrency limit's is
+    A row is [bucket, interval, burst, cost, ...]; a concurrency limit's is
     [leases, 0, seats, lease]: interval 0."""
     limits = task.get("l")
     if not isinstance(limits, list):
@@ -487,7 +482,7 @@ def _rows_of(task: dict[str, Any]) -> list[tuple[str, int, int]]:
         if not (isinstance(row, list) and len(row) >= 4 and isinstance(row[0], str)
                 and (":b:" in row[0] or ":l:" in row[0])):
             continue
-        interval, burst = (row[2], row[3]) if isinstance(row[1], str) else (row[1], row[2])
+        interval, burst = row[1], row[2]
         if isinstance(interval, int):
             out.append((row[0], interval, burst if isinstance(burst, int) else 1))
     return out

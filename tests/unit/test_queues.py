@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from typing import cast
 
@@ -251,33 +250,6 @@ def test_the_heads_of_the_lines_are_listed_with_their_places(client: redis.Redis
     assert queues.next_in_line(5, "nothing") == []
 
 
-def test_tasks_put_in_line_by_the_earlier_layout_are_dispatched_and_found(
-        client: redis.Redis, prefix: str) -> None:
-    """A task in line as the earlier version stored it (its message alone in the messages
-    hash, its record in an entries hash of its own) is counted, found by `why` and
-    dispatched once, and its record goes with it."""
-    queues = Queues(client, prefix)
-    limit = Limit("api", parse_rate("20/s"))
-    now = _now_us(client)
-    # Its record as that version wrote it: the limit's name second in its row.
-    record = json.dumps({"t": "t-old", "p": now, "e": 0, "w": 0, "l": [
-        [limit.key_in(prefix).decode(), limit.name, limit.rate.interval_us, 1, 1, "", 1]]})
-    client.hset(queues.messages, "old", b"\x01m")
-    client.hset(queues.entries, "old", record)
-    client.zadd(limit.queue_in(prefix), {"old": now})
-    client.zadd(queues.ready, {limit.queue_in(prefix): now})
-    queues.enqueue("new", b"\x01n", "t-new", limits=[limit], blocking=limit, place_us=now + 1)
-    assert queues.waiting() == 2
-    found = queues.find("old")
-    assert found is not None
-    assert (found[0].place, found[0].message, found[1]) == (0, b"\x01m", 50_000)
-    out = _serve_all(queues, within=3.0, want=2)
-    assert [e for e, _, _ in out] == ["old", "new"]
-    assert client.exists(queues.entries) == 0
-    assert client.hgetall(queues.messages) == {b"old": b"\x01m", b"new": b"\x01n"}  # claimed
-    assert queues.waiting() == 0
-
-
 def test_a_task_lined_up_on_arrival_joins_only_a_line_that_has_tasks(
         client: redis.Redis, prefix: str) -> None:
     """Behind tasks in line: nothing written while the line is empty (-1); behind one task,
@@ -336,8 +308,7 @@ def test_revoked_tasks_leave_from_deep_in_line_and_parked_at_once(client: redis.
     # A copy in line (its entry named by another copy) and a parked task.
     room.queues.enqueue(entry_id("copied", "c1"), b"m", "copied", limits=[limit],
                         blocking=limit, place_us=now + 100)
-    room.park(entry_id("parked", "c2"), b"p", "parked", delay_us=60_000_000,
-              note=json.dumps({"limit": "slow", "parked_as": entry_id("parked", "c2")}))
+    room.park(entry_id("parked"), b"p", "parked", delay_us=60_000_000)
     served, parked = room.cancel(["t25", "t3", "copied", "parked", "nowhere"], TIMEOUT_US)
     assert sorted(s.entry for s in served) == sorted(
         [entry_id("t25"), entry_id("t3"), entry_id("copied", "c1")])
@@ -345,7 +316,7 @@ def test_revoked_tasks_leave_from_deep_in_line_and_parked_at_once(client: redis.
     assert {s.message for s in served} == {b"m"}  # the message, not the record
     assert parked == 1
     _, due = room.claim_due(10, TIMEOUT_US)
-    assert [p.entry for p in due] == [entry_id("parked", "c2")]
+    assert [p.entry for p in due] == [entry_id("parked")]
     left = [t.entry for t in room.queues.next_in_line(40, "slow")]
     assert left == [entry_id(t) for t in ids if t not in ("t3", "t25")]
     # Nothing was charged: the limit still admits its next start in about a minute.

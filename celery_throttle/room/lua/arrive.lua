@@ -13,15 +13,14 @@ KEYS[2]  the claimed set
 KEYS[3]  the arrival marker of this entry
 KEYS[4]  the prefix's epoch
 KEYS[5]  the waiting room's trip estimate (a hash: "avg" and "dev", us)
-KEYS[6]  the limits' queues' entries hash (queues.py): the entry's record goes too
-KEYS[7]  the waiting tasks' notes (park.lua's hash)
-KEYS[8]  the task's own wait note key, where its note moves for ARGV[6] ms
+KEYS[6]  the waiting tasks' notes (park.lua's hash)
+KEYS[7]  the task's own wait note key, where its note moves for ARGV[6] ms
 ARGV[1]  entry id
 ARGV[2]  the token of the dispatch that published this copy
 ARGV[3]  marker TTL, milliseconds; 0 = no marker (not acks_late: its message
          was acknowledged before it got here, so it is never redelivered)
 ARGV[4]  the epoch the entry was parked in
-ARGV[5]  the task's field in KEYS[7] (its id's digest), "" for none
+ARGV[5]  the task's field in KEYS[6] (its id's digest), "" for none
 ARGV[6]  how long the moved note is kept, milliseconds
 ARGV[7]  the longest trip that counts, us (queues.MAX_AHEAD_US)
 ARGV[8]  how long the worker's consumer held this copy before its pool got it,
@@ -42,16 +41,15 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 if redis.call('HDEL', KEYS[1], entry) == 1 then
   redis.call('ZREM', KEYS[2], entry)
-  redis.call('HDEL', KEYS[6], entry)
   if ARGV[5] ~= '' then
     -- `celery throttle why` still answers for a minute after the start.
-    local note = redis.call('HGET', KEYS[7], ARGV[5])
+    local note = redis.call('HGET', KEYS[6], ARGV[5])
     if note then
       -- (A task in line noted only its entry, gone now: nothing to keep.)
       if string.sub(note, 1, 1) ~= '@' then
-        redis.call('SET', KEYS[8], note, 'PX', tonumber(ARGV[6]))
+        redis.call('SET', KEYS[7], note, 'PX', tonumber(ARGV[6]))
       end
-      redis.call('HDEL', KEYS[7], ARGV[5])
+      redis.call('HDEL', KEYS[6], ARGV[5])
     end
   end
   local dispatched = tonumber(string.match(ARGV[2], '^(%d+)%.'))

@@ -27,8 +27,7 @@ ARGV[1]  the operation:
            digest) and the entry of its own message
            -> {entry, where, record, ...} per task: where "q" (in line: its
               record's JSON follows), "p" (parked: "") or "" (not here).  A
-              task waiting in line as a copy noted "@" and its entry; a parked
-              one noted its entry in its JSON note ("parked_as")
+              task waiting in line as a copy noted "@" and its entry
 record.lua comes first (the loader joins them).
 Scores are microseconds on the server clock, returned as strings.
 ]]
@@ -65,8 +64,6 @@ elseif op == 'where' then
     local note, entry = redis.call('HGET', KEYS[1], ARGV[i]), ARGV[i + 1]
     if note and string.sub(note, 1, 1) == '@' then
       entry = string.sub(note, 2)
-    elseif note then
-      entry = string.match(note, '"parked_as":%s*"([^"]+)"') or entry
     end
     local where, record = '', ''
     if redis.call('ZSCORE', KEYS[3], entry) then

@@ -16,20 +16,19 @@ Three operations, ARGV[1]:
          time (us) of a queue not due yet, or -1
 
 "heads"  the first waiting tasks of the given queues (read only).
-  KEYS[1] the messages hash; KEYS[2] the entries hash; KEYS[3..] the queues
+  KEYS[1] the messages hash; KEYS[2..] the queues
   ARGV[2] how many per queue
   Reply: { queue count, entry 1, its record's JSON, entry 2, ... } per queue,
          in order
 
-A task's record is in the messages hash (record.lua); an earlier version
-kept it in the entries hash, where it is still read (and deleted with it).
+A task's record is in the messages hash, before its message (record.lua).
 
 "serve"  dispatch.
-  KEYS[1] messages hash   KEYS[2] entries hash   KEYS[3] ready index
-  KEYS[4] claimed set     KEYS[5] epoch          KEYS[6] trip estimate
-  KEYS[7] wake list       KEYS[8] specs hash (limit name -> "interval burst")
-  KEYS[9] live overrides (limit name -> "interval burst rate", core/live.py)
-  KEYS[6+4j], KEYS[7+4j], KEYS[8+4j], KEYS[9+4j]  a limit's key (a rate
+  KEYS[1] messages hash   KEYS[2] ready index    KEYS[3] claimed set
+  KEYS[4] epoch           KEYS[5] trip estimate  KEYS[6] wake list
+  KEYS[7] specs hash (limit name -> "interval burst")
+  KEYS[8] live overrides (limit name -> "interval burst rate", core/live.py)
+  KEYS[5+4j], KEYS[6+4j], KEYS[7+4j], KEYS[8+4j]  a limit's key (a rate
           bucket, or a concurrency limit's leases), its queue, the queue's
           turns (turns.lua) and its meta hash (a concurrency limit's: its
           holders' starts and pause), j = 1..; the first ARGV[5] are the
@@ -57,9 +56,9 @@ kept it in the entries hash, where it is still read (and deleted with it).
 
 "cancel" revoked tasks leave at once, wherever they wait (room/parking.py's
   WaitingRoom.cancel found their entries).
-  KEYS[1] messages hash   KEYS[2] entries hash   KEYS[3] claimed set
-  KEYS[4] epoch           KEYS[5] parked set     KEYS[6] wake list
-  KEYS[7..] the queues the entries in line wait in (each in one of them)
+  KEYS[1] messages hash   KEYS[2] claimed set    KEYS[3] epoch
+  KEYS[4] parked set      KEYS[5] wake list
+  KEYS[6..] the queues the entries in line wait in (each in one of them)
   ARGV[2] claim timeout, us (as "serve")
   ARGV[3] entries in line (space-separated): taken out of their queue and
           dispatched without a charge (flag "x"), the worker drops them
@@ -95,12 +94,12 @@ local function next_due(ready, ahead)
 end
 
 -- An entry's record (JSON), or nil once its message is gone (purged).
-local function record_of(messages, entries, entry)
+local function record_of(messages, entry)
   local stored = redis.call('HGET', messages, entry)
   if not stored then
     return nil
   end
-  return split_record(stored) or redis.call('HGET', entries, entry)
+  return (split_record(stored))
 end
 
 if op == 'look' then
@@ -119,12 +118,12 @@ end
 
 if op == 'heads' then
   local out = {}
-  for j = 3, #KEYS do
+  for j = 2, #KEYS do
     local entries = redis.call('ZRANGE', KEYS[j], 0, tonumber(ARGV[2]) - 1)
     out[#out + 1] = #entries
     for _, e in ipairs(entries) do
       out[#out + 1] = e
-      out[#out + 1] = record_of(KEYS[1], KEYS[2], e) or ''
+      out[#out + 1] = record_of(KEYS[1], e) or ''
     end
   end
   return out
@@ -134,8 +133,7 @@ end
 -- it goes out as a parked task does (dispatch.lua dispatches it again if no
 -- copy arrives by `deadline`).  Appends { entry, token, flag, start, message }
 -- to `out`; false once its message is gone (purged).
-local function hand_out(out, messages, entries, claimed, deadline, entry, flag, at)
-  redis.call('HDEL', entries, entry)
+local function hand_out(out, messages, claimed, deadline, entry, flag, at)
   local stored = redis.call('HGET', messages, entry)
   if not stored then
     return false
@@ -154,24 +152,24 @@ local function hand_out(out, messages, entries, claimed, deadline, entry, flag, 
 end
 
 if op == 'cancel' then
-  local out = { 0, tonumber(epoch_of(KEYS[4], now)) }
+  local out = { 0, tonumber(epoch_of(KEYS[3], now)) }
   local deadline = now + tonumber(ARGV[2])
   for e in string.gmatch(ARGV[3], '%S+') do
     local taken = false
-    for j = 7, #KEYS do
+    for j = 6, #KEYS do
       taken = redis.call('ZREM', KEYS[j], e) == 1 or taken
     end
     if taken then
-      hand_out(out, KEYS[1], KEYS[2], KEYS[3], deadline, e, 'x', 0)
+      hand_out(out, KEYS[1], KEYS[2], deadline, e, 'x', 0)
     end
   end
   for e in string.gmatch(ARGV[4], '%S+') do
-    out[1] = out[1] + redis.call('ZADD', KEYS[5], 'XX', 'CH', now, e)
+    out[1] = out[1] + redis.call('ZADD', KEYS[4], 'XX', 'CH', now, e)
   end
   if out[1] > 0 then -- (one token, as park.lua)
-    redis.call('LPUSH', KEYS[6], '1')
-    redis.call('LTRIM', KEYS[6], 0, 0)
-    redis.call('PEXPIRE', KEYS[6], 60000)
+    redis.call('LPUSH', KEYS[5], '1')
+    redis.call('LTRIM', KEYS[5], 0, 0)
+    redis.call('PEXPIRE', KEYS[5], 60000)
   end
   return out
 end
@@ -180,8 +178,8 @@ if op ~= 'serve' then
   return redis.error_reply('celery_throttle serve.lua: unknown op ' .. tostring(op))
 end
 
-local messages, entries, ready, claimed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local specs, live = KEYS[8], KEYS[9]
+local messages, ready, claimed = KEYS[1], KEYS[2], KEYS[3]
+local specs, live = KEYS[7], KEYS[8]
 local batch = tonumber(ARGV[2])
 local deadline = now + tonumber(ARGV[3])
 local uncharged, uncharged_list = {}, {}
@@ -192,12 +190,12 @@ end
 local nq = tonumber(ARGV[5])
 local queue_of, turns_of, buckets = {}, {}, {}
 local meta_of = {}
-for j = 1, (#KEYS - 9) / 4 do
-  local b, q = KEYS[6 + 4 * j], KEYS[7 + 4 * j]
-  queue_of[b], turns_of[q], meta_of[b], buckets[j] = q, KEYS[8 + 4 * j], KEYS[9 + 4 * j], b
+for j = 1, (#KEYS - 8) / 4 do
+  local b, q = KEYS[5 + 4 * j], KEYS[6 + 4 * j]
+  queue_of[b], turns_of[q], meta_of[b], buckets[j] = q, KEYS[7 + 4 * j], KEYS[8 + 4 * j], b
 end
-local ahead = ahead_of(KEYS[6], ARGV[6], ARGV[7])
-local out = { 0, tonumber(epoch_of(KEYS[5], now)) }
+local ahead = ahead_of(KEYS[5], ARGV[6], ARGV[7])
+local out = { 0, tonumber(epoch_of(KEYS[4], now)) }
 local served = 0
 -- Tasks looked at in this call, dispatched or not (moved, dropped): bounded.
 local steps = 4 * batch
@@ -217,19 +215,15 @@ local function dispatch(q, entry, flag, at, place, fair)
     redis.call('HSET', turns_of[q], '~', place)
   end
   redis.call('ZREM', q, entry)
-  if hand_out(out, messages, entries, claimed, deadline, entry, flag, at) then
+  if hand_out(out, messages, claimed, deadline, entry, flag, at) then
     served = served + 1
   end
 end
 
 -- A record's limit row: { bucket, interval, burst, cost[, fair, units] }, the
--- limit's name read from its bucket key (keys.py's split_limit_key); an
--- earlier version's row had the name second.  A concurrency limit's row is
--- { leases, 0, seats, lease (us) }.
+-- limit's name read from its bucket key (keys.py's split_limit_key).  A
+-- concurrency limit's row is { leases, 0, seats, lease (us) }.
 local function row_of(l)
-  if type(l[2]) == 'string' then
-    return l[1], l[2], l[3], l[4], l[5], l[6], l[7]
-  end
   return l[1], string.match(l[1], '^[^}]*}:[bl]:[^:]*:(.*)$'), l[2], l[3], l[4], l[5], l[6]
 end
 
@@ -278,11 +272,10 @@ local function serve(q)
       return
     end
     local entry, place = head[1], head[2]
-    local raw = record_of(messages, entries, entry)
+    local raw = record_of(messages, entry)
     local task = raw and cjson.decode(raw)
     if not task then
       redis.call('ZREM', q, entry) -- its message is gone (purged): nothing to dispatch
-      redis.call('HDEL', entries, entry)
     elseif uncharged[entry] or ((task.e or 0) > 0 and now >= task.e) then
       dispatch(q, entry, 'x', 0, place, false)
     elseif (task.w or 0) > 0 and now >= task.w then

@@ -132,9 +132,12 @@ def records(redis_base: str, capp: ModuleType) -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def app(redis_url: str) -> Iterator[Celery]:
-    """A fresh app whose broker and throttle store are the test server (never started)."""
+    """A fresh app whose broker and throttle store are the test server (never started); its
+    runtime, if a test made one, is dropped after (its counts writer thread stops: left
+    running, it would take the per-second counts a later test reads)."""
     a = Celery("unit", broker=f"{redis_url}/14", set_as_current=False)
     yield a
+    forget(a)
     a.close()
 
 

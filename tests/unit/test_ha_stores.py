@@ -15,6 +15,7 @@ from celery_throttle import AsyncGate, Concurrency, Gate, Limit, parse_rate
 from celery_throttle.core.connect import connect
 from celery_throttle.core.keys import bucket_key
 from celery_throttle.room.durability import judge
+from celery_throttle.room.envelope import Envelope
 from celery_throttle.room.parking import WaitingRoom
 
 from ..servers import MASTER, Cluster, SentinelGroup, key_slot
@@ -58,7 +59,8 @@ def test_cluster_gate_room_and_leases_keep_one_slot(redis_cluster: Cluster, pref
     assert gate.inspect_leases(inflight).held == 1
     assert gate.release([inflight], "job-1") == 1
     room = WaitingRoom(connect(redis_cluster.url), prefix)
-    room.park("e1", b'{"h": {"id": "t1"}}', "t1", delay_us=60_000_000, note='{"due": 1}')
+    message = Envelope(b"{}", "application/json", "utf-8", "", "celery", {"id": "t1"}).dumps()
+    room.park("e1", message, "t1", delay_us=60_000_000, note='{"due": 1}')
     assert room.state().parked == 1
     assert room.next_parked(5)[0].note == b'{"due": 1}'
     assert room.purge() == ["t1"]  # the task ids of what it dropped

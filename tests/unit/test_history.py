@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from collections.abc import Iterator
 
@@ -46,6 +47,8 @@ def test_counts_are_kept_per_second_only_once_asked(monkeypatch: pytest.MonkeyPa
 def test_a_forked_process_starts_with_none_of_its_parents_counts() -> None:
     """A worker's main process counts too and forks pool processes: a child's writer must
     not add the parent's pending counts a second time."""
+    # (No counts writer of an earlier test may run: it would take the parent's counts.)
+    assert not [t for t in threading.enumerate() if t.name == "celery_throttle-counts"]
     metrics.deferred("a", 2.5)
     ctx = multiprocessing.get_context("fork")
     parent_end, child_end = ctx.Pipe()

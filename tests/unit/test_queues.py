@@ -10,7 +10,7 @@ import redis
 
 from celery_throttle import Concurrency, Gate, Limit, parse_rate
 from celery_throttle.core.keys import key_digest
-from celery_throttle.room.envelope import split_record
+from celery_throttle.room.envelope import Envelope, split_record
 from celery_throttle.room.parking import WaitingRoom
 from celery_throttle.room.queues import MAX_AHEAD_US, Queues, entry_id
 
@@ -130,8 +130,10 @@ def test_purge_drops_the_queues_and_frees_the_limit(client: redis.Redis, prefix:
     limit = Limit("api", parse_rate("1/s"))
     now = _now_us(client)
     for i in range(20):
-        room.queues.enqueue(f"e{i}", b'{"h": {"id": "t%d"}}' % i, f"t{i}", limits=[limit],
-                            blocking=limit, place_us=now + i)
+        message = Envelope(b"{}", "application/json", "utf-8", "", "celery",
+                           {"id": f"t{i}"}).dumps()
+        room.queues.enqueue(f"e{i}", message, f"t{i}", limits=[limit], blocking=limit,
+                            place_us=now + i)
     assert sorted(room.purge()) == sorted(f"t{i}" for i in range(20))
     assert room.queues.waiting() == 0
     assert room.queues.serve_due(50, TIMEOUT_US) == (None, [])

@@ -151,6 +151,27 @@ def read_records_until_quiet(client: redis.Redis, *, expect: int, after: float, 
     return read_records(client, expect=0, timeout=0)
 
 
+def wait_in_line(redis_base: str, count: int, timeout: float) -> None:
+    """Wait until ``count`` tasks of tests.celery_app wait in the limits' lines or the waiting
+    room's timer (bounded): the store's own count, not a guess by time."""
+    store = redis.Redis.from_url(f"{redis_base}/11")  # the test app's store
+    deadline = time.monotonic() + timeout
+    most = 0
+    try:
+        while time.monotonic() < deadline:
+            # Every stored message in line or parked: all but those being dispatched.
+            waiting = (int(store.hlen("{throttle}:room:messages"))
+                       - int(store.zcard("{throttle}:room:claimed")))
+            if waiting >= count:
+                return
+            most = max(most, waiting)
+            time.sleep(0.05)
+    finally:
+        store.close()
+    raise AssertionError(f"fewer than {count} tasks got in line within {timeout}s "
+                         f"(at most {most})")
+
+
 def wait_results(results: list[Any], timeout: float) -> list[str]:
     """Poll (bounded) until every AsyncResult is ready; return their states."""
     deadline = time.monotonic() + timeout

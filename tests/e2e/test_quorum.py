@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import time
 from collections import Counter
 from collections.abc import Iterator
 from types import ModuleType
@@ -15,7 +14,15 @@ import pytest
 import redis
 from celery import Celery
 
-from ..workers import COUNTDOWNS, check_window_bound, logs, read_records, wait_results, worker_nodes
+from ..workers import (
+    COUNTDOWNS,
+    check_window_bound,
+    logs,
+    read_records,
+    wait_in_line,
+    wait_results,
+    worker_nodes,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -114,11 +121,11 @@ def test_a_freed_seat_is_handed_over_on_a_quorum_queue(
     last has ended."""
     with worker_nodes(redis_base, ("w1", "w2"), conf=QUORUM, queues=(QUEUE,)):
         first = producer.send_task("tests.celery_app.one_slot", (1.0,))
-        time.sleep(0.3)  # the first holds the seat before the waiters arrive
+        read_records(records, expect=1, timeout=10)  # the first holds the seat
         waiters = []
-        for _ in range(4):
+        for k in range(4):
             waiters.append(producer.send_task("tests.celery_app.one_slot", (0.3,)))
-            time.sleep(0.1)  # they wait in this order
+            wait_in_line(redis_base, k + 1, timeout=10)  # they wait in this order
         states = wait_results([first, *waiters], timeout=30)
         rows = read_records(records, expect=5, timeout=5)
     assert states == ["SUCCESS"] * 5

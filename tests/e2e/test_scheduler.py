@@ -24,6 +24,7 @@ from ..workers import (
     logs,
     read_records,
     throttle_cli,
+    wait_in_line,
     wait_results,
     worker_nodes,
 )
@@ -35,26 +36,6 @@ LINE: dict[str, object] = {}  # (the defaults)
 BATCH, URGENT = 9, 0
 
 
-def _in_line(redis_base: str, count: int, timeout: float) -> None:
-    """Wait until ``count`` tasks wait in the limits' queues or the waiting room (bounded)."""
-    store = redis.Redis.from_url(f"{redis_base}/11")  # the test app's store
-    deadline = time.monotonic() + timeout
-    most = 0
-    try:
-        while time.monotonic() < deadline:
-            # Every stored message in line or parked: all but those being dispatched.
-            waiting = (int(store.hlen("{throttle}:room:messages"))
-                       - int(store.zcard("{throttle}:room:claimed")))
-            if waiting >= count:
-                return
-            most = max(most, waiting)
-            time.sleep(0.05)
-    finally:
-        store.close()
-    raise AssertionError(f"fewer than {count} tasks got in line within {timeout}s "
-                         f"(at most {most})")
-
-
 def test_urgent_task_starts_ahead_of_a_waiting_batch(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
@@ -62,7 +43,7 @@ def test_urgent_task_starts_ahead_of_a_waiting_batch(
     interval."""
     with worker_nodes(redis_base, ("w1", "w2"), conf=LINE) as nodes:
         batch = [capp.in_line.apply_async((i,), priority=BATCH) for i in range(40)]
-        _in_line(redis_base, 30, timeout=20)
+        wait_in_line(redis_base, 30, timeout=20)
         sent = time.time()
         urgent = capp.in_line.apply_async((1000,), priority=URGENT)
         why = throttle_cli(["why", batch[-1].id], redis_base)
@@ -96,11 +77,11 @@ def test_a_freed_concurrency_seat_goes_to_an_urgent_waiter_first(
     urgent task is served the next seat freed, and the batch follows in its order."""
     with worker_nodes(redis_base, ("w1", "w2"), conf=LINE):
         first = capp.one_slot.apply_async((2.0,), priority=BATCH)
-        time.sleep(0.3)  # the first holds the seat before the others arrive
+        read_records(records, expect=1, timeout=10)  # the first holds the seat
         batch = []
-        for _ in range(4):
+        for k in range(4):
             batch.append(capp.one_slot.apply_async((0.3,), priority=BATCH))
-            time.sleep(0.1)  # they wait in this order
+            wait_in_line(redis_base, k + 1, timeout=10)  # they wait in this order
         urgent = capp.one_slot.apply_async((0.3,), priority=URGENT)
         states = wait_results([first, *batch, urgent], timeout=30)
         rows = read_records(records, expect=6, timeout=5)
@@ -121,7 +102,7 @@ def test_cancelling_the_waiting_tasks_frees_the_limit_at_once(
     starts within ~1 interval (not behind their turns: 8 s)."""
     with worker_nodes(redis_base, ("w1",), conf=LINE):
         batch = [capp.in_line.apply_async((i,), priority=BATCH) for i in range(40)]
-        _in_line(redis_base, 30, timeout=20)
+        wait_in_line(redis_base, 30, timeout=20)
         if how == "purge":
             done = throttle_cli(["purge", "--yes"], redis_base)
             assert done.returncode == 0, done.stderr
@@ -148,7 +129,7 @@ def test_revoked_tasks_leave_their_line_at_once_wherever_they_wait(
     limit, and each is REVOKED within seconds, not at its turn."""
     with worker_nodes(redis_base, ("w1",), conf=LINE, env={"CT_LINE_RATE": "1/s"}) as nodes:
         batch = [capp.in_line.apply_async((i,), priority=BATCH) for i in range(150)]
-        _in_line(redis_base, 145, timeout=30)
+        wait_in_line(redis_base, 145, timeout=30)
         revoked = time.time()
         capp.app.control.revoke([r.id for r in batch])
         time.sleep(0.5)  # the revoke broadcast reaches the node
@@ -177,7 +158,7 @@ def test_waiting_tasks_follow_a_new_rate_in_the_code(
     """60 tasks in line at 2/s; the node restarted with 20/s drains the rest at 20/s."""
     with worker_nodes(redis_base, ("w1",), conf=LINE, env={"CT_LINE_RATE": "2/s"}) as old:
         results = [capp.in_line.delay(i) for i in range(60)]
-        _in_line(redis_base, 50, timeout=20)
+        wait_in_line(redis_base, 50, timeout=20)
         # A warm shutdown (SIGTERM to the main process): the tasks it runs finish.
         os.kill(old[0].proc.pid, signal.SIGTERM)
         old[0].proc.wait(30)
@@ -206,7 +187,7 @@ def test_throttle_set_drains_the_waiting_tasks_at_the_new_rate(
     next second, and `throttle status` shows both rates."""
     with worker_nodes(redis_base, ("w1",), conf=LINE, env={"CT_LINE_RATE": "2/s"}) as nodes:
         results = [capp.in_line.delay(i) for i in range(60)]
-        _in_line(redis_base, 50, timeout=20)
+        wait_in_line(redis_base, 50, timeout=20)
         done = throttle_cli(["set", "line", "20/s"], redis_base)
         changed = time.time()
         assert done.returncode == 0, done.stderr
@@ -237,7 +218,7 @@ def test_throttle_pause_holds_the_waiting_tasks_until_resume(
     # 0.4 s, under throttle_max_sleep: nothing would wait in line.)
     with worker_nodes(redis_base, ("w1",), conf=LINE, env={"CT_LINE_RATE": "5/s"}):
         results = [capp.in_line.delay(i) for i in range(30)]
-        _in_line(redis_base, 20, timeout=20)
+        wait_in_line(redis_base, 20, timeout=20)
         paused = throttle_cli(["pause", "line"], redis_base)
         assert paused.returncode == 0, paused.stderr
         held_from = time.time() + 0.6  # a task dispatched just before may still start
@@ -266,7 +247,7 @@ def test_a_fair_limit_serves_a_later_tenant_in_turn(
     within about 20 intervals, alternating with a's, and the limit stays fully used."""
     with worker_nodes(redis_base, ("w1", "w2"), conf=LINE) as nodes:
         flood = [capp.fair_line.delay("a", i) for i in range(60)]
-        _in_line(redis_base, 50, timeout=20)
+        wait_in_line(redis_base, 50, timeout=20)
         sent = time.time()
         later = [capp.fair_line.delay("b", 100 + i) for i in range(10)]
         states = wait_results([*flood, *later], timeout=40)

@@ -26,6 +26,7 @@ from ..workers import (
     read_records,
     short_visibility,
     throttle_cli,
+    wait_in_line,
     wait_results,
     worker_nodes,
 )
@@ -115,7 +116,7 @@ def test_revoked_waiting_task_never_runs(
     within seconds, not at its turn ~5.5 s later), the others run."""
     with worker_nodes(redis_base, ("w1",), conf=ROOM):
         results = [capp.patient.delay(i) for i in range(8)]  # 1/s: the 7th waits ~6 s
-        time.sleep(0.5)
+        wait_in_line(redis_base, 6, timeout=10)  # (the first starts at once)
         revoked = time.monotonic()
         capp.app.control.revoke(results[6].id)
         assert wait_results([results[6]], timeout=10) == ["REVOKED"]
@@ -198,11 +199,11 @@ def test_a_freed_concurrency_slot_goes_to_the_oldest_waiter_at_once(
     last ends."""
     with worker_nodes(redis_base, ("w1", "w2"), conf=ROOM):
         first = capp.one_slot.delay(1.0)
-        time.sleep(0.3)  # the first holds the slot before the waiters arrive
+        read_records(records, expect=1, timeout=10)  # the first holds the seat
         waiters = []
-        for _ in range(5):
+        for k in range(5):
             waiters.append(capp.one_slot.delay(0.3))
-            time.sleep(0.1)  # in line in this order
+            wait_in_line(redis_base, k + 1, timeout=10)  # in line in this order
         states = wait_results([first, *waiters], timeout=30)
         rows = read_records(records, expect=6, timeout=5)
     assert states == ["SUCCESS"] * 6

@@ -67,6 +67,13 @@ def _held(broker: redis.Redis) -> int:
     return sum(int(broker.llen(name)) for name in lists) + int(broker.hlen("unacked"))
 
 
+def _waiting(store: redis.Redis) -> int:
+    """Tasks waiting in the store: in line or in the room's timer (every stored message but
+    those dispatched and on their way)."""
+    return (int(store.hlen("{throttle}:room:messages"))
+            - int(store.zcard("{throttle}:room:claimed")))
+
+
 #: The paths compared: is the waiting room on?
 PATHS = {"countdown": False, "scheduler": True}
 #: Seconds after the last publish at which the urgent task is sent.
@@ -105,8 +112,7 @@ def run(n: int, rate: int, measure: float, path: str) -> dict[str, float]:
                 if not urgent_sent and time.time() >= published + URGENT_AFTER:
                     bench.ours.apply_async((-1,), priority=0)
                     urgent_sent = time.time()
-                parked = (int(store.zcard("{throttle}:room:parked"))
-                          + int(store.hlen("{throttle}:room:entries")))
+                parked = _waiting(store)
                 held = _held(broker)
                 if parked + held >= peak_parked:
                     peak_parked = parked + held
@@ -115,8 +121,7 @@ def run(n: int, rate: int, measure: float, path: str) -> dict[str, float]:
                     peak_rss, nodes, strict=True)]
                 time.sleep(1.0)
             held = _held(broker)
-            parked = (int(store.zcard("{throttle}:room:parked"))
-                      + int(store.hlen("{throttle}:room:entries")))
+            parked = _waiting(store)
         rows = [json.loads(r) for r in records.lrange("starts:ours", 0, -1)]
         bench.app.close()
         for c in (client, records, broker, store):

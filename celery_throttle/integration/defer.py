@@ -286,7 +286,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         else config.max_sleep
 
     def elsewhere(decision: Decision) -> bool:
-        return decision.retry_after > max_sleep or _queues_for_slot(task, runtime, decision)
+        return decision.retry_after > max_sleep or (in_line and _waits_for_a_seat(decision))
 
     def check(decision: Decision) -> None:
         waited = from_us(decision.now - state.since) if state.since else 0.0
@@ -357,7 +357,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
                     since=state.since or decision.now, copy=new_copy(), prev=state.copy_id,
                     spacing=spacing_of(limits))
     name = _limit_name(decision, limits)
-    _republish(task, new, min(countdown, config.max_countdown))
+    _count_down(task, runtime, new, countdown)
     write_note(task, runtime, wait_note(task, name, decision, new), decision.retry_after)
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
@@ -618,26 +618,28 @@ def _waited(runtime: Runtime, state: WaitState) -> float:
     return max(0.0, from_us(int(sec) * 1_000_000 + int(usec) - state.since))
 
 
-def _queues_for_slot(task: Task[Any, Any], runtime: Runtime, decision: Decision) -> bool:
-    """A wait for a full concurrency limit: with the waiting room, wait in line at once.
-
-    In the seat's line it is served the next freed seat in its line's order; a
-    task sleeping in a worker for its paced return would only compete.
-    """
+def _waits_for_a_seat(decision: Decision) -> bool:
+    """A wait for a full concurrency limit (its paced return, nothing booked): in the seat's
+    line, where it is at once, it is served the next freed seat in its line's order; a task
+    sleeping in a worker for its paced return would only compete."""
     booking = decision.reservation
     return (isinstance(decision.limit, Concurrency) and booking is not None
-            and not booking.booked and _room_open(task, runtime))
+            and not booking.booked)
 
 
-def _send_back(task: Task[Any, Any], runtime: Runtime, state: WaitState, countdown: float, *,
-               room: bool = True) -> None:
-    """A task due again in ``countdown`` seconds, uncharged (a provider's pause, the store
-    being down), leaves the worker: parked in the waiting room's timer (:func:`_park`)
-    where it is open and ``room`` allows (not with the store down), else re-published
-    with ``countdown`` (at most ``throttle_max_countdown``: it comes back then and asks
-    again)."""
-    if room and _park(task, runtime, state, to_us(max(countdown, 0.0))):
-        return
+def _send_back(task: Task[Any, Any], runtime: Runtime, state: WaitState,
+               countdown: float) -> None:
+    """A task due again in ``countdown`` seconds, uncharged (a provider's pause), leaves the
+    worker: parked in the waiting room's timer (:func:`_park`) where it is open, else
+    re-published with a countdown (:func:`_count_down`)."""
+    if not _park(task, runtime, state, to_us(max(countdown, 0.0))):
+        _count_down(task, runtime, state, countdown)
+
+
+def _count_down(task: Task[Any, Any], runtime: Runtime, state: WaitState,
+                countdown: float) -> None:
+    """Re-publish the task with ``countdown``, at most ``throttle_max_countdown`` (a longer
+    wait comes back then and asks again)."""
     _republish(task, state, min(max(countdown, 0.001), runtime.config.max_countdown))
 
 
@@ -778,7 +780,7 @@ def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     # the last copy the pointer knows as its predecessor, which it accepts.
     # (No THROTTLED state here: a result backend on the store's server is down
     # too, and Celery's Redis backend retries a write for about 20 s.)
-    _send_back(task, runtime, new, backoff, room=False)
+    _count_down(task, runtime, new, backoff)
     logger.info("throttle: task %s[%s] re-scheduled in %.1fs: store unavailable (deferral %d)",
                 task.name, task.request.id, backoff, new.deferrals)
     raise Ignore()

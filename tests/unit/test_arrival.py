@@ -145,13 +145,7 @@ def test_a_store_that_fails_sends_arrivals_to_the_pool_for_a_while(
     with installed_app("arrival-down", redis_url, prefix,
                        throttle_redis_url="redis://127.0.0.1:1/0") as down:
         task = _task(down)
-        with Connection(redis_url + "/14") as conn:
-            queue = conn.SimpleQueue("arrival-q")
-            queue.clear()
-            task.apply_async((1,), queue="arrival-q")
-            message = queue.get(timeout=5)
-            message.ack()
-            queue.close()
+        message = _received(down, task, 1)
         arrivals = _Arrivals(task, _consumer())
         assert not arrivals.lined_up(message)
         assert arrivals.paused_until > 0
@@ -242,15 +236,8 @@ def test_a_store_that_fails_hands_a_charged_copy_on_at_once(
     with installed_app("arrival-down", redis_url, prefix,
                        throttle_redis_url="redis://127.0.0.1:1/0") as down:
         task = _task(down)
-        with Connection(redis_url + "/14") as conn:
-            queue = conn.SimpleQueue("arrival-q")
-            queue.clear()
-            headers: dict[str, Any] = {HEADER: {"entry": "x:-", "charged": "c",
-                                                "slot": 2**52}}
-            task.apply_async((1,), queue="arrival-q", headers=headers)
-            message = queue.get(timeout=5)
-            message.ack()
-            queue.close()
+        headers: dict[str, Any] = {HEADER: {"entry": "x:-", "charged": "c", "slot": 2**52}}
+        message = _received(down, task, 1, headers=headers)
         assert _Arrivals(task, _consumer()).early_by(message) == 0.0
 
 

@@ -2,9 +2,9 @@
 
 Every task records its start (time, id, retries, deferrals, pid) in a Redis
 list; tests judge only from those records and from the result backend.
-Configured from the environment: CT_REDIS (server URL; broker on db 10 unless
-CT_BROKER names another, store on db 11, results on db 12, records on db 13:
-high numbers, since the tests flush them), CT_PREFIX (the bucket prefix) and
+Configured from the environment: CT_REDIS (server URL; the broker, store,
+results and records on databases of the test process's own, tests/databases.py;
+CT_BROKER names another broker), CT_PREFIX (the bucket prefix) and
 CT_CONF (settings, as JSON); a fault is injected at one of
 celery_throttle.faults' points (CT_FAULT: the node dies; CT_STALL: the
 process stalls) or as a skewed clock (CT_CLOCK_OFFSET).  CT_PROVIDER,
@@ -27,14 +27,17 @@ from celery import Celery, Task, current_task, shared_task
 import celery_throttle
 from celery_throttle import HEADER, throttled
 
+from . import databases
+
 REDIS = os.environ.get("CT_REDIS", "redis://127.0.0.1:6379")
 RECORDS_KEY = "records"
-# CT_BROKER: another broker (the RabbitMQ tests' amqp:// URL); Redis db 10 by default.
-BROKER = os.environ.get("CT_BROKER") or f"{REDIS}/10"
+STORE = f"{REDIS}/{databases.STORE}"
+# CT_BROKER: another broker (the RabbitMQ tests' amqp:// URL); the Redis test server's by default.
+BROKER = os.environ.get("CT_BROKER") or f"{REDIS}/{databases.BROKER}"
 
-app = Celery("ct_tests", broker=BROKER, backend=f"{REDIS}/12")
+app = Celery("ct_tests", broker=BROKER, backend=f"{REDIS}/{databases.RESULTS}")
 app.conf.update(
-    throttle_redis_url=f"{REDIS}/11",
+    throttle_redis_url=STORE,
     throttle_prefix=os.environ.get("CT_PREFIX", "throttle"),
     throttle_queues={"ext": "10/s", "bursty": {"rate": "10/s", "burst": 3}},
     broker_connection_retry_on_startup=True,
@@ -47,7 +50,7 @@ app.conf.update(json.loads(os.environ.get("CT_CONF") or "{}"))
 if not os.environ.get("CT_NO_INSTALL"):  # the forgotten-install warning's test
     celery_throttle.install(app)
 
-_records = redis.Redis.from_url(f"{REDIS}/13")
+_records = redis.Redis.from_url(f"{REDIS}/{databases.RECORDS}")
 
 
 def record(task: Task[Any, Any], **extra: Any) -> None:
@@ -251,7 +254,7 @@ def _sdk_client() -> Any:
 
         _sdk_clients["openai"] = openai.OpenAI(
             base_url=f"{PROVIDER}/v1", api_key="sk-test", http_client=gated_client(
-                "9/s", name="sdk-requests", url=f"{REDIS}/11", prefix=app.conf.throttle_prefix))
+                "9/s", name="sdk-requests", url=STORE, prefix=app.conf.throttle_prefix))
     return _sdk_clients["openai"]
 
 

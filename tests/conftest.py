@@ -19,6 +19,7 @@ from celery_throttle import Gate
 from celery_throttle.integration.runtime import forget
 from celery_throttle.testing import redis_server, server_url
 
+from . import databases
 from .aio import BlockingAsyncGate
 from .clock import StepClock
 from .servers import Cluster
@@ -28,7 +29,7 @@ from .servers import Cluster
 def installed_app(name: str, redis_url: str, prefix: str, **conf: object) -> Iterator[Celery]:
     """An app installed on the test server, with a test's own key prefix and settings
     ``conf`` (never started); its runtime is dropped after."""
-    a = Celery(name, broker=f"{redis_url}/14", set_as_current=False)
+    a = Celery(name, broker=f"{redis_url}/{databases.UNIT}", set_as_current=False)
     a.conf.throttle_redis_url = redis_url
     a.conf.throttle_prefix = prefix
     a.conf.update(conf)
@@ -106,7 +107,8 @@ def redis_cluster() -> Iterator[Cluster]:
 
 @pytest.fixture(scope="session")
 def redis_base(redis_url: str) -> str:
-    """The server URL without a database number (the test app picks dbs 10-13)."""
+    """The server URL without a database number (the test app picks its own:
+    tests/databases.py)."""
     return server_url(redis_url)
 
 
@@ -123,9 +125,9 @@ def capp(redis_base: str) -> Iterator[ModuleType]:
 @pytest.fixture
 def records(redis_base: str, capp: ModuleType) -> Iterator[redis.Redis]:
     """Flushed broker, store, results and records databases; the records client."""
-    for db in (10, 11, 12, 13):
+    for db in (databases.BROKER, databases.STORE, databases.RESULTS, databases.RECORDS):
         redis.Redis.from_url(f"{redis_base}/{db}").flushdb()
-    client = redis.Redis.from_url(f"{redis_base}/13")
+    client = redis.Redis.from_url(f"{redis_base}/{databases.RECORDS}")
     yield client
     client.close()
 
@@ -135,7 +137,7 @@ def app(redis_url: str) -> Iterator[Celery]:
     """A fresh app whose broker and throttle store are the test server (never started); its
     runtime, if a test made one, is dropped after (its counts writer thread stops: left
     running, it would take the per-second counts a later test reads)."""
-    a = Celery("unit", broker=f"{redis_url}/14", set_as_current=False)
+    a = Celery("unit", broker=f"{redis_url}/{databases.UNIT}", set_as_current=False)
     yield a
     forget(a)
     a.close()

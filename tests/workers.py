@@ -18,6 +18,8 @@ import redis
 
 from celery_throttle.testing import WorkerProcess, free_port, max_in_window, workers
 
+from . import databases
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -151,25 +153,47 @@ def read_records_until_quiet(client: redis.Redis, *, expect: int, after: float, 
     return read_records(client, expect=0, timeout=0)
 
 
-def wait_in_line(redis_base: str, count: int, timeout: float) -> None:
-    """Wait until ``count`` tasks of tests.celery_app wait in the limits' lines or the waiting
-    room's timer (bounded): the store's own count, not a guess by time."""
-    store = redis.Redis.from_url(f"{redis_base}/11")  # the test app's store
+def waiting(store: redis.Redis) -> int:
+    """How many tasks wait in the limits' lines or the waiting room's timer: every stored
+    message but those being dispatched."""
+    return (int(store.hlen("{throttle}:room:messages"))
+            - int(store.zcard("{throttle}:room:claimed")))
+
+
+def wait_in_line(redis_base: str, count: int, timeout: float, *, store: str | None = None
+                 ) -> None:
+    """Wait until ``count`` tasks of tests.celery_app wait in line (bounded): the store's own
+    count, not a guess by time.  ``store``: the throttle store's URL when it is not the
+    test app's own (``redis_base``, database 11)."""
+    client = redis.Redis.from_url(store or f"{redis_base}/{databases.STORE}")
     deadline = time.monotonic() + timeout
     most = 0
     try:
         while time.monotonic() < deadline:
-            # Every stored message in line or parked: all but those being dispatched.
-            waiting = (int(store.hlen("{throttle}:room:messages"))
-                       - int(store.zcard("{throttle}:room:claimed")))
-            if waiting >= count:
+            now = waiting(client)
+            if now >= count:
                 return
-            most = max(most, waiting)
+            most = max(most, now)
             time.sleep(0.05)
     finally:
-        store.close()
+        client.close()
     raise AssertionError(f"fewer than {count} tasks got in line within {timeout}s "
                          f"(at most {most})")
+
+
+def no_start_beyond(client: redis.Redis, count: int, seconds: float) -> list[dict[str, Any]]:
+    """Watch the start records for ``seconds`` (a duplicate's or a held task's chance to
+    start) and fail at once if there are ever more than ``count``; return them, by time.
+
+    An absence can only be shown by waiting: this waits the whole window when all is
+    well and no longer than the first extra start when it is not."""
+    deadline = time.monotonic() + seconds
+    while True:
+        seen = client.llen("records")
+        assert seen <= count, f"{seen} starts recorded, at most {count} expected"
+        if time.monotonic() >= deadline:
+            return read_records(client, expect=0, timeout=0)
+        time.sleep(0.05)
 
 
 def wait_results(results: list[Any], timeout: float) -> list[str]:

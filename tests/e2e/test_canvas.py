@@ -13,6 +13,7 @@ from celery import chain, chord, group
 
 from celery_throttle.room.parking import WaitingRoom
 
+from .. import databases
 from ..workers import read_records, wait_results, worker_nodes
 
 pytestmark = pytest.mark.integration
@@ -50,7 +51,7 @@ def test_a_warm_shutdown_with_tasks_parked_loses_none(capp: ModuleType, records:
                                                       redis_base: str) -> None:
     """SIGTERM to one of two nodes while most of a backlog waits in the room: every task runs
     exactly once (the waiting ones are dispatched to the node left), none is lost."""
-    room = WaitingRoom(redis.Redis.from_url(f"{redis_base}/11"), "throttle")
+    room = WaitingRoom(redis.Redis.from_url(f"{redis_base}/{databases.STORE}"), "throttle")
     with worker_nodes(redis_base, ("w1", "w2"), conf=SHORT_SLEEPS) as nodes:
         results = [capp.steady.delay(i) for i in range(60)]  # 3 s at 20/s
         read_records(records, expect=10, timeout=30)

@@ -11,7 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.integration
+# The examples and the demo take the server's databases 0-2 and the default queue: on a
+# shared server (REDIS_URL) they run in one test process, one at a time.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("examples")]
 
 
 @pytest.mark.parametrize("example", ["examples.llm_quota", "examples.external_api",

@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 import redis
 
+from ..servers import until
 from ..workers import COUNTDOWNS, check_window_bound, logs, read_records, wait_results, worker_nodes
 
 pytestmark = pytest.mark.integration
@@ -85,7 +86,7 @@ def test_per_key_buckets_are_independent(
     """A tenant flooding its key does not delay another tenant on the same queue."""
     with worker_nodes(redis_base, ("w1",)):
         flood = [capp.per_tenant.delay("big", i) for i in range(40)]  # 8 s of work at 5/s
-        time.sleep(0.5)
+        read_records(records, expect=2, timeout=10)  # the flood is under way
         t_sent = time.time()
         quiet = [capp.per_tenant.delay("small", i) for i in range(3)]
         wait_results(quiet, timeout=20)
@@ -148,7 +149,8 @@ def test_retry_budget_untouched_and_expiry_honoured(
         sent = time.time()
         states = wait_results(plain + expiring, timeout=30)
         late = wait_results(impatient, timeout=10)
-        time.sleep(0.5)
+        until("each timeout is logged",
+              lambda: logs(nodes).count("raised expected") >= late.count("FAILURE"), 10)
         rows = read_records(records, expect=0, timeout=0)
         log = logs(nodes)
     assert states[:15] == ["SUCCESS"] * 15

@@ -16,6 +16,8 @@ import redis
 from celery_throttle import Gate, Limit, parse_rate
 from celery_throttle.testing import free_port
 
+from .. import databases
+from ..servers import until
 from ..workers import read_records, throttle_cli, wait_results, worker_nodes
 
 pytestmark = pytest.mark.integration
@@ -31,7 +33,9 @@ def test_command_answers_why_a_task_waits_and_until_when(
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and records.llen("records") < 2:
             time.sleep(0.1)
-        time.sleep(0.5)
+        # Every task still to come has been told to wait, its slot booked.
+        until("the waiting tasks are booked",
+              lambda: all(r.state == "THROTTLED" for r in results[5:]), 20)
         status = throttle_cli(["status", "--json", "patient"], redis_base)
         table = throttle_cli(["status"], redis_base)
         why = throttle_cli(["why", results[15].id], redis_base)
@@ -75,7 +79,7 @@ def test_prometheus_endpoint_counts_a_prefork_run(
     conf = {"throttle_metrics_port": port,
             "throttle_max_sleep": 0.05}  # waits are re-published: deferrals to count
     steady = Limit("tests.celery_app.steady", parse_rate("20/s"))
-    gate = Gate.from_url(f"{redis_base}/11")  # the test app's store and default prefix
+    gate = Gate.from_url(f"{redis_base}/{databases.STORE}")  # the test app's store, default prefix
     with worker_nodes(redis_base, ("w1",), conf=conf,
                       env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}), gate:
         results = [capp.steady.delay(i) for i in range(40)]  # 2 s at 20/s
@@ -106,6 +110,16 @@ def test_prometheus_endpoint_counts_a_prefork_run(
 
 
 
+def _counted(redis_base: str, field: str) -> int:
+    """``field`` (``<count>:<limit>``) summed over the seconds the workers have counted."""
+    store = redis.Redis.from_url(f"{redis_base}/{databases.STORE}")  # the test app's store
+    try:
+        return sum(int(store.hget(key, field) or 0)
+                   for key in store.scan_iter("{throttle}:counts:*"))
+    finally:
+        store.close()
+
+
 def test_a_limit_in_shadow_mode_runs_a_burst_at_once_and_reports_what_it_would_have_done(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
@@ -115,7 +129,9 @@ def test_a_limit_in_shadow_mode_runs_a_burst_at_once_and_reports_what_it_would_h
         sent = time.time()
         results = [capp.trial.delay(i) for i in range(100)]
         assert wait_results(results, timeout=60) == ["SUCCESS"] * 100
-        time.sleep(1.5)  # each worker process adds its counts within a second
+        # Each worker process adds its counts to the store within a second.
+        until("every start is counted", lambda: _counted(redis_base, "admitted:trial") >= 100,
+              10)
         asked = time.time()
         status = throttle_cli(["status", "--json", "trial"], redis_base)
         answered = time.time()

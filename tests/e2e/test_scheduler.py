@@ -19,6 +19,9 @@ from types import ModuleType
 import pytest
 import redis
 
+from celery_throttle.testing import WorkerProcess
+
+from ..servers import until
 from ..workers import (
     check_window_bound,
     logs,
@@ -94,13 +97,18 @@ def test_a_freed_concurrency_seat_goes_to_an_urgent_waiter_first(
     assert max(gaps) < 0.25, gaps  # each seat handed over at once
 
 
+def _revoked_left(nodes: list[WorkerProcess]) -> bool:
+    """The node heard the revoke broadcast and took the revoked tasks out of their lines."""
+    return "revoked task(s) left the waiting room at once" in logs(nodes)
+
+
 @pytest.mark.parametrize("how", ["purge", "revoke"])
 def test_cancelling_the_waiting_tasks_frees_the_limit_at_once(
     capp: ModuleType, records: redis.Redis, redis_base: str, how: str
 ) -> None:
     """After `throttle purge --yes`, or revoking them, drops 40 waiting tasks, a new task
     starts within ~1 interval (not behind their turns: 8 s)."""
-    with worker_nodes(redis_base, ("w1",), conf=LINE):
+    with worker_nodes(redis_base, ("w1",), conf=LINE) as nodes:
         batch = [capp.in_line.apply_async((i,), priority=BATCH) for i in range(40)]
         wait_in_line(redis_base, 30, timeout=20)
         if how == "purge":
@@ -108,7 +116,7 @@ def test_cancelling_the_waiting_tasks_frees_the_limit_at_once(
             assert done.returncode == 0, done.stderr
         else:
             capp.app.control.revoke([r.id for r in batch])
-            time.sleep(0.5)  # the revoke broadcast reaches the node
+            until("the revoked tasks leave the line", lambda: _revoked_left(nodes), 10)
         sent = time.time()
         fresh = capp.in_line.delay(1000)
         assert wait_results([fresh], timeout=20) == ["SUCCESS"]
@@ -132,7 +140,7 @@ def test_revoked_tasks_leave_their_line_at_once_wherever_they_wait(
         wait_in_line(redis_base, 145, timeout=30)
         revoked = time.time()
         capp.app.control.revoke([r.id for r in batch])
-        time.sleep(0.5)  # the revoke broadcast reaches the node
+        until("the revoked tasks leave the line", lambda: _revoked_left(nodes), 10)
         sent = time.time()
         fresh = capp.in_line.apply_async((1000,), priority=BATCH)
         assert wait_results([fresh], timeout=30) == ["SUCCESS"]
@@ -222,7 +230,7 @@ def test_throttle_pause_holds_the_waiting_tasks_until_resume(
         paused = throttle_cli(["pause", "line"], redis_base)
         assert paused.returncode == 0, paused.stderr
         held_from = time.time() + 0.6  # a task dispatched just before may still start
-        time.sleep(2.5)
+        time.sleep(2.5)  # paused: nothing may start
         resume_called = time.time()  # (the command takes a second to start)
         resumed = throttle_cli(["resume", "line"], redis_base)
         resumed_at = time.time()

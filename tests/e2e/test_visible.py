@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import redis
 
+from ..servers import until
 from ..workers import read_records, wait_results, worker_nodes
 
 pytestmark = pytest.mark.integration
@@ -61,7 +62,8 @@ def test_a_parked_task_is_throttled_in_the_backend_and_the_event_state(
             seen = state.tasks.get(last.id)
             event_state = seen.state if seen is not None else None
         assert wait_results(results, timeout=30) == ["SUCCESS"] * 6
-        time.sleep(1.5)  # the last events' trip
+        until("the last task's events arrive",
+              lambda: getattr(state.tasks.get(last.id), "state", None) == "SUCCESS", 10)
     assert backend_state == "THROTTLED"
     assert (meta["limit"], meta["reason"], meta["deferrals"]) == ("patient", "limit", 1)
     assert "T" in meta["eta"]  # ISO 8601, UTC
@@ -102,7 +104,7 @@ def test_dropped_waiting_tasks_show_dropped_in_the_event_state(
             time.sleep(0.1)
         shown = states(waiting)
         reasons = [getattr(state.tasks.get(i), "reason", None) for i in waiting]
-        time.sleep(1.0)  # nothing else starts
+        wait_results(results, timeout=10)  # each started (and ended) or dropped
         started = {r["id"] for r in read_records(records, expect=0, timeout=0)}
     assert throttled == ["THROTTLED"] * 5
     assert shown == ["DROPPED"] * 5

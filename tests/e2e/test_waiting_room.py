@@ -19,10 +19,12 @@ import redis
 
 from celery_throttle.testing import RedisServer
 
+from .. import databases
 from ..workers import (
     PICKLE,
     check_window_bound,
     logs,
+    no_start_beyond,
     read_records,
     short_visibility,
     throttle_cli,
@@ -74,8 +76,8 @@ def test_waits_three_times_the_visibility_timeout_with_no_hops(
     with worker_nodes(redis_base, ("w1", "w2"), conf={**ROOM, **short_visibility(4)}) as nodes:
         results = [capp.patient.delay(i) for i in range(16)]  # 1/s: the last waits ~15 s
         states = wait_results(results, timeout=40)
-        time.sleep(2.0)  # a redelivered duplicate would start within the next sweep
-        rows = read_records(records, expect=17, timeout=0)
+        read_records(records, expect=16, timeout=5)
+        rows = no_start_beyond(records, 16, 2.0)  # a redelivered duplicate: the next sweep
         text = logs(nodes)
     assert states == ["SUCCESS"] * 16
     assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
@@ -145,10 +147,10 @@ def test_store_killed_with_tasks_in_line_runs_each_once_after_restart(
     with worker_nodes(redis_base, ("w1", "w2"),
                       conf={**ROOM, "throttle_redis_url": f"{aof_store.url}/0"}) as nodes:
         results = [capp.patient.delay(i) for i in range(10)]  # 1/s: 9 s of waits
-        time.sleep(2.5)
+        wait_in_line(redis_base, 7, timeout=20, store=f"{aof_store.url}/0")
         aof_store.kill()
         killed = time.time()
-        time.sleep(3.0)
+        time.sleep(3.0)  # the outage
         restarted = time.time()
         aof_store.start()
         states = wait_results(results, timeout=40)
@@ -229,7 +231,7 @@ def test_parked_lists_the_next_tasks_and_purge_needs_yes(
     from celery_throttle.room.envelope import Envelope
     from celery_throttle.room.parking import WaitingRoom
 
-    store = redis.Redis.from_url(f"{redis_base}/11")  # the test app's store, prefix "throttle"
+    store = redis.Redis.from_url(f"{redis_base}/{databases.STORE}")  # the test app's store
     room = WaitingRoom(store, "throttle")
     parked_at = time.monotonic()
     for i, limit in enumerate(["llm", "other", "llm"]):

@@ -27,6 +27,7 @@ from celery_throttle.integration.throttled import ORIGINAL_STRATEGY
 from celery_throttle.room.envelope import Envelope
 from celery_throttle.room.queues import MAX_AHEAD_US, entry_id
 
+from .. import databases
 from ..conftest import installed_app
 
 RATE = "1/s"
@@ -98,7 +99,8 @@ def _someone_in_line(app: Celery) -> None:
 def test_a_task_arriving_behind_tasks_in_line_joins_them_as_it_was_sent(app: Celery) -> None:
     """Behind a task in line, the message waits in line (no pool run): second in line, its
     own message stored with the wait's header, its THROTTLED state in the result backend."""
-    app.conf.update(result_backend=app.conf.broker_url.rsplit("/", 1)[0] + "/15")
+    app.conf.update(
+        result_backend=app.conf.broker_url.rsplit("/", 1)[0] + f"/{databases.SCRATCH}")
     task = _task(app)
     _someone_in_line(app)
     message = _received(app, task, 7, priority=3)

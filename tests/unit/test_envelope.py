@@ -12,6 +12,8 @@ from kombu import Connection
 
 from celery_throttle.room.envelope import Envelope, capture
 
+from .. import databases
+
 
 @pytest.mark.parametrize(("serializer", "compression"),
                          [("json", None), ("pickle", "zlib"), ("msgpack", None)])
@@ -19,7 +21,7 @@ def test_captured_message_is_published_unchanged(
     redis_base: str, serializer: str, compression: str | None
 ) -> None:
     """Body, serializer, compression, queue, priority and headers survive capture and publish."""
-    broker = f"{redis_base}/9"
+    broker = f"{redis_base}/{databases.SCRATCH}"
     app = Celery("envelope", broker=broker, set_as_current=False)
     app.conf.update(task_serializer=serializer, task_compression=compression,
                     accept_content=[serializer])
@@ -105,7 +107,8 @@ def test_a_capture_keeps_ignore_result_and_subscribes_to_no_result(
     the result of a message that is never sent)."""
     from celery import _state
 
-    app = Celery("envelope", broker="memory://", backend=f"{redis_base}/9", set_as_current=False)
+    app = Celery("envelope", broker="memory://", backend=f"{redis_base}/{databases.SCRATCH}",
+                 set_as_current=False)
 
     @app.task(name="envelope.keep", shared=False)
     def keep(a: int) -> int:
@@ -128,7 +131,8 @@ def test_deferrals_write_their_state_through_one_backend_per_process(redis_base:
 
     from celery_throttle.integration.visible import backend_of
 
-    app = Celery("envelope", broker="memory://", backend=f"{redis_base}/9", set_as_current=False)
+    app = Celery("envelope", broker="memory://", backend=f"{redis_base}/{databases.SCRATCH}",
+                 set_as_current=False)
 
     @app.task(name="envelope.state", shared=False)
     def state() -> None:
@@ -161,8 +165,9 @@ def test_a_countdown_re_publish_is_the_task_s_message_and_subscribes_to_no_resul
     from celery_throttle.integration.defer import _republish
     from celery_throttle.room.header import WaitState
 
-    broker = f"{redis_base}/9"
-    app = Celery("envelope", broker=broker, backend=f"{redis_base}/9", set_as_current=False)
+    broker = f"{redis_base}/{databases.SCRATCH}"
+    app = Celery("envelope", broker=broker, backend=f"{redis_base}/{databases.SCRATCH}",
+                 set_as_current=False)
 
     @app.task(name="envelope.again", shared=False, bind=True)
     def again(self: Any, a: int) -> int:
@@ -198,7 +203,7 @@ def test_a_received_message_is_published_again_as_it_was_sent(
 ) -> None:
     """A task's message as a worker receives it (kombu hands the body over decompressed)
     becomes an envelope that publishes the same task: arguments, headers, priority, queue."""
-    broker = f"{redis_base}/9"
+    broker = f"{redis_base}/{databases.SCRATCH}"
     app = Celery("envelope", broker=broker, set_as_current=False)
     app.conf.update(task_serializer=serializer, task_compression=compression,
                     accept_content=[serializer])

@@ -30,6 +30,7 @@ from celery_throttle.room.header import HEADER, WaitState
 from celery_throttle.room.queues import entry_id
 from celery_throttle.testing import free_port
 
+from .. import databases
 from ..clock import T0, StepClock
 from ..conftest import REQUIRE_SERVERS, installed_app
 from ..workers import ROOT, PublishRecorder, app_env, throttle_cli
@@ -232,7 +233,7 @@ def test_command_shows_and_resets_concurrency_leases(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """`status` lists a concurrency limit's held slots and pause; `reset` drops the leases."""
-    gate = Gate.from_url(f"{redis_base}/11")  # the test app's store and default prefix
+    gate = Gate.from_url(f"{redis_base}/{databases.STORE}")  # the test app's store, default prefix
     one = Concurrency("one-slot", 1)
     assert gate.acquire_many([one], holder="task-1").allowed
     gate.pause([one], 30)
@@ -257,7 +258,7 @@ def test_command_shows_a_limit_held_back_by_the_provider_s_headers(
 ) -> None:
     """`status` says when a provider's report holds a limit below its rate, and why: what the
     provider said was left, and until when."""
-    gate = Gate.from_url(f"{redis_base}/11")  # the test app's store and default prefix
+    gate = Gate.from_url(f"{redis_base}/{databases.STORE}")  # the test app's store, default prefix
     sdk = Limit("sdk-requests", parse_rate("9/s"))
     gate.reset(sdk)
     try:

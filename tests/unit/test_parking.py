@@ -15,6 +15,8 @@ from celery_throttle.core.rates import parse_rate
 from celery_throttle.room.parking import Parked, WaitingRoom
 from celery_throttle.room.queues import entry_id
 
+from .. import databases
+
 # Far enough ahead that nothing becomes due while a test runs.
 LATER_US = 3_600 * 1_000_000
 
@@ -331,7 +333,7 @@ def test_a_backed_up_lane_holds_the_lines(redis_url: str, prefix: str) -> None:
     from celery_throttle.room.dispatcher import LANE_SLACK, Dispatcher
     from celery_throttle.testing import server_url
 
-    broker = f"{server_url(redis_url)}/9"
+    broker = f"{server_url(redis_url)}/{databases.SCRATCH}"
     app = Celery("lanes", broker=broker, set_as_current=False)
     dispatcher = Dispatcher(app, lambda **o: redis.Redis.from_url(redis_url, **o), prefix,
                             timeout=60)

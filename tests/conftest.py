@@ -29,7 +29,7 @@ from .servers import Cluster
 def installed_app(name: str, redis_url: str, prefix: str, **conf: object) -> Iterator[Celery]:
     """An app installed on the test server, with a test's own key prefix and settings
     ``conf`` (never started); its runtime is dropped after."""
-    a = Celery(name, broker=f"{redis_url}/{databases.UNIT}", set_as_current=False)
+    a = Celery(name, broker=f"{server_url(redis_url)}/{databases.UNIT}", set_as_current=False)
     a.conf.throttle_redis_url = redis_url
     a.conf.throttle_prefix = prefix
     a.conf.update(conf)
@@ -137,7 +137,7 @@ def app(redis_url: str) -> Iterator[Celery]:
     """A fresh app whose broker and throttle store are the test server (never started); its
     runtime, if a test made one, is dropped after (its counts writer thread stops: left
     running, it would take the per-second counts a later test reads)."""
-    a = Celery("unit", broker=f"{redis_url}/{databases.UNIT}", set_as_current=False)
+    a = Celery("unit", broker=f"{server_url(redis_url)}/{databases.UNIT}", set_as_current=False)
     yield a
     forget(a)
     a.close()

@@ -20,6 +20,7 @@ pytest.importorskip("starlette")
 from starlette.testclient import TestClient
 
 from celery_throttle.ops.dashboard import create_app
+from celery_throttle.testing import server_url
 
 from .. import databases
 from ..conftest import installed_app
@@ -188,7 +189,7 @@ def test_only_loopback_names_are_served_on_loopback(app: Celery) -> None:
 
 def test_the_page_never_shows_the_store_password(redis_url: str, prefix: str) -> None:
     """A store URL with a password is shown without it."""
-    a = Celery("pw", broker=f"{redis_url}/{databases.UNIT}", set_as_current=False)
+    a = Celery("pw", broker=f"{server_url(redis_url)}/{databases.UNIT}", set_as_current=False)
     a.conf.throttle_redis_url = redis_url.replace("redis://", "redis://user:hunter2@")
     a.conf.throttle_prefix = prefix
     try:

@@ -29,7 +29,7 @@ lint: $(VENV)/.installed-test
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/pytest -n 2 --dist loadgroup
+	$(BIN)/pytest -n auto --dist worksteal
 
 # The documentation site, into site/ (the suite builds it too, strictly).
 docs: $(VENV)/.installed-test

@@ -25,6 +25,13 @@ from .clock import StepClock
 from .servers import Cluster
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (``make test``): two test processes, each with a Redis server of its own;
+    one on a server given by REDIS_URL, where the examples' databases (0-8) and what one
+    process does to the whole server (SCRIPT FLUSH) would reach the other's tests."""
+    return 1 if os.environ.get("REDIS_URL") else 2
+
+
 @contextlib.contextmanager
 def installed_app(name: str, redis_url: str, prefix: str, **conf: object) -> Iterator[Celery]:
     """An app installed on the test server, with a test's own key prefix and settings

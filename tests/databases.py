@@ -2,9 +2,9 @@
 
 The suite runs in two processes (pytest-xdist names them gw0 and gw1 in
 ``PYTEST_XDIST_WORKER``, which the worker nodes they start inherit; a serial
-run is gw0).  Each process starts a Redis server of its own, unless
-``REDIS_URL`` names one they then share: so each takes databases of its own
-(gw0 10-15, gw1 4-9), high numbers, since the tests flush them.  The server
+run is gw0), each on a Redis server of its own; on one given by ``REDIS_URL``
+it runs in one (``tests/conftest.py``), gw0, whose databases 10-15 (flushed
+by the tests) are clear of the examples' 0-8; gw1's are 4-9.  The server
 URL's own database (0 by default) holds the gates' keys, under a key prefix
 of each test's own.
 """

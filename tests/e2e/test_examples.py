@@ -11,9 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The examples and the demo take the server's databases 0-2 and the default queue: on a
-# shared server (REDIS_URL) they run in one test process, one at a time.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("examples")]
+pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("example", ["examples.llm_quota", "examples.external_api",

@@ -25,10 +25,12 @@ from ..room.header import WaitState
 __all__ = ["CopyPointer", "Verdict", "new_copy"]
 
 #: May a copy go on: "go"; refused while another copy of the task runs ("running": the
-#: seats held under the task's id are that copy's); refused ("stale"); too late for the
-#: start it was admitted for ("late": nothing moved).
-Verdict = Literal["go", "stale", "running", "late"]
-_VERDICTS: dict[int, Verdict] = {1: "go", 0: "stale", 2: "running", 3: "late"}
+#: seats held under the task's id are that copy's); refused after the task's run ended
+#: ("ended": no copy holds seats under its id); refused for a newer copy ("stale": the
+#: seats under the task's id may be that copy's, given at its dispatch); too late for
+#: the start it was admitted for ("late": nothing moved).
+Verdict = Literal["go", "stale", "running", "ended", "late"]
+_VERDICTS: dict[int, Verdict] = {1: "go", 0: "stale", 2: "running", 4: "ended", 3: "late"}
 
 
 class CopyPointer:
@@ -60,6 +62,13 @@ class CopyPointer:
         key = copy_key(self.prefix, task_id, retries)
         return _VERDICTS[int(self._script(
             keys=[key], args=[mine, state.prev, then_value, self.ttl_ms, latest_us]))]
+
+
+    def check(self, task_id: str, retries: int, state: WaitState) -> Verdict:
+        """Would this copy go on?  Nothing moves (``move``'s answer, asked ahead of it)."""
+        key = copy_key(self.prefix, task_id, retries)
+        return _VERDICTS[int(self._script(
+            keys=[key], args=[state.copy_id, state.prev, "", self.ttl_ms, 0]))]
 
 
 def new_copy() -> str:

@@ -158,14 +158,13 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             admitted = _wait_for_slot(task, runtime, limits, max_wait, state, holder, arrived)
             verdict = _move_pointer(task, runtime, state, "ran:")
         if verdict != "go":
-            if admitted and concurrent and verdict == "stale":
-                # No other copy of the task runs: the seats just given under its id
-                # are this copy's alone, and go back now rather than a lease later.
+            if verdict == "ended" and admitted and concurrent:
+                # The task's run has ended: the seats just given under its id are
+                # this copy's alone, and go back now rather than a lease later.  (A
+                # newer copy's, given at its dispatch, stay: see _drop_refused.)
                 with contextlib.suppress(redis.RedisError):
                     runtime.gate.release(concurrent, holder)
-            logger.warning("throttle: task %s[%s] dropped: a stale copy (a node died while "
-                           "re-scheduling it; its newer copy goes on)", task.name, request.id)
-            raise Ignore()
+            _drop_refused(task, verdict)
         setattr(request, _STARTED, (runtime, state))  # for _run_ended
     if admitted:
         if concurrent:
@@ -411,6 +410,8 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     store failed.  Its place: its first wait plus its rank's ageing steps.
     """
     request = task.request
+    if getattr(task, "acks_late", False):
+        _refuse_superseded(task, runtime, state)
     # (An early answer names no limit: its slot was its rate limits'.)
     blocking = decision.limit if decision.limit is not None else \
         next((lim for lim in limits if isinstance(lim, Limit)), limits[0])
@@ -709,6 +710,38 @@ def _move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState,
         if then == "ran:":
             _store_failed(task, runtime, state, exc)
         return "go"
+
+
+def _refuse_superseded(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> None:
+    """acks_late: is this copy still the task's, before it gives back the seats held under
+    the task's id and puts the task in line?  A copy delivered again after it was
+    re-published is not: those seats may be its newer copy's, and a second copy of the
+    task in line would be refused when served, with its kept copy left behind.
+
+    Only asked, nothing moved: the pointer moves after the task is in line, so a
+    node dying in between leaves this copy (redelivered) to go on.  Store down:
+    the move after decides, as ``_move_pointer``.
+    """
+    request = task.request
+    try:
+        verdict = runtime.copies.check(str(request.id), request.retries, state)
+    except redis.RedisError:
+        return
+    if verdict != "go":
+        _drop_refused(task, verdict)
+
+
+def _drop_refused(task: Task[Any, Any], verdict: Verdict) -> NoReturn:
+    """Drop a copy the pointer refused; the seats held under the task's id stay (while
+    the task runs or waits they are its running or newer copy's)."""
+    request = task.request
+    if verdict == "ended":
+        logger.warning("throttle: task %s[%s] dropped: its run has ended (its message was "
+                       "delivered again)", task.name, request.id)
+    else:
+        logger.warning("throttle: task %s[%s] dropped: a stale copy (a node died while "
+                       "re-scheduling it; its newer copy goes on)", task.name, request.id)
+    raise Ignore()
 
 
 def _limit_name(decision: Decision, limits: list[AnyLimit]) -> str:

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import redis
+from celery import Celery, Task
+from celery.exceptions import Ignore
 
+from celery_throttle.core.keys import copy_key
 from celery_throttle.core.scripts import source
+from celery_throttle.integration.runtime import runtime_for
+from celery_throttle.room.header import HEADER, WaitState
 
 SCRIPT = source("celery_throttle.integration", "copies.lua")
 
@@ -102,12 +111,13 @@ def test_a_store_that_lost_the_pointer_lets_the_re_published_copy_run(
     assert pointer.move("t", 0, c2, "ran:") == "go"
     assert pointer.move("t", 0, c1, "ran:") == "running"  # c1 redelivered while c2 runs
     assert pointer.move("t", 0, c2, "done:") == "go"
-    assert pointer.move("t", 0, c2, "ran:") == "stale"
+    assert pointer.move("t", 0, c2, "ran:") == "ended"
 
 
 def test_a_copy_refused_while_another_runs_says_so(client: redis.Redis, prefix: str) -> None:
-    """A stale copy refused while the copy that took the pointer runs is told apart from
-    one refused after the task ended: the seats under the task's id are the runner's."""
+    """A copy refused while the copy that took the pointer runs, after the task's run ended,
+    or for a newer copy, is told which: only after the end are the seats under the task's
+    id nobody else's."""
     from celery_throttle.integration.copies import CopyPointer
     from celery_throttle.room.header import WaitState
 
@@ -117,7 +127,9 @@ def test_a_copy_refused_while_another_runs_says_so(client: redis.Redis, prefix: 
     assert pointer.move("t", 0, c1, "ran:") == "go"
     assert pointer.move("t", 0, WaitState(copy="c9", prev="-"), "ran:") == "running"
     assert pointer.move("t", 0, c1, "done:") == "go"
-    assert pointer.move("t", 0, WaitState(copy="c9", prev="-"), "ran:") == "stale"
+    assert pointer.move("t", 0, WaitState(copy="c9", prev="-"), "ran:") == "ended"
+    assert pointer.move("t", 1, WaitState(), "c2") == "go"  # (the next retry's pointer)
+    assert pointer.move("t", 1, WaitState(copy="c1", prev="-"), "ran:") == "stale"
 
 
 def test_a_copy_past_the_latest_start_moves_nothing(client: redis.Redis, prefix: str) -> None:
@@ -136,3 +148,79 @@ def test_a_copy_past_the_latest_start_moves_nothing(client: redis.Redis, prefix:
     assert client.get(copy_key(prefix, "t", 0)) == b"c1"
     assert pointer.move("t", 0, c1, "ran:", latest_us=now + 60_000_000) == "go"
     assert client.get(copy_key(prefix, "t", 0)) == b"ran:c1"
+
+
+@pytest.fixture
+def seat_app(redis_url: str, prefix: str) -> Iterator[tuple[Celery, Task[Any, Any], list[str]]]:
+    """An installed app (its waiting room on) with an acks_late task of one seat, and the
+    task ids its runs started."""
+    from celery_throttle import throttled
+
+    from ..conftest import installed_app
+
+    starts: list[str] = []
+    with installed_app("copies", redis_url, prefix) as app:
+        @throttled(concurrency=1, name="one-seat")
+        @app.task(name="copies.job", bind=True, shared=False, acks_late=True)
+        def job(self: Task[Any, Any]) -> str:
+            starts.append(str(self.request.id))
+            return "ran"
+
+        yield app, job, starts
+
+
+def _run(job: Task[Any, Any], state: WaitState) -> str:
+    """Run a copy of task "t-1" carrying ``state``, as a worker's pool would."""
+    job.push_request(id="t-1", called_directly=False, delivery_info={}, retries=0,
+                     headers={HEADER: state.to_header()})
+    try:
+        return str(job.run())
+    finally:
+        job.pop_request()
+
+
+def test_a_stale_copy_leaves_the_seat_its_newer_copy_was_given(
+    seat_app: tuple[Celery, Task[Any, Any], list[str]], client: redis.Redis, prefix: str
+) -> None:
+    """A copy delivered again after it was re-published is dropped, and the seat held under
+    the task's id stays: it is the newer copy's (given at that copy's dispatch, on its way
+    to a worker), which then starts on it instead of finding it gone."""
+    from celery_throttle import Concurrency, Gate
+
+    _, job, starts = seat_app
+    seat = Concurrency("one-seat", 1)
+    gate = Gate(client, prefix=prefix)
+    assert gate.acquire_many([seat], holder="t-1").allowed  # the newer copy's seat ...
+    client.set(copy_key(prefix, "t-1", 0), "c2", px=60_000)  # ... and "c1" made "c2"
+    with pytest.raises(Ignore):
+        _run(job, WaitState(copy="c1", prev="-"))  # the old copy, delivered again
+    assert gate.inspect_leases(seat).held == 1
+    assert starts == []
+    assert _run(job, WaitState(copy="c2", prev="c1")) == "ran"
+    assert starts == ["t-1"]
+    assert gate.inspect_leases(seat).held == 0
+
+
+def test_a_stale_copy_finding_the_seats_full_puts_nothing_in_line(
+    seat_app: tuple[Celery, Task[Any, Any], list[str]], client: redis.Redis, prefix: str,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A copy delivered again after it was re-published, with every seat taken, is dropped
+    before it would join the line: no second copy of the task waits there (it would be
+    refused when served, its kept copy left behind) and no seat is given back."""
+    from celery_throttle import Concurrency, Gate
+
+    app, job, starts = seat_app
+    seat = Concurrency("one-seat", 1)
+    gate = Gate(client, prefix=prefix)
+    assert gate.acquire_many([seat], holder="another").allowed
+    client.set(copy_key(prefix, "t-1", 0), "c2", px=60_000)
+    room = runtime_for(app).room
+    with caplog.at_level(logging.INFO, logger="celery_throttle"), pytest.raises(Ignore):
+        _run(job, WaitState(copy="c1", prev="-"))
+    assert "dropped: a stale copy" in caplog.text
+    assert "waits in line" not in caplog.text
+    assert room.queues.next_in_line(5, "one-seat") == []
+    assert gate.inspect_leases(seat).held == 1
+    assert client.get(copy_key(prefix, "t-1", 0)) == b"c2"
+    assert starts == []

@@ -8,7 +8,8 @@
 -- ARGV[2]  the copy that published this one ("" for the user's message)
 -- ARGV[3]  what the pointer becomes if this copy may go on:
 --          "ran:" .. ARGV[1] when it starts, "done:" .. ARGV[1] when its run ends,
---          the successor's id when it is re-published
+--          the successor's id when it is re-published; empty: only ask (nothing
+--          moves), before a copy acts on what a newer copy may hold
 -- ARGV[4]  pointer TTL (ms)
 -- ARGV[5]  the latest this copy may start, server clock (us; 0 or absent: any
 --          time): a copy admitted for a start it was charged for is checked
@@ -28,7 +29,10 @@
 -- never heard of): running it beats losing it, as in arrive.lua.
 -- Returns 1 if this copy may go on; 3 if it is past ARGV[5] (nothing moved);
 -- else 2 if another copy of the task has started and not ended (the
--- concurrency seats held under the task's id are that copy's), else 0.
+-- concurrency seats held under the task's id are that copy's), 4 if the
+-- task's run has ended (no other copy holds seats under its id), else 0: the
+-- pointer names a newer copy, which may hold seats under the task's id (a
+-- copy served from its line is given its seat at dispatch, on its way).
 local latest = tonumber(ARGV[5] or 0) or 0
 if latest > 0 then
   local t = redis.call('TIME')
@@ -40,10 +44,15 @@ local current = redis.call('GET', KEYS[1])
 local mine, prev = ARGV[1], ARGV[2]
 if not current or current == mine or current == 'ran:' .. mine
     or (prev ~= '' and (current == prev or current == 'ran:' .. prev)) then
-  redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
+  if ARGV[3] ~= '' then
+    redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
+  end
   return 1
 end
 if string.sub(current, 1, 4) == 'ran:' then
   return 2
+end
+if string.sub(current, 1, 5) == 'done:' then
+  return 4
 end
 return 0

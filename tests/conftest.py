@@ -25,6 +25,7 @@ from .clock import StepClock
 from .servers import Cluster
 
 
+@pytest.hookimpl(optionalhook=True)  # (a run without pytest-xdist: test_versions' own)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (``make test``): two test processes, each with a Redis server of its own;
     one on a server given by REDIS_URL, where the examples' databases (0-8) and what one

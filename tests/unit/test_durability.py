@@ -38,7 +38,7 @@ def other() -> Iterator[RedisServer]:
 
 def _durability(store: str, broker: str, clock: StepClock | None = None,
                 **settings: object) -> Durability:
-    app = Celery("t", broker=broker)
+    app = Celery("t", broker=broker, set_as_current=False)
     app.conf.update(throttle_redis_url=store, **settings)
     config = read_config(app)
     found = durability_of(config, config.connect(socket_timeout=2, socket_connect_timeout=1))
@@ -55,7 +55,7 @@ def test_the_brokers_own_server_is_safe_whatever_it_keeps(plain: RedisServer) ->
 
 def test_the_broker_url_itself_is_safe_without_asking_the_server() -> None:
     """The store is the broker's URL (throttle_redis_url unset): safe with no round trip."""
-    app = Celery("t", broker="redis://127.0.0.1:1/0")  # nothing listens there
+    app = Celery("t", broker="redis://127.0.0.1:1/0", set_as_current=False)  # nothing listens
     config = read_config(app)
     assert durability_of(config, config.connect(socket_connect_timeout=0.2)).safe()
 
@@ -165,7 +165,7 @@ def test_a_store_that_refuses_info_is_not_safe(other: RedisServer) -> None:
 
 def test_bad_values_of_the_setting_are_refused() -> None:
     """throttle_waiting_room takes True, False or "always", and says so."""
-    app = Celery("t", broker="redis://127.0.0.1:1/0")
+    app = Celery("t", broker="redis://127.0.0.1:1/0", set_as_current=False)
     app.conf.throttle_waiting_room = "sometimes"
     with pytest.raises(Exception, match=r"throttle_waiting_room='sometimes': expected True "
                                         r"or False or \"always\""):

@@ -154,7 +154,7 @@ def test_with_the_setting_off_kept_copies_are_still_taken_and_restored(
 ) -> None:
     """Turned off, new waits are not kept (the store alone is not safe: countdowns), but a
     worker still has the keeper that takes and restores the copies kept before."""
-    app = Celery("t", broker=_url(broker))
+    app = Celery("t", broker=_url(broker), set_as_current=False)
     app.conf.update(throttle_redis_url=_url(store), throttle_keep_beside_broker=False,
                     throttle_prefix=PREFIX)
     config = read_config(app)

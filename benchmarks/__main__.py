@@ -194,8 +194,7 @@ def main(argv: list[str] | None = None) -> None:
                        "1" if args.quick else "2", timeout=1800))
     print("section 9: the soak", file=sys.stderr, flush=True)
     doc.append(_SOAK_HEADER)
-    doc.append(_module("benchmarks.soak", *(["--duration", "60", "--drain", "90"]
-                                            if args.quick else []), timeout=7200))
+    doc.append(_module("benchmarks.soak", *(["--quick"] if args.quick else []), timeout=7200))
     print("section 10: fair share and priority", file=sys.stderr, flush=True)
     doc.append(_FAIR_HEADER)
     doc.append(_module("benchmarks.fairness", *(["--setups", "20/s", "--brokers", "redis"]

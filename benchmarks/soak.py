@@ -1,18 +1,25 @@
 """Section 9: the soak: faults one after another under steady over-limit traffic.
 
-    python -m benchmarks.soak [--duration 180] [--drain 240] [--seeds 1]
-                              [--brokers redis,amqp] [--stores aof,none] [--logs DIR]
+    python -m benchmarks.soak [--duration 180] [--drain 240] [--visibility 30]
+                              [--seeds 1] [--brokers redis,amqp] [--stores aof,none]
+                              [--logs DIR] [--quick]
+
+``--quick``: the same regime in about 3 minutes per configuration (72 s of
+traffic, faults 12 s apart, a visibility timeout of 8 s, 90 s to drain), for
+everyday use; BENCHMARKS.md keeps the full run.
 
 Two prefork nodes of 4 processes run ``benchmarks/soak_app.py`` with
 ``task_acks_late`` and ``task_reject_on_worker_lost`` (visibility timeout
-30 s).  For ``--duration`` seconds a producer sends 1.2 times the capacity of
-three limits: ``"10/s"`` (priorities 0, 5 and 9 in turn), ``"2/s"`` per tenant
-over 10 tenants, and ``concurrency=3`` on a task that takes 0.3 s.  Meanwhile,
-at a sixth, two sixths ... five sixths of the duration (moved by up to
-``duration/36`` by the seed): a node is SIGKILLed (back 3 s later), the store
-is SIGKILLed (back after 5 s), the other node is SIGKILLed (back 3 s later),
-the broker is SIGKILLed (back after 4 s), a node is stopped with SIGTERM and
-started again.  Then up to ``--drain`` seconds for every task to run.
+``--visibility``, 30 s: shorter than the faults' spacing, so a stranded
+message comes back before the next fault).  For ``--duration`` seconds a
+producer sends 1.2 times the capacity of three limits: ``"10/s"`` (priorities
+0, 5 and 9 in turn), ``"2/s"`` per tenant over 10 tenants, and
+``concurrency=3`` on a task that takes 0.3 s.  Meanwhile, at a sixth, two
+sixths ... five sixths of the duration (moved by up to ``duration/36`` by the
+seed): a node is SIGKILLed (back 3 s later), the store is SIGKILLed (back
+after 5 s), the other node is SIGKILLed (back 3 s later), the broker is
+SIGKILLed (back after 4 s), a node is stopped with SIGTERM and started again.
+Then up to ``--drain`` seconds for every task to run.
 
 Each combination of broker (a Redis with AOF, ``appendfsync always``, or a
 RabbitMQ node: both keep their messages on disk) and store (its own Redis with
@@ -65,6 +72,8 @@ DEMAND = 1.2  # the traffic, times each limit's capacity
 AOF = ("--appendonly", "yes", "--appendfsync", "always")
 AFTER_STORE_LOSS = 3.0  # seconds after the store is back that the window check leaves out
 ACK_LOST = 2.0  # a run that ended this long before a kill may not have been acknowledged
+#: (duration, drain, visibility timeout), seconds: the full run and --quick's.
+FULL, QUICK = (180.0, 240.0, 30.0), (72.0, 90.0, 8.0)
 
 
 @dataclass
@@ -193,13 +202,14 @@ def _faults(duration: float, seed: int) -> list[tuple[float, str]]:
 
 
 def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration: float,
-         drain: float, records_url: str, logs: Path | None) -> dict[str, Any]:
+         drain: float, visibility: float, records_url: str, logs: Path | None
+         ) -> dict[str, Any]:
     records = redis.Redis.from_url(f"{records_url}/3")
     records.flushdb()
     with servers(broker_kind, store_kind) as run:
         env = {"SOAK_BROKER": run.broker_url, "SOAK_STORE": f"{run.store.url}/0",
                "SOAK_RECORDS": records_url, "SOAK_THROTTLE": "1" if throttle else "0",
-               "PYTHONPATH": str(ROOT)}
+               "SOAK_VISIBILITY": f"{visibility:g}", "PYTHONPATH": str(ROOT)}
         os.environ.update(env)
         sys.modules.pop(APP, None)
         mod = __import__(APP, fromlist=["app"])
@@ -361,13 +371,25 @@ def _row(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Print the section's markdown."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=180.0)
-    parser.add_argument("--drain", type=float, default=240.0)
+    parser.add_argument("--duration", type=float, default=None, help="180 s (--quick: 72)")
+    parser.add_argument("--drain", type=float, default=None, help="240 s (--quick: 90)")
+    parser.add_argument("--visibility", type=float, default=None, help="30 s (--quick: 8)")
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--brokers", default="redis,amqp")
     parser.add_argument("--stores", default="aof,none")
     parser.add_argument("--logs", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true",
+                        help="about 3 minutes per configuration, the same regime")
     args = parser.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    duration, drain, visibility = (
+        given if given is not None else default for given, default in
+        zip((args.duration, args.drain, args.visibility), preset, strict=True))
+    # Faults closer together than the visibility timeout would overlap: a
+    # stranded message still out when the next fault comes.
+    if duration / 6 <= visibility:
+        parser.error(f"--duration {duration:g}: its faults, {duration / 6:g} s apart, must be "
+                     f"further apart than the visibility timeout ({visibility:g} s)")
     # A SIGTERM unwinds like an error: every server and worker started here is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     brokers = [b for b in args.brokers.split(",") if b]
@@ -377,12 +399,12 @@ def main(argv: list[str] | None = None) -> None:
         brokers.remove("amqp")
     plan = [(b, s, True) for b in brokers for s in args.stores.split(",") if s]
     plan += [(b, "aof", False) for b in brokers]
-    print(f"Over-limit traffic ({DEMAND}x each limit) for {args.duration:.0f} s under five "
-          f"faults, then up to {args.drain:.0f} s to drain; 2 nodes x 4 prefork processes, "
-          "acks_late.  Per limit: published / never ran / ran to the end twice / run again "
-          "after a kill (mid-run, or before its ack: acks_late's own).  Unreceived: a task "
-          "that never ran and that no worker logged as received (the broker lost it before "
-          "any worker saw it).\n")
+    print(f"Over-limit traffic ({DEMAND}x each limit) for {duration:.0f} s under five "
+          f"faults, then up to {drain:.0f} s to drain; 2 nodes x 4 prefork processes, "
+          f"acks_late, visibility timeout {visibility:g} s.  Per limit: published / never ran "
+          "/ ran to the end twice / run again after a kill (mid-run, or before its ack: "
+          "acks_late's own).  Unreceived: a task that never ran and that no worker logged "
+          "as received (the broker lost it before any worker saw it).\n")
     print("| broker | store | | seed | 10/s | 2/s per tenant | concurrency 3 | most in 1 s "
           "(bound 11) | most per tenant in 1 s (bound 3) | most at once (3 seats) "
           "| seats held after | 10/s used | last end, s |")
@@ -390,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     with RedisServer() as records:
         for seed in range(1, args.seeds + 1):
             for broker_kind, store_kind, throttle in plan:
-                r = _run(broker_kind, store_kind, throttle, seed, args.duration, args.drain,
+                r = _run(broker_kind, store_kind, throttle, seed, duration, drain, visibility,
                          records.url, args.logs)
                 print(_row(r), flush=True)
                 print(f"<!-- faults: {r['faults']} -->", flush=True)

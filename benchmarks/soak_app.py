@@ -8,7 +8,8 @@ those records alone.
 
 Configured from the environment: SOAK_BROKER (the broker URL), SOAK_STORE
 (the throttle's store), SOAK_RECORDS (the records and results server),
-SOAK_THROTTLE ("0": the same tasks without ``@throttled``, Celery alone).
+SOAK_THROTTLE ("0": the same tasks without ``@throttled``, Celery alone),
+SOAK_VISIBILITY (the broker's visibility timeout, seconds; 30 by default).
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ T = TypeVar("T")
 RATE, TENANT_RATE, SEATS, SEAT_SECONDS = 10, 2, 3, 0.3
 THROTTLE = os.environ.get("SOAK_THROTTLE", "1") == "1"
 RECORDS = os.environ.get("SOAK_RECORDS", "redis://127.0.0.1:6379")
+VISIBILITY = float(os.environ.get("SOAK_VISIBILITY", "30"))
 
 app = Celery("soak", broker=os.environ.get("SOAK_BROKER", f"{RECORDS}/0"),
              backend=f"{RECORDS}/1")
 app.conf.update(
     task_acks_late=True,
     task_reject_on_worker_lost=True,
-    # A stranded message (its node killed) comes back after 30 s; the sweep
-    # looks every 5 s, so the drain stays bounded.
-    broker_transport_options={"visibility_timeout": 30, "unacked_restore_interval": 5,
+    # A stranded message (its node killed) comes back after the visibility
+    # timeout; the sweep looks every sixth of it, so the drain stays bounded.
+    broker_transport_options={"visibility_timeout": VISIBILITY,
+                              "unacked_restore_interval": VISIBILITY / 6,
                               "confirm_publish": True},
     broker_connection_retry_on_startup=True,
     result_expires=600,

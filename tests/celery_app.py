@@ -330,12 +330,18 @@ def fast_fair(self: Task[Any, Any], tenant: str, i: int) -> int:
 if os.environ.get("CT_FAULT"):
     # CT_FAULT names a point of celery_throttle.faults: the node dies there
     # (SIGKILL, whole process group) the first time any node reaches it,
-    # after recording when ("crashed" in the records database).
+    # after recording when ("crashed" in the records database).  With
+    # CT_FAULT_KILLS (a process group id: a broker the test started), that
+    # group is killed instead, and the node goes on.
     from celery_throttle import faults
 
-    def _die_once(*_: object) -> None:
-        if _records.set("crashed", json.dumps({"t": time.time()}), nx=True):
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+    _victim = int(os.environ.get("CT_FAULT_KILLS") or 0)
+
+    def _die_once(*args: object) -> None:
+        # (The task's id, where the point's argument is a task.)
+        task_id = getattr(getattr(args[0] if args else None, "request", None), "id", None)
+        if _records.set("crashed", json.dumps({"t": time.time(), "id": task_id}), nx=True):
+            os.killpg(_victim or os.getpgid(0), signal.SIGKILL)
 
     faults.inject(os.environ["CT_FAULT"], _die_once)
 

@@ -205,6 +205,29 @@ def broker(request: pytest.FixtureRequest, capp: ModuleType,
         _switch_producer(app, saved)
 
 
+@pytest.fixture
+def own_rabbitmq(capp: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A RabbitMQ node of this test's own, the broker of its workers and producer, that the
+    test may kill and start again on its data (``tests.servers.RabbitMQ``)."""
+    from .servers import RabbitMQ, find_rabbitmq_server
+
+    if find_rabbitmq_server() is None:
+        reason = ("rabbitmq-server is not installed: `apt-get install rabbitmq-server` "
+                  "(as .ci/run does) runs the RabbitMQ broker tests")
+        if REQUIRE_SERVERS:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    app = capp.app
+    saved = app.conf["broker_url"]
+    with RabbitMQ() as server:
+        monkeypatch.setenv("CT_BROKER", server.url)
+        _switch_producer(app, server.url)
+        try:
+            yield server
+        finally:
+            _switch_producer(app, saved)
+
+
 def _switch_producer(app: Any, url: str) -> None:
     # Celery caches the connection pool and the producer pool per app: both
     # are looked up again, for the new URL, at the next publish (kombu keeps

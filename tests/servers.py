@@ -342,6 +342,13 @@ class RabbitMQ(Servers):
         self.stop()
         raise RuntimeError(f"rabbitmq-server not ready within {timeout}s")
 
+    def kill(self) -> None:
+        """SIGKILL the node (its whole process group), keeping its data for :meth:`start`."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
     def console(self) -> str:
         """What the node printed."""
         path = self.dir / "console.log"

@@ -33,7 +33,7 @@ from ..core.gate import AnyLimit, Concurrency, Decision, Limit, Reservation
 from ..core.logs import logger
 from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import queue_of
-from ..room.envelope import Envelope, capture
+from ..room.envelope import Envelope, capture, confirmed_producer
 from ..room.header import HEADER, WaitState, spacing_of
 from ..room.queues import MAX_AHEAD_US, entry_id
 from ..values import from_us, to_us
@@ -766,7 +766,7 @@ def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> None
     envelope = capture(task.signature_from_request(request, countdown=countdown,
                                                    headers=headers))
     app = task.app
-    with app.producer_or_acquire() as producer:
+    with confirmed_producer(app) as producer:
         envelope.publish(producer, queues=app.amqp.queues,
                          retry_policy=_outlasting(app.conf.task_publish_retry_policy))
     faults.at("defer.after_republish", task)

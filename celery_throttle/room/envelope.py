@@ -30,10 +30,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kombu import pools
 from kombu.compression import compress
 from kombu.serialization import dumps
 
-__all__ = ["Envelope", "capture", "in_line", "split_record"]
+__all__ = ["Envelope", "capture", "confirmed_producer", "in_line", "split_record"]
 
 # The first byte of a stored envelope: its format.  A format, once stored,
 # is read for as long as a task may wait in it (a dictionary is never
@@ -152,6 +153,28 @@ class Envelope:
             content_encoding=self.content_encoding,
             declare=[queue] if queue is not None else None,
             retry=True, retry_policy=retry_policy, **self.properties)
+
+
+@contextlib.contextmanager
+def confirmed_producer(app: Any) -> Iterator[Any]:
+    """A producer whose publish returns only once the broker has the message.
+
+    A task re-published to wait is acknowledged right after: published
+    unconfirmed, a message a RabbitMQ node has not yet written when it dies
+    is gone, and the task with it.  So on RabbitMQ (``amqp``) the producer's
+    channel uses publisher confirms, from a pool of its own (kombu's, keyed by
+    the connection's settings: the app's own pool keeps its settings).  A
+    Redis broker's publish is a command Redis has answered: the app's pool.
+    """
+    connection = app.connection_for_write()
+    if connection.transport.driver_type != "amqp":
+        with app.producer_or_acquire() as producer:
+            yield producer
+        return
+    options = {**(connection.transport_options or {}), "confirm_publish": True}
+    confirming = app.connection_for_write(transport_options=options)
+    with pools.producers[confirming].acquire(block=True) as producer:
+        yield producer
 
 
 def in_line(record: str, stored: bytes) -> bytes:

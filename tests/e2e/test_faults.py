@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 import redis
@@ -15,6 +16,7 @@ import redis
 from celery_throttle.testing import RedisServer
 
 from .. import databases
+from ..servers import until
 from ..workers import (
     ACKS_LATE,
     COUNTDOWNS,
@@ -221,6 +223,32 @@ def _lost_at_the_kill(lost: set[str], text: str, killed: float, *, started: int)
         lines = _log_times(task_id, text)
         assert all(t <= killed + 1.0 for t, _ in lines), lines
         assert not [line for _, line in lines if "dropped" in line], lines
+
+
+def test_a_task_re_published_to_wait_outlives_the_broker_killed_at_once(
+    capp: ModuleType, records: redis.Redis, redis_base: str, own_rabbitmq: Any
+) -> None:
+    """RabbitMQ SIGKILLed the moment a waiting task's new copy is published, its running copy
+    acknowledged already: the broker had confirmed the copy, so the node started again on
+    its data delivers it and the task runs, once."""
+    conf = {"throttle_max_sleep": 0.01, **COUNTDOWNS}  # every wait is re-published
+    with worker_nodes(redis_base, ("w1",), conf=conf, fault="defer.after_republish",
+                      env={"CT_FAULT_KILLS": str(own_rabbitmq.proc.pid)}) as nodes:
+        results = [capp.steady.delay(i) for i in range(2)]  # 20/s: the second waits 50 ms
+        until("the broker killed after a re-publish", lambda: records.get("crashed"),
+              timeout=30)
+        own_rabbitmq.kill()  # (reaped: the worker's hook sent the SIGKILL)
+        own_rabbitmq.start()
+        read_records(records, expect=2, timeout=60)
+        rows = no_start_beyond(records, 3, 1.0)
+        text = logs(nodes)
+    republished = json.loads(records.get("crashed") or "{}").get("id")
+    assert republished in {r.id for r in results}
+    runs = Counter(r["id"] for r in rows)
+    assert runs[republished] == 1, (runs, text[-3000:])
+    # The other task ran (twice only if the kill lost the broker its early acknowledgement:
+    # without acks_late, Celery's at-most-once ends where the broker's memory does).
+    assert 1 <= sum(n for task_id, n in runs.items() if task_id != republished) <= 2
 
 
 @pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)

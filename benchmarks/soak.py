@@ -39,14 +39,19 @@ starts of the rate limit and of one tenant in any 1 s window, outside the 3 s
 after the store came back (a store that lost its data may admit one more
 burst); the most runs of the concurrency limit at once; the rate limit used
 from its first start to its last; the seats the concurrency limit still holds
-after the drain (``throttle status``).
+after the drain (``throttle status``); per fault, how soon the rate limit
+starts again after the fault's end, and its longest gap between two starts
+from the fault's start to 10 s after its end (a limit left idle by a fault
+shows there, whatever the run's average says).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -70,6 +75,7 @@ APP = "benchmarks.soak_app"
 RATE, TENANT_RATE, TENANTS, SEATS, SEAT_SECONDS = 10, 2, 10, 3, 0.3
 DEMAND = 1.2  # the traffic, times each limit's capacity
 AOF = ("--appendonly", "yes", "--appendfsync", "always")
+RECOVERY_SPAN = 10.0  # seconds after a fault's end in which its longest gap is looked for
 AFTER_STORE_LOSS = 3.0  # seconds after the store is back that the window check leaves out
 ACK_LOST = 2.0  # a run that ended this long before a kill may not have been acknowledged
 #: (duration, drain, visibility timeout), seconds: the full run and --quick's.
@@ -217,6 +223,7 @@ def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration:
         producer = Producer(mod)
         done: list[tuple[float, str]] = []
         kills: list[tuple[float, str]] = []  # (when, the node killed; "": the broker)
+        windows: list[tuple[str, float, float]] = []  # (fault, its start, its end)
         store_back = 0.0
         try:
             fleet.start("a")
@@ -228,9 +235,12 @@ def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration:
                 done.append((time.time() - t0, what))
                 if what.startswith(("kill node", "kill broker")):
                     kills.append((time.time(), what[-1] if "node" in what else ""))
+                began = time.time()
                 if what.startswith("kill node"):
                     name = what[-1]
                     fleet.kill(name)
+                    # (The other node is up: the limit should not wait for this one.)
+                    windows.append((what, began, began))
                     time.sleep(3)
                     fleet.start(name)
                 elif what == "kill store":
@@ -238,11 +248,14 @@ def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration:
                     time.sleep(5)
                     run.store.start()
                     store_back = time.time()
+                    windows.append((what, began, store_back))
                 elif what == "kill broker":
                     run.kill_broker()
                     time.sleep(4)
                     run.broker.start()
+                    windows.append((what, began, time.time()))
                 else:
+                    windows.append((what, began, began))
                     fleet.stop("a")
                     fleet.start("a")
             time.sleep(max(0.0, t0 + duration - time.time()))
@@ -269,7 +282,7 @@ def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration:
                 + records.lrange("soak:end", 0, -1)))
     seen = "\n".join(fleet.logs)
     result = _judge(sent, records, t0, store_back if store_kind == "none" else 0.0,
-                    lambda task_id: f"[{task_id}] received" in seen, kills)
+                    lambda task_id: f"[{task_id}] received" in seen, kills, windows)
     result.update(broker=broker_kind, store=store_kind if throttle else "-",
                   throttle=throttle, seed=seed, held=held,
                   faults=", ".join(f"{w} {t:.0f}" for t, w in done))
@@ -287,8 +300,8 @@ def _seats_held(env: dict[str, str]) -> int | None:
 
 
 def _judge(sent: dict[str, str], records: redis.Redis, t0: float, store_back: float,
-           received: Callable[[str], bool], kills: list[tuple[float, str]]
-           ) -> dict[str, Any]:
+           received: Callable[[str], bool], kills: list[tuple[float, str]],
+           windows: list[tuple[str, float, float]]) -> dict[str, Any]:
     starts = [json.loads(r) for r in records.lrange("soak:start", 0, -1)]
     ends = [json.loads(r) for r in records.lrange("soak:end", 0, -1)]
     started, ended = Counter(s["id"] for s in starts), Counter(e["id"] for e in ends)
@@ -321,6 +334,7 @@ def _judge(sent: dict[str, str], records: redis.Redis, t0: float, store_back: fl
     out["rate"]["window"] = max_in_window([t for t in rated if counted(t)], 1.0)
     out["rate"]["used"] = ((len(rated) - 1) / (rated[-1] - rated[0]) / RATE
                            if len(rated) > 1 else 0.0)
+    out["recovery"] = [(what, *_recovery(rated, began, end)) for what, began, end in windows]
     by_tenant: defaultdict[str, list[float]] = defaultdict(list)
     for s in starts:
         if s["kind"].startswith("tenant:") and counted(s["t"]):
@@ -330,6 +344,23 @@ def _judge(sent: dict[str, str], records: redis.Redis, t0: float, store_back: fl
     out["seats"]["in_flight"] = _most_at_once(starts, ends)
     out["last"] = max((e["t"] for e in ends), default=t0) - t0
     return out
+
+
+def _recovery(rated: list[float], began: float, end: float) -> tuple[float, float]:
+    """After one fault: seconds from its end to the rate limit's next start, and the longest
+    gap between two of its starts from the fault's start to RECOVERY_SPAN after its end
+    (a limit in full use starts every 1/RATE s; the span ends with the run's last start)."""
+    after = next((t for t in rated if t >= end), None)
+    if after is None:
+        return math.inf, math.inf
+    stop = min(end + RECOVERY_SPAN, rated[-1])
+    span = [began, *(t for t in rated if began <= t <= stop), stop]
+    return after - end, max(b - a for a, b in itertools.pairwise(span))
+
+
+def _recovery_line(r: dict[str, Any]) -> str:
+    return "; ".join(f"{what}: next start {next_start:.2f} s, longest gap {gap:.2f} s"
+                     for what, next_start, gap in r["recovery"])
 
 
 def _most_at_once(starts: list[dict[str, Any]], ends: list[dict[str, Any]]) -> int:
@@ -409,6 +440,7 @@ def main(argv: list[str] | None = None) -> None:
           "(bound 11) | most per tenant in 1 s (bound 3) | most at once (3 seats) "
           "| seats held after | 10/s used | last end, s |")
     print("|---|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|")
+    recovery: list[str] = []
     with RedisServer() as records:
         for seed in range(1, args.seeds + 1):
             for broker_kind, store_kind, throttle in plan:
@@ -416,6 +448,14 @@ def main(argv: list[str] | None = None) -> None:
                          records.url, args.logs)
                 print(_row(r), flush=True)
                 print(f"<!-- faults: {r['faults']} -->", flush=True)
+                recovery.append(f"- {r['broker']}, {r['store']}, "
+                                f"{'ours' if r['throttle'] else 'Celery alone'}, seed "
+                                f"{r['seed']}: {_recovery_line(r)}")
+    print("\nRecovery per fault (from its end: a node's kill and the warm stop end at once, "
+          "the other node being up; the store and the broker when started again): the rate "
+          "limit's next start, and its longest gap between two starts from the fault's "
+          f"start to {RECOVERY_SPAN:g} s after its end (in full use: {1 / RATE:g} s).\n")
+    print("\n".join(recovery))
 
 
 if __name__ == "__main__":

@@ -222,8 +222,8 @@ class Dispatcher:
 
     def _restore_kept(self) -> None:
         """The store's epoch changed (or was never checked here): if the tasks kept beside
-        the broker's queues were not restored for it, they wait in the store again (parked,
-        due now: they go to a worker, which puts each back in its line)."""
+        the broker's queues were not restored for it, they wait in the store again, where
+        they waited (in their line, or parked due now)."""
         epoch = self.room.last_epoch
         if self.room.keeper is None or epoch == self._restored:
             return

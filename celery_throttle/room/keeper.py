@@ -19,22 +19,26 @@ comes back without its data.
   restart and one dispatched again after it).  An acks_late redelivery of the
   copy that went on carries the same token and goes on again.
 * The store comes back empty (a new epoch: ``core/lua/epoch.lua``): a
-  dispatcher parks every kept message in it again, due now (:meth:`restore`);
-  each goes to a worker, which puts it back in line at its old place (its
-  first wait and priority travel in its header).  The broker's server
+  dispatcher puts every kept task back where it waited (:meth:`restore`): a
+  task in line into its line at its old place (its copy is kept with where
+  it waits: :func:`in_line_kept`), a parked one into the room's timer, due
+  now; no worker handles it on the way back.  The broker's server
   remembers the epoch it restored for (``seen``), so this happens once per
   loss, whichever node notices it first.  A task that had been dispatched
   already is restored too; the copy arriving second is refused, so the
   limit may lose a start, and no task runs twice.
 
-Keys, on the broker's server: ``kept`` (hash: entry -> message), ``kept:seen``
+Keys, on the broker's server: ``kept`` (hash: entry -> what a restore writes
+back: a parked task's message, or :func:`in_line_kept`'s value), ``kept:seen``
 (the store's epoch restored for) and one marker per taken entry
 (``kept:<digest>``, kept for the marker TTL).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
@@ -43,7 +47,40 @@ from ..core.keys import room_key, task_key
 from ..core.scripts import source
 from ..values import text
 
-__all__ = ["RESTORE_BATCH", "Keeper"]
+__all__ = ["RESTORE_BATCH", "Keeper", "LinePlace", "in_line_kept", "read_kept"]
+
+# The first byte of a kept task in line (a parked task's is its stored envelope's, never
+# this one): then where it waits (JSON), a newline, the record its line stores.
+_IN_LINE = b"\x10"
+
+
+@dataclass(frozen=True, slots=True)
+class LinePlace:
+    """Where a kept task waits in line: its limit's queue and turns keys, its place, its
+    wait note's digest, its fair key value and units (``lua/enqueue.lua``'s own)."""
+
+    queue: str
+    turns: str
+    place_us: int
+    note: str
+    fair: str
+    units: str
+
+
+def in_line_kept(where: LinePlace, record: bytes) -> bytes:
+    """What is kept of a task in line: ``where`` it waits and the ``record`` its line
+    stores, so that a restore puts it straight back in line."""
+    spec = [where.queue, where.turns, where.place_us, where.note, where.fair, where.units]
+    return _IN_LINE + json.dumps(spec, separators=(",", ":")).encode() + b"\n" + record
+
+
+def read_kept(raw: bytes) -> tuple[LinePlace | None, bytes]:
+    """A kept value: where its task waits in line (None: parked) and what its store holds."""
+    if raw[:1] != _IN_LINE:
+        return None, raw
+    spec, _, record = raw[1:].partition(b"\n")
+    queue, turns, place_us, note, fair, units = json.loads(spec)
+    return LinePlace(queue, turns, int(place_us), note, fair, units), record
 
 #: The most kept messages read and parked again per round trip.
 RESTORE_BATCH = 500
@@ -64,7 +101,8 @@ class Keeper:
         self._take = client.register_script(source(__package__, "keep.lua"))
 
     def put(self, entry: str, message: bytes) -> None:
-        """Keep ``entry``'s message (before the store has it)."""
+        """Keep ``entry``'s message, or :func:`in_line_kept`'s value (before the store has
+        it)."""
         self.client.hset(self.kept, entry, message)
 
     def drop(self, entry: str) -> None:
@@ -90,10 +128,10 @@ class Keeper:
         return text(self.client.get(self.seen) or b"")
 
     def restore(self, epoch: str, park: Callable[[list[tuple[str, bytes]]], None]) -> int:
-        """Hand every kept message to ``park`` (batches of (entry, message): the store parks
-        those it does not have, due now), then note ``epoch`` as restored for.  Returns how
-        many were handed over.  Copies taken meanwhile may be parked too: their later
-        copy is refused on arrival."""
+        """Hand every kept value to ``park`` (batches of (entry, value): the store writes
+        back those it does not have, :func:`read_kept`), then note ``epoch`` as restored
+        for.  Returns how many were handed over.  Copies taken meanwhile may be written
+        back too: their later copy is refused on arrival."""
         handed = 0
         for batch in self._batches():
             park(batch)

@@ -4,7 +4,7 @@ A task that must wait longer than a sleep in the worker is not re-published
 with a countdown (a Celery ETA message held in some worker's memory until
 its slot, on that worker's clock).  It waits in its limit's line
 (``queues.py``); one due again at a known time without a charge (a
-provider's pause, a kept copy restored) waits in the room's timer, the
+provider's pause, or its kept copy restored) waits in the room's timer, the
 parked set, scored by when it is due on the Redis server's clock.  A
 dispatcher in every worker node (``dispatcher.py``) moves due messages back
 to their queue, without an ETA.  Three scripts, each a few lines:
@@ -35,7 +35,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -47,7 +47,7 @@ from ..core.logs import logger
 from ..core.scripts import EPOCH, joined, source
 from ..values import US_PER_SECOND, from_us, text
 from .envelope import Envelope
-from .keeper import Keeper
+from .keeper import Keeper, LinePlace, in_line_kept, read_kept
 from .queues import MAX_AHEAD_US, Queues, Served, Weights, entry_id, queues_of
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
@@ -144,14 +144,17 @@ class WaitingRoom:
             entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
             due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights,
             behind=behind)
-        return int(self._stored(entry, message, kept,
+        where = LinePlace(text(keys[1]), text(keys[5]), place_us, text(args[4]), text(args[5]),
+                       text(args[6]))
+        return int(self._stored(entry, in_line_kept(where, cast(bytes, args[1])), kept,
                                 lambda: int(self._replicated(self.queues.script, keys, args)),
                                 waits=lambda reply: reply >= 0))
 
     def _stored(self, entry: str, message: bytes, kept: bool, write: Callable[[], Any],
                 waits: Callable[[Any], bool] = lambda reply: True) -> Any:
-        """``write()``'s reply: a store write of a waiting task.  With ``kept``, its message
-        is kept beside the broker's queues first (so no moment finds it in the store alone,
+        """``write()``'s reply: a store write of a waiting task.  With ``kept``, ``message``
+        (what a restore writes back) is kept beside the broker's queues first (so no moment
+        finds it in the store alone,
         which a dispatch could take before the copy is there), and that copy is dropped
         again when the write fails or ``waits(reply)`` is False (nothing was written: the
         task does not wait here).  An entry that waits already keeps its copy."""
@@ -244,8 +247,10 @@ class WaitingRoom:
 
     def restore_kept(self, epoch: int) -> int | None:
         """The store's epoch is ``epoch``: if the kept copies were not restored for it (the
-        store came back without its data), park every one due now (``Keeper.restore``);
-        how many were handed over, or None when there was nothing to do."""
+        store came back without its data), write every one back where it waited
+        (``Keeper.restore``): a task in line into its line at its place, a parked one
+        into the timer, due now.  How many were handed over, or None when there was
+        nothing to do."""
         if self.keeper is None or self.keeper.restored_for() == str(epoch):
             return None
 
@@ -256,9 +261,18 @@ class WaitingRoom:
             # a cluster's pipeline does not take scripts, so one per entry there.
             pipe = (self.client.pipeline(transaction=False)
                     if isinstance(self.client, redis.Redis) else None)
-            for entry, message in batch:  # due now, no note
-                self._park(keys=keys, args=[entry, message, 0, 0, "", ""],
-                           client=self.client if pipe is None else pipe)
+            client = self.client if pipe is None else pipe
+            for entry, raw in batch:
+                where, value = read_kept(raw)
+                if where is None:  # due now, no note
+                    self._park(keys=keys, args=[entry, value, 0, 0, "", ""], client=client)
+                    continue
+                # Its line admits it from now on (due 0); its old place keeps its order.
+                self.queues.script(
+                    keys=[self.messages, where.queue, self.queues.ready, self.wake, self.notes,
+                          where.turns],
+                    args=[entry, value, where.place_us, 0, where.note, where.fair,
+                          where.units, ""], client=client)
             if pipe is not None:
                 pipe.execute()
 

@@ -63,7 +63,8 @@ def test_a_kept_task_is_restored_once_after_the_store_comes_back_empty(
     store: redis.Redis, broker: redis.Redis
 ) -> None:
     """Two tasks in line and one parked, kept: the store is killed; after it restarts the
-    first dispatcher to look parks all three again, due now, and later looks do nothing."""
+    first dispatcher to look puts the two back in their line, in their order, and parks
+    the third, due now; later looks do nothing."""
     room = _room(store, broker)
     limit = Limit("kept", parse_rate("1/h"))
     for i in range(2):
@@ -82,8 +83,12 @@ def test_a_kept_task_is_restored_once_after_the_store_comes_back_empty(
     assert other.restore_kept(room.last_epoch) == 3
     assert room.restore_kept(room.last_epoch) is None
     _, due = room.claim_due(10, TIMEOUT_US)
-    assert sorted((p.entry, p.message) for p in due) == [
-        ("p", b"parked"), ("q0", b"line 0"), ("q1", b"line 1")]
+    assert [(p.entry, p.message) for p in due] == [("p", b"parked")]
+    assert [(t.entry, t.limit, t.message) for t in room.queues.next_in_line(10)] == [
+        ("q0", "kept", b"line 0"), ("q1", "kept", b"line 1")]
+    # Served from its line as before the loss: the first now (the bucket starts full).
+    _, served = room.queues.serve_due(10, TIMEOUT_US)
+    assert [s.entry for s in served] == ["q0"]
     # The task without a kept copy is gone with the store: it was never kept.
     assert _kept(room) == 3  # until each arrives
 

@@ -55,7 +55,7 @@ SETTINGS: dict[str, tuple[object, str]] = {
                          "ahead (s) it books its slot; a later wait comes back when a slot "
                          "is within reach"),
     "throttle_max_countdown": (None, "longest single countdown (s); default: half the broker's "
-                               "visibility_timeout (Redis/SQS), at most 900"),
+                               "visibility_timeout (Redis/SQS), at most 900; 900 on AMQP"),
     "throttle_max_sleep": (0.5, "waits up to this many seconds are slept in the worker "
                            "instead of re-publishing the task; where the task would wait in "
                            "line, at most the dispatch lead plus the measured trip: a longer "
@@ -205,11 +205,14 @@ def _visibility_timeout(app: Celery) -> float:
     return float(options.get("visibility_timeout", 3600))  # kombu's Redis/SQS default
 
 
-def _default_max_countdown(visibility: float) -> float:
+def _default_max_countdown(visibility: float | None) -> float:
     # kombu #337: with the Redis (and SQS) transport an ETA message that stays
     # unacknowledged longer than visibility_timeout is redelivered and runs
-    # twice.  A single countdown stays at half of it; longer waits hop.
-    return max(1.0, min(900.0, visibility / 2))
+    # twice.  A single countdown stays at half of it; longer waits hop.  An
+    # AMQP broker (None) has no visibility timeout (it redelivers when the
+    # channel closes), and RabbitMQ's consumer_timeout (30 min by default)
+    # closes a channel that holds a message longer: 900 s there too.
+    return 900.0 if visibility is None else max(1.0, min(900.0, visibility / 2))
 
 
 #: Settings that earlier versions read, and what takes their place: naming one is an
@@ -296,7 +299,8 @@ def read_config(app: Celery) -> Config:
         on_error=on_error,
         max_wait=_seconds("throttle_max_wait", get("throttle_max_wait"), allow_none=True),
         horizon=_seconds("throttle_horizon", get("throttle_horizon"), allow_none=False) or 0.0,
-        max_countdown=max_countdown or _default_max_countdown(visibility),
+        max_countdown=max_countdown or _default_max_countdown(
+            None if _amqp(conf.broker_url) else visibility),
         max_sleep=_seconds("throttle_max_sleep", get("throttle_max_sleep"),
                            allow_none=False) or 0.0,
         claim_grace=_seconds("throttle_claim_grace", get("throttle_claim_grace"),

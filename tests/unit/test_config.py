@@ -78,6 +78,17 @@ def test_config_defaults(app: Celery) -> None:
     assert config.pool_check_interval is None  # (recycling.DEFAULT_INTERVAL where recycled)
 
 
+def test_an_amqp_broker_has_no_visibility_timeout_to_halve(app: Celery) -> None:
+    """RabbitMQ redelivers a held message only when its channel closes: a visibility timeout
+    set for it (it ignores one) does not cut countdowns short; 900 s, as at most elsewhere."""
+    app.conf["broker_url"] = "amqp://guest:guest@127.0.0.1:5672//"
+    app.conf.broker_transport_options = {"visibility_timeout": 8}
+    app.conf.throttle_redis_url = "redis://127.0.0.1:6379/0"
+    assert read_config(app).max_countdown == 900.0
+    app.conf["broker_url"] = "redis://127.0.0.1:6379/1"
+    assert read_config(app).max_countdown == 4.0
+
+
 def test_sentinel_broker_is_the_default_store_with_its_master_name(app: Celery) -> None:
     """A sentinel:// broker is the store, with the broker's master_name and sentinel_kwargs."""
     app.conf["broker_url"] = "sentinel://:pw@127.0.0.1:26379/2;sentinel://127.0.0.1:26380"

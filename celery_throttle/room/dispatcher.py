@@ -31,8 +31,10 @@ in it again.
 
 Nothing is lost if a dispatcher dies or the broker refuses a publish: a
 claimed entry stays in the store until its message reaches a worker, and is
-dispatched again after ``throttle_dispatch_timeout``.  The arrival takes only
-the first copy (``lua/arrive.lua``).
+dispatched again after ``throttle_dispatch_timeout``, or at the dispatcher's
+next try when the publish failed (the broker is down: the entry goes out as
+soon as it is back).  The arrival takes only the first copy
+(``lua/arrive.lua``).
 """
 
 from __future__ import annotations
@@ -251,22 +253,41 @@ class Dispatcher:
                             "line, %d parked)", len(served) + parked, len(served), parked)
 
     def _publish(self, parked: Sequence[Parked | Served]) -> None:
+        """Publish a claimed batch.  A publish that fails (the broker is down) leaves that
+        entry and the rest claimed, but due again at the next claim: not held for
+        ``throttle_dispatch_timeout`` after the broker is back."""
+        try:
+            producer = self._producer()
+        except Exception:
+            self._due_again(parked)
+            raise
+        for i, item in enumerate(parked):
+            try:
+                self._publish_one(producer, item)
+            except Exception:
+                self._due_again(parked[i:])
+                raise
+            self.dispatched += 1
+
+    def _due_again(self, unpublished: Sequence[Parked | Served]) -> None:
+        # (A store down too: the claims' deadlines apply, as for a dispatcher that died.)
+        with contextlib.suppress(redis.RedisError):
+            self.room.overdue([item.entry for item in unpublished])
+
+    def _publish_one(self, producer: Any, item: Parked | Served) -> None:
         policy = self.app.conf.task_publish_retry_policy
         queues = self.app.amqp.queues
-        producer = self._producer()
-        for item in parked:
-            marks: dict[str, Any] = {"token": item.token, "room": item.epoch}
-            if isinstance(item, Served):
-                marks.update(charged=item.flag, slot=item.start or None)
-            envelope = Envelope.loads(item.message).with_header(HEADER, **marks)
-            by_name = not envelope.exchange
-            if by_name:  # addressed to its queue by name: use its lane
-                envelope = envelope.to(lane_of(envelope.routing_key))
-                self._lanes.add(envelope.routing_key)
-            # (Workers declare the lane when they consume it; the publish does too.)
-            envelope.publish(producer, queues=queues if by_name else None,
-                             retry_policy=policy)
-            self.dispatched += 1
+        marks: dict[str, Any] = {"token": item.token, "room": item.epoch}
+        if isinstance(item, Served):
+            marks.update(charged=item.flag, slot=item.start or None)
+        envelope = Envelope.loads(item.message).with_header(HEADER, **marks)
+        by_name = not envelope.exchange
+        if by_name:  # addressed to its queue by name: use its lane
+            envelope = envelope.to(lane_of(envelope.routing_key))
+            self._lanes.add(envelope.routing_key)
+        # (Workers declare the lane when they consume it; the publish does too.)
+        envelope.publish(producer, queues=queues if by_name else None,
+                         retry_policy=policy)
 
     def _producer(self) -> Any:
         """A producer on the dispatcher's own broker connection (never the app's pool, whose
@@ -307,8 +328,8 @@ class Dispatcher:
                 if outage.due():
                     level = logging.WARNING if isinstance(exc, redis.RedisError | OSError) \
                         else logging.ERROR
-                    logger.log(level, "throttle: dispatcher: %s: %s (claimed tasks are "
-                               "dispatched again after throttle_dispatch_timeout)",
+                    logger.log(level, "throttle: dispatcher: %s: %s (claimed tasks not "
+                               "published are dispatched again at its next try)",
                                type(exc).__name__, exc)
                 thread.wait(_BACKOFF)
 

@@ -196,6 +196,12 @@ class WaitingRoom:
                            REPLICA_RETRY_S)
         return reply
 
+    def overdue(self, entries: Sequence[str]) -> None:
+        """Claimed ``entries`` whose publish failed are due again at the next claim (their
+        claims' deadlines passed: ``lua/dispatch.lua`` dispatches them again)."""
+        if entries:
+            self.client.zadd(self.claimed, dict.fromkeys(entries, 0), xx=True)
+
     def claim_due(self, batch: int, timeout_us: int) -> tuple[float | None, list[Parked]]:
         """Claim up to ``batch`` due entries; also seconds until the next (0: more due now).
 

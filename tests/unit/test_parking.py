@@ -324,6 +324,38 @@ def test_an_idle_dispatcher_stops_at_once_and_leaves_no_key(redis_url: str, clie
     app.close()
 
 
+def test_a_publish_the_broker_refuses_is_due_again_at_the_next_try(
+    redis_url: str, client: redis.Redis, prefix: str
+) -> None:
+    """The broker down: the claimed entry is not held for the dispatch timeout (a minute)
+    after it is back, but claimed again at the dispatcher's next try, with a new token."""
+    from celery import Celery
+    from kombu.exceptions import OperationalError
+
+    from celery_throttle.room.dispatcher import Dispatcher
+    from celery_throttle.room.envelope import Envelope
+    from celery_throttle.testing import free_port
+
+    app = Celery("down", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)
+    app.conf.task_publish_retry_policy = {"max_retries": 0}
+    app.conf.broker_connection_timeout = 1
+    dispatcher = Dispatcher(app, lambda **o: redis.Redis.from_url(redis_url, **o), prefix,
+                            timeout=60)
+    room = WaitingRoom(client, prefix)
+    message = Envelope(b"[]", "application/json", "utf-8", "", "celery", {}).dumps()
+    room.park("e", message, "t", at_us=_now_us(client) - 1)
+    room.park("f", message, "t2", at_us=_now_us(client) - 1)
+    with pytest.raises(OperationalError):
+        dispatcher._publish(room.claim_due(10, 60_000_000)[1])
+    _, again = room.claim_due(10, 60_000_000)
+    assert sorted(p.entry for p in again) == ["e", "f"]
+    assert dispatcher.dispatched == 0
+    if dispatcher._connection is not None:
+        dispatcher._connection.release()
+    dispatcher.client.close()
+    app.close()
+
+
 def test_a_backed_up_lane_holds_the_lines(redis_url: str, prefix: str) -> None:
     """Copies wait in a lane that no worker fetches: the dispatcher serves no line (each
     copy served would reach its worker after its start) until the lane is read again."""

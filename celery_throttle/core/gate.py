@@ -39,7 +39,7 @@ from .limits import (
 )
 from .packed import AsyncPackedPath, Call, PackedPath, Plain
 from .rates import Rate, parse_rate
-from .scripts import BUCKET, EPOCH, LEASE, joined
+from .scripts import script
 
 # The records live in limits.py; they are re-exported here, where they were first.
 __all__ = ["DEFAULT_LEASE", "SCRIPT", "AnyLimit", "BucketState", "Clock",
@@ -48,7 +48,7 @@ __all__ = ["DEFAULT_LEASE", "SCRIPT", "AnyLimit", "BucketState", "Clock",
 
 #: gate.lua, the one copy of the algorithm (Gate and AsyncGate both run it), after the
 #: rate bucket and the epoch it shares with the waiting room's dispatch.
-SCRIPT = joined(BUCKET, EPOCH, LEASE, (__package__, "gate.lua"))
+SCRIPT = script(__package__, "gate.lua")
 
 # Reply status codes of gate.lua (0 denied and 2 reserved are told apart by the booking).
 _ALLOWED, _EARLY, _QUEUED = 1, 3, 4

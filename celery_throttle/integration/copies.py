@@ -19,7 +19,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from ..core.keys import copy_key
-from ..core.scripts import source
+from ..core.scripts import script
 from ..room.header import WaitState
 
 __all__ = ["CopyPointer", "Verdict", "new_copy"]
@@ -42,7 +42,7 @@ class CopyPointer:
         wait, and a minute)."""
         self.prefix = prefix
         self.ttl_ms = int(ttl * 1000)
-        self._script = client.register_script(source(__package__, "copies.lua"))
+        self._script = client.register_script(script(__package__, "copies.lua"))
 
     def move(self, task_id: str, retries: int, state: WaitState, then: str, *,
              latest_us: int = 0) -> Verdict:

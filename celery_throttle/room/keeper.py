@@ -44,7 +44,7 @@ from typing import Any, cast
 import redis
 
 from ..core.keys import room_key, task_key
-from ..core.scripts import source
+from ..core.scripts import script
 from ..values import text
 
 __all__ = ["RESTORE_BATCH", "Keeper", "LinePlace", "in_line_kept", "read_kept"]
@@ -98,7 +98,7 @@ class Keeper:
         self.prefix = prefix
         self.marker_ttl_ms = marker_ttl_ms
         self.kept, self.seen = room_key(prefix, "kept"), room_key(prefix, "kept:seen")
-        self._take = client.register_script(source(__package__, "keep.lua"))
+        self._take = client.register_script(script(__package__, "keep.lua"))
 
     def put(self, entry: str, message: bytes) -> None:
         """Keep ``entry``'s message, or :func:`in_line_kept`'s value (before the store has

@@ -44,7 +44,7 @@ from redis.commands.core import Script
 from ..core.keys import epoch_key, key_digest, room_key, task_key
 from ..core.limits import AnyLimit
 from ..core.logs import logger
-from ..core.scripts import EPOCH, joined, source
+from ..core.scripts import script
 from ..values import US_PER_SECOND, from_us, text
 from .envelope import Envelope
 from .keeper import Keeper, LinePlace, in_line_kept, read_kept
@@ -106,12 +106,11 @@ class WaitingRoom:
         self.trip, self.notes = room_key(prefix, "trip"), room_key(prefix, "notes")
         self.epoch = epoch_key(prefix)
         # redis-py's Script: EVALSHA, reloaded on NOSCRIPT; registering does no I/O.
-        self._park = client.register_script(source(__package__, "park.lua"))
-        self._dispatch = client.register_script(joined(EPOCH, (__package__, "dispatch.lua")))
-        self._arrive = client.register_script(source(__package__, "arrive.lua"))
+        self._park = client.register_script(script(__package__, "park.lua"))
+        self._dispatch = client.register_script(script(__package__, "dispatch.lua"))
+        self._arrive = client.register_script(script(__package__, "arrive.lua"))
         # (look.lua: reads with the server's clock)
-        self._look = client.register_script(joined((__package__, "record.lua"),
-                                                   (__package__, "look.lua")))
+        self._look = client.register_script(script(__package__, "look.lua"))
         self.queues = Queues(client, prefix)  # the limits' queues share the messages
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,

@@ -60,7 +60,7 @@ from ..core.keys import (
     split_limit_key,
 )
 from ..core.limits import AnyLimit, Concurrency, Limit
-from ..core.scripts import BUCKET, EPOCH, LEASE, joined
+from ..core.scripts import script
 from ..values import from_us, text
 from .envelope import in_line, split_record
 
@@ -182,10 +182,8 @@ class Queues:
         self.trip, self.epoch = room_key(prefix, "trip"), epoch_key(prefix)
         self.notes = room_key(prefix, "notes")  # (parking.py's: the wait notes)
         self.live = live_key(prefix)
-        turns, record = (__package__, "turns.lua"), (__package__, "record.lua")
-        self._enqueue = client.register_script(joined(turns, (__package__, "enqueue.lua")))
-        self._serve = client.register_script(joined(BUCKET, EPOCH, LEASE, turns, record,
-                                                    (__package__, "serve.lua")))
+        self._enqueue = client.register_script(script(__package__, "enqueue.lua"))
+        self._serve = client.register_script(script(__package__, "serve.lua"))
         self._ahead: tuple[float, int, float] | None = None  # (read at, lead_us, seconds)
 
     def ahead(self, lead_us: int = 0) -> float:

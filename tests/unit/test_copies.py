@@ -12,11 +12,11 @@ from celery import Celery, Task
 from celery.exceptions import Ignore
 
 from celery_throttle.core.keys import copy_key
-from celery_throttle.core.scripts import source
+from celery_throttle.core.scripts import script
 from celery_throttle.integration.runtime import runtime_for
 from celery_throttle.room.header import HEADER, WaitState
 
-SCRIPT = source("celery_throttle.integration", "copies.lua")
+SCRIPT = script("celery_throttle.integration", "copies.lua")
 
 
 @pytest.fixture

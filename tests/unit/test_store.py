@@ -136,11 +136,10 @@ def test_no_key_scans_and_no_user_input_as_code() -> None:
         # (A definition, connect.LazyCluster's register_script, is not a call.)
         for call in re.findall(
                 r"(?<!def )(?:register_script|eval|evalsha|script_load)\(([^)]*)\)", text):
-            # The gate's SCRIPT, or package files through the one loader (joined:
-            # the rate bucket's functions in front of a script of the package).
+            # The gate's SCRIPT, or a package file through the one loader (with the
+            # files it includes in front).
             first = call.strip().split(",")[0].strip()
-            assert first in {"SCRIPT", "source(__package__"} or first.startswith("joined("), (
-                path, call)
+            assert first in {"SCRIPT", "script(__package__"}, (path, call)
     for path in lua:
         body = re.sub(r"--[^\n]*", "", path.read_text())  # comments may name KEYS
         assert not re.search(r"redis\.call\(\s*'(KEYS|SCAN)'", body, re.I), path

@@ -1,9 +1,9 @@
 --[[
 celery_throttle bucket.lua: the rate bucket, one copy for every script that
 charges one (gate.lua decides a start, room/lua/serve.lua dispatches a
-waiting task).  The loader puts this text in front of theirs
-(core/scripts.py: `joined`); the script sets `now` (microseconds) before it
-calls any function below.
+waiting task), which include it (core/scripts.py puts it in front of
+theirs); the script sets `now` (microseconds) before it calls any function
+below.
 
 A rate limit here is a table { key, interval (us), burst, cost }.
 ]]

@@ -1,7 +1,7 @@
 --[[
 celery_throttle epoch.lua: the prefix's epoch, one copy for every script that
 hands it out (gate.lua with a booking, room/lua/dispatch.lua and serve.lua
-with a dispatched task); the loader puts this text in front of theirs.
+with a dispatched task), which include it.
 
 The epoch is when the prefix's state began: set once, with no TTL, when first
 needed.  A Redis restart without persistence or a flush loses it, and the

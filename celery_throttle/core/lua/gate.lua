@@ -1,3 +1,6 @@
+--- @include "core/bucket.lua"
+--- @include "core/epoch.lua"
+--- @include "core/lease.lua"
 --[[
 celery_throttle gate: one atomic decision over one or more GCRA buckets.
 
@@ -10,7 +13,7 @@ emission interval T, a burst B and a cost c, a start at `now` is allowed when
 and then TAT becomes max(TAT, now) + c*T.  Several buckets are decided all or
 nothing: either every bucket admits and every bucket is charged, or none is
 written.  The bucket itself (its stored value, the admission test and the charge)
-is bucket.lua, which the loader puts in front of this script: the waiting
+is bucket.lua, which this script includes: the waiting
 room's dispatch (room/lua/serve.lua) charges through the same functions.
 
 Two more kinds of state share the script:

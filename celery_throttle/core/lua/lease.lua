@@ -1,8 +1,9 @@
+--- @include "core/bucket.lua"
 --[[
 celery_throttle lease.lua: a concurrency limit's seats, one copy for every
 script that takes one (gate.lua decides a start, room/lua/serve.lua
-dispatches a waiting task).  The loader puts this text after bucket.lua
-(which declares `now` and `us`) and in front of theirs.
+dispatches a waiting task), which include it.  It includes bucket.lua
+(which declares `now` and `us`).
 
 A concurrency limit here is a table { key, slots, lease (us), meta }: key a
 sorted set of leases (holder -> expiry, us), meta a hash of its pause, its

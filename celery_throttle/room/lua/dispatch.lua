@@ -1,3 +1,4 @@
+--- @include "core/epoch.lua"
 --[[
 Claim the parked tasks that are due, for one dispatcher to publish.
 
@@ -10,7 +11,7 @@ drops all but the first copy that arrives).
 KEYS[1]  the parked set (score = dispatch time, us)
 KEYS[2]  the messages hash
 KEYS[3]  the claimed set (score = deadline, us)
-KEYS[4]  the prefix's epoch (epoch.lua, which the loader puts first): a dispatched
+KEYS[4]  the prefix's epoch (epoch.lua): a dispatched
          copy carries it, so its arrival can tell a store that lost its data
          (a new epoch) from one where another copy arrived first
 KEYS[5]  the trip estimate (arrive.lua): entries are dispatched this much

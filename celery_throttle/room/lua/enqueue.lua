@@ -1,7 +1,7 @@
+--- @include "room/turns.lua"
 --[[
 Put a waiting task in line: the queue of the rate limit that blocks it
-(see room/queues.py).  turns.lua comes first (the loader joins them).
-Nothing is booked: the dispatch (serve.lua) charges its limits when its
+(see room/queues.py).  Nothing is booked: the dispatch (serve.lua) charges its limits when its
 turn comes.
 
 KEYS[1]  the messages hash: entry id -> the task's record (record.lua: what

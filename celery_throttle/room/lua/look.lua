@@ -1,3 +1,4 @@
+--- @include "room/record.lua"
 --[[
 Reads of the waiting room and of a task's wait note, each with the clock of
 the server that holds the keys, in one call.
@@ -28,7 +29,6 @@ ARGV[1]  the operation:
            -> {entry, where, record, ...} per task: where "q" (in line: its
               record's JSON follows), "p" (parked: "") or "" (not here).  A
               task waiting in line as a copy noted "@" and its entry
-record.lua comes first (the loader joins them).
 Scores are microseconds on the server clock, returned as strings.
 ]]
 local op = ARGV[1]

@@ -1,6 +1,6 @@
 --[[
 celery_throttle record.lua: what the messages hash holds for an entry, one
-copy for the scripts that read it; the loader puts this text first.
+copy for the scripts that read it, which include it.
 
 A parked task's value is its envelope (envelope.py).  A task waiting in a
 limit's queue stores one record instead (envelope.py's in_line): the byte 2,

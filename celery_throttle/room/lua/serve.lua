@@ -1,8 +1,12 @@
+--- @include "core/bucket.lua"
+--- @include "core/epoch.lua"
+--- @include "core/lease.lua"
+--- @include "room/turns.lua"
+--- @include "room/record.lua"
 --[[
 Serve the limits' queues: dispatch each queue's best waiting task when its
-limits admit it (see room/queues.py).  bucket.lua, epoch.lua, lease.lua,
-turns.lua and record.lua come first (the loader joins them): the charge here
-is the gate's own.
+limits admit it (see room/queues.py).  The charge here is the gate's own
+(bucket.lua, lease.lua).
 
 Three operations, ARGV[1]:
 

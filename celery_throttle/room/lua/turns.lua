@@ -1,7 +1,7 @@
 --[[
 celery_throttle turns.lua: the turns of a fair queue, one copy for the
 scripts that put a task in one (enqueue.lua, and serve.lua when a task moves
-to another of its limits' queues); the loader puts this text first.
+to another of its limits' queues), which include it.
 
 A fair queue serves the values of its tasks' fair key in turn (weighted
 fair queuing by finish tags): a task of value g gets the tag

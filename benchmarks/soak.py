@@ -1,6 +1,6 @@
 """Section 9: the soak: faults one after another under steady over-limit traffic.
 
-    python -m benchmarks.soak [--duration 180] [--drain 240] [--visibility 30]
+    python -m benchmarks.soak [--duration 180] [--drain 240] [--visibility 20]
                               [--seeds 1] [--brokers redis,amqp] [--stores aof,none]
                               [--logs DIR] [--quick]
 
@@ -10,8 +10,8 @@ everyday use; BENCHMARKS.md keeps the full run.
 
 Two prefork nodes of 4 processes run ``benchmarks/soak_app.py`` with
 ``task_acks_late`` and ``task_reject_on_worker_lost`` (visibility timeout
-``--visibility``, 30 s: shorter than the faults' spacing, so a stranded
-message comes back before the next fault).  For ``--duration`` seconds a
+``--visibility``, 20 s: shorter than the faults' spacing of 30 s, so a
+stranded message comes back before the next fault).  For ``--duration`` seconds a
 producer sends 1.2 times the capacity of three limits: ``"10/s"`` (priorities
 0, 5 and 9 in turn), ``"2/s"`` per tenant over 10 tenants, and
 ``concurrency=3`` on a task that takes 0.3 s.  Meanwhile, at a sixth, two
@@ -79,7 +79,7 @@ RECOVERY_SPAN = 10.0  # seconds after a fault's end in which its longest gap is 
 AFTER_STORE_LOSS = 3.0  # seconds after the store is back that the window check leaves out
 ACK_LOST = 2.0  # a run that ended this long before a kill may not have been acknowledged
 #: (duration, drain, visibility timeout), seconds: the full run and --quick's.
-FULL, QUICK = (180.0, 240.0, 30.0), (72.0, 90.0, 8.0)
+FULL, QUICK = (180.0, 240.0, 20.0), (72.0, 90.0, 8.0)
 
 
 @dataclass
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=None, help="180 s (--quick: 72)")
     parser.add_argument("--drain", type=float, default=None, help="240 s (--quick: 90)")
-    parser.add_argument("--visibility", type=float, default=None, help="30 s (--quick: 8)")
+    parser.add_argument("--visibility", type=float, default=None, help="20 s (--quick: 8)")
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--brokers", default="redis,amqp")
     parser.add_argument("--stores", default="aof,none")

@@ -155,10 +155,9 @@ def app(redis_url: str) -> Iterator[Celery]:
 REQUIRE_SERVERS = os.environ.get("CELERY_THROTTLE_REQUIRE_SERVERS") == "1"
 
 
-@pytest.fixture(scope="session")
-def rabbitmq_url() -> Iterator[str]:
-    """A real RabbitMQ node for the session, started here (skipped when not installed)."""
-    from .servers import RabbitMQ, find_rabbitmq_server
+def _need_rabbitmq() -> None:
+    """Skip the test (fail it under CELERY_THROTTLE_REQUIRE_SERVERS) without RabbitMQ."""
+    from .servers import find_rabbitmq_server
 
     if find_rabbitmq_server() is None:
         reason = ("rabbitmq-server is not installed: `apt-get install rabbitmq-server` "
@@ -166,6 +165,14 @@ def rabbitmq_url() -> Iterator[str]:
         if REQUIRE_SERVERS:
             pytest.fail(reason)
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_url() -> Iterator[str]:
+    """A real RabbitMQ node for the session, started here (skipped when not installed)."""
+    from .servers import RabbitMQ
+
+    _need_rabbitmq()
     with RabbitMQ() as server:
         yield server.url
 
@@ -209,14 +216,9 @@ def broker(request: pytest.FixtureRequest, capp: ModuleType,
 def own_rabbitmq(capp: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A RabbitMQ node of this test's own, the broker of its workers and producer, that the
     test may kill and start again on its data (``tests.servers.RabbitMQ``)."""
-    from .servers import RabbitMQ, find_rabbitmq_server
+    from .servers import RabbitMQ
 
-    if find_rabbitmq_server() is None:
-        reason = ("rabbitmq-server is not installed: `apt-get install rabbitmq-server` "
-                  "(as .ci/run does) runs the RabbitMQ broker tests")
-        if REQUIRE_SERVERS:
-            pytest.fail(reason)
-        pytest.skip(reason)
+    _need_rabbitmq()
     app = capp.app
     saved = app.conf["broker_url"]
     with RabbitMQ() as server:

@@ -189,7 +189,8 @@ def run_ended(task: Task[Any, Any]) -> None:
     its app: Celery sends it after the result is stored and callbacks are
     sent, so a node dying before then leaves "ran:", and the redelivered
     message runs again (acks_late's at-least-once) instead of being dropped
-    with no result.
+    with no result.  A run cut off by its process's exit (Celery sends the
+    signal with no state) is not ended: the receiver does not call this.
     """
     request = getattr(task, "request", None)
     started = getattr(request, _STARTED, None)

@@ -83,8 +83,11 @@ def install(app: Celery) -> Celery:
             gate_all()
             metrics.prepare()  # before the pool forks: never on a task's path
 
-    def on_postrun(sender: Any = None, task: Any = None, **_: Any) -> None:
-        if task is not None and getattr(task, "app", None) is app:
+    def on_postrun(sender: Any = None, task: Any = None, state: Any = None, **_: Any) -> None:
+        # No state: the run was cut off, not ended (the process exits: a node's SIGTERM
+        # reaching its pool processes raises SystemExit in the task, and Celery still
+        # sends this signal).  acks_late's broker redelivers its message, which must go on.
+        if task is not None and getattr(task, "app", None) is app and state is not None:
             run_ended(task)
 
     def on_process_init(**_: Any) -> None:

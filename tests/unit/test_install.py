@@ -32,11 +32,15 @@ def test_receivers_are_connected_by_install_once_per_app_and_none_at_import() ->
             return 1
 
         # Each app's receiver acts on its own app's tasks only: b's task ends
-        # one run, and the run-end handler is called once (b's), not twice.
+        # one run, and the run-end handler is called once (b's), not twice.  A
+        # run cut off by its process's exit (no state: SystemExit) has not ended.
         import celery_throttle.integration.install as worker
         ended = []
         worker.run_ended = ended.append
-        signals.task_postrun.send(sender=job, task=job, task_id="x", args=(), kwargs={})
+        signals.task_postrun.send(sender=job, task=job, task_id="x", args=(), kwargs={},
+                                  state=None)
+        signals.task_postrun.send(sender=job, task=job, task_id="x", args=(), kwargs={},
+                                  state="SUCCESS")
         print(counts, len(ended))
     ''')
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

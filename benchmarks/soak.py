@@ -31,7 +31,8 @@ Counted from the records (a start and an end per run, on a Redis never
 killed): tasks published, never run (and of those, never received by any
 worker: lost by the broker or its transport before Celery saw them, as
 kombu's Redis transport does with a message it popped when a node or the
-broker dies), run to the end twice (a task killed mid-run and run again, or
+broker dies), started but never ended (every run of it cut off by a kill,
+and none again after), run to the end twice (a task killed mid-run and run again, or
 whose run ended up to 2 s before its node or the broker was killed, so that
 its acknowledgement may have been lost, is acks_late's at-least-once:
 counted apart); the most
@@ -388,6 +389,7 @@ def _row(r: dict[str, Any]) -> str:
         x = r[g]
         never = f"{x['never']}" + (f" ({x['unreceived']} unreceived)" if x["unreceived"]
                                    else "")
+        never += f" ({x['unfinished']} started, never ended)" if x["unfinished"] else ""
         return f"{x['published']} / {never} / {x['twice']} / {x['reruns']}"
 
     who = "ours" if r["throttle"] else "Celery alone"
@@ -435,7 +437,9 @@ def main(argv: list[str] | None = None) -> None:
           f"acks_late, visibility timeout {visibility:g} s.  Per limit: published / never ran "
           "/ ran to the end twice / run again after a kill (mid-run, or before its ack: "
           "acks_late's own).  Unreceived: a task that never ran and that no worker logged "
-          "as received (the broker lost it before any worker saw it).\n")
+          "as received (the broker lost it before any worker saw it).  Started, never "
+          "ended: a task whose runs were all cut off (a kill) and that never ran again "
+          "(with acks_late it should have).\n")
     print("| broker | store | | seed | 10/s | 2/s per tenant | concurrency 3 | most in 1 s "
           "(bound 11) | most per tenant in 1 s (bound 3) | most at once (3 seats) "
           "| seats held after | 10/s used | last end, s |")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import weakref
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -166,15 +167,32 @@ def confirmed_producer(app: Any) -> Iterator[Any]:
     the connection's settings: the app's own pool keeps its settings).  A
     Redis broker's publish is a command Redis has answered: the app's pool.
     """
-    connection = app.connection_for_write()
-    if connection.transport.driver_type != "amqp":
+    confirming = _confirming_connection(app)
+    if confirming is None:
         with app.producer_or_acquire() as producer:
             yield producer
         return
-    options = {**(connection.transport_options or {}), "confirm_publish": True}
-    confirming = app.connection_for_write(transport_options=options)
     with pools.producers[confirming].acquire(block=True) as producer:
         yield producer
+
+
+# app -> (its broker URL, its confirming connection; None: the broker is not AMQP), made
+# once per app, broker and process: not a kombu Connection per re-publish.
+_confirming: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _confirming_connection(app: Any) -> Any:
+    url = app.conf.broker_url
+    known = _confirming.get(app)
+    if known is None or known[0] != url:
+        connection = app.connection_for_write()
+        confirming = None
+        if connection.transport.driver_type == "amqp":
+            options = {**(connection.transport_options or {}), "confirm_publish": True}
+            confirming = app.connection_for_write(transport_options=options)
+        connection.release()
+        known = _confirming[app] = (url, confirming)
+    return known[1]
 
 
 def in_line(record: str, stored: bytes) -> bytes:

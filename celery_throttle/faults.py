@@ -17,6 +17,9 @@ __all__ = ["POINTS", "at", "clear", "inject"]
 POINTS = {
     "dispatch.before_publish": "the dispatcher claimed a batch of due parked tasks "
                               "(argument: the batch) and has not published it",
+    "defer.published": "the broker took a re-published copy of a deferred task (argument: "
+                       "the task); a connection error raised here is a confirm lost with "
+                       "the connection: the publish is tried again",
     "defer.after_republish": "a deferred task was re-published with a countdown "
                              "(argument: the task) and the running copy is not yet acknowledged",
     "defer.start_slept": "a task slept until the start it was admitted for (a booked slot "

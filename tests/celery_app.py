@@ -7,9 +7,9 @@ results and records on databases of the test process's own, tests/databases.py;
 CT_BROKER names another broker), CT_PREFIX (the bucket prefix) and
 CT_CONF (settings, as JSON); a fault is injected at one of
 celery_throttle.faults' points (CT_FAULT: the node dies; CT_STALL: the
-process stalls) or as a skewed clock (CT_CLOCK_OFFSET).  CT_PROVIDER,
-CT_LEASE and CT_NO_SETTLE shape the provider tasks, CT_NO_INSTALL leaves
-install() out.
+process stalls; CT_RAISE: the connection is lost there, once) or as a
+skewed clock (CT_CLOCK_OFFSET).  CT_PROVIDER, CT_LEASE and CT_NO_SETTLE
+shape the provider tasks, CT_NO_INSTALL leaves install() out.
 """
 
 from __future__ import annotations
@@ -360,6 +360,19 @@ if os.environ.get("CT_STALL"):
             time.sleep(float(_seconds))
 
     faults.inject(_point, _stall)
+
+if os.environ.get("CT_RAISE"):
+    # CT_RAISE names a point of celery_throttle.faults: the first time any node
+    # reaches it, a connection error is raised there (the connection lost at
+    # that moment), after recording the task's id ("raised" in the records).
+    from celery_throttle import faults
+
+    def _raise_once(*args: object) -> None:
+        task_id = getattr(getattr(args[0] if args else None, "request", None), "id", None)
+        if _records.set("raised", json.dumps({"t": time.time(), "id": task_id}), nx=True):
+            raise ConnectionResetError(f"connection lost at {os.environ['CT_RAISE']}")
+
+    faults.inject(os.environ["CT_RAISE"], _raise_once)
 
 if os.environ.get("CT_CLOCK_OFFSET"):
     # A node whose wall clock is off by CT_CLOCK_OFFSET seconds, where Celery

@@ -243,7 +243,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     release_leases_of(task)
     new = WaitState(deferrals=state.deferrals + 1, since=state.since, copy=new_copy(),
                     prev=state.copy_id, spacing=spacing_of(limits))
-    _send_back(task, runtime, new, seconds)
+    new = _send_back(task, runtime, new, seconds)
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
     metrics.deferred(limits[0].name if limits else "(provider)", seconds)
@@ -357,7 +357,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
                     since=state.since or decision.now, copy=new_copy(), prev=state.copy_id,
                     spacing=spacing_of(limits))
     name = _limit_name(decision, limits)
-    _count_down(task, runtime, new, countdown)
+    new = _count_down(task, runtime, new, countdown)
     write_note(task, runtime, wait_note(task, name, decision, new), decision.retry_after)
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
@@ -630,19 +630,20 @@ def _waits_for_a_seat(decision: Decision) -> bool:
 
 
 def _send_back(task: Task[Any, Any], runtime: Runtime, state: WaitState,
-               countdown: float) -> None:
+               countdown: float) -> WaitState:
     """A task due again in ``countdown`` seconds, uncharged (a provider's pause), leaves the
     worker: parked in the waiting room's timer (:func:`_park`) where it is open, else
-    re-published with a countdown (:func:`_count_down`)."""
-    if not _park(task, runtime, state, to_us(max(countdown, 0.0))):
-        _count_down(task, runtime, state, countdown)
+    re-published with a countdown (:func:`_count_down`).  Returns the copy sent."""
+    if _park(task, runtime, state, to_us(max(countdown, 0.0))):
+        return state
+    return _count_down(task, runtime, state, countdown)
 
 
 def _count_down(task: Task[Any, Any], runtime: Runtime, state: WaitState,
-                countdown: float) -> None:
+                countdown: float) -> WaitState:
     """Re-publish the task with ``countdown``, at most ``throttle_max_countdown`` (a longer
-    wait comes back then and asks again)."""
-    _republish(task, state, min(max(countdown, 0.001), runtime.config.max_countdown))
+    wait comes back then and asks again); return the copy the broker took."""
+    return _republish(task, state, min(max(countdown, 0.001), runtime.config.max_countdown))
 
 
 def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, delay_us: int) -> bool:
@@ -756,21 +757,41 @@ def _limit_name(decision: Decision, limits: list[AnyLimit]) -> str:
     return next((lim.name for i, lim in enumerate(limits) if booked >> i & 1), "(booked slot)")
 
 
-def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> None:
+def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> WaitState:
+    """Publish the task's new copy ``state`` with ``countdown``; return the copy the
+    broker took (its id is the one the copy pointer moves to).
+
+    A publish that fails with the connection is tried again on a new connection,
+    as kombu retries it, but each attempt is a copy of its own (a new copy id):
+    an attempt whose confirm was lost with the connection may still have reached
+    the broker, and a second copy identical to it would pass the copy pointer as
+    acks_late's redelivery of the first, and run beside it.  Copies with ids of
+    their own both name this copy as their predecessor: whichever arrives first
+    takes the pointer and the other is refused.
+    """
     request = task.request
-    headers = {**(request.headers or {}), HEADER: state.to_header()}
-    # signature_from_request keeps id, args, queue/routing, priority, links,
-    # chain, expires, time limits and `retries` (so max_retries is untouched).
-    # Captured, then published as captured: apply_async itself would have the
-    # result backend subscribe to its result where joins do not block (see
-    # capture()), once per re-publish.
-    envelope = capture(task.signature_from_request(request, countdown=countdown,
-                                                   headers=headers))
     app = task.app
+    sent: list[WaitState] = []
+
+    def attempt(producer: Any) -> None:
+        this = replace(state, copy=new_copy()) if sent else state
+        sent.append(this)
+        headers = {**(request.headers or {}), HEADER: this.to_header()}
+        # signature_from_request keeps id, args, queue/routing, priority, links,
+        # chain, expires, time limits and `retries` (so max_retries is untouched).
+        # Captured, then published as captured: apply_async itself would have the
+        # result backend subscribe to its result where joins do not block (see
+        # capture()), once per re-publish.
+        envelope = capture(task.signature_from_request(request, countdown=countdown,
+                                                       headers=headers))
+        envelope.publish(producer, queues=app.amqp.queues, retry=False)
+        faults.at("defer.published", task)
+
     with confirmed_producer(app) as producer:
-        envelope.publish(producer, queues=app.amqp.queues,
-                         retry_policy=_outlasting(app.conf.task_publish_retry_policy))
+        policy = _outlasting(app.conf.task_publish_retry_policy)
+        producer.connection.ensure(producer, lambda: attempt(producer), **policy)()
     faults.at("defer.after_republish", task)
+    return sent[-1]
 
 
 def _outlasting(policy: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -141,19 +141,20 @@ class Envelope:
                         routing_key, self.headers, self.properties)
 
     def publish(self, producer: Any, *, queues: Any = None,
-                retry_policy: dict[str, Any] | None = None) -> None:
+                retry_policy: dict[str, Any] | None = None, retry: bool = True) -> None:
         """Publish the message as captured (a kombu ``Producer``); no ETA, no re-serializing.
 
         ``queues`` (Celery's ``app.amqp.queues``): the queue its routing key names there
         is declared with it, as ``apply_async`` declares its queue (cached by kombu per
-        channel)."""
+        channel).  ``retry``: kombu publishes the same message again after a connection
+        error, per ``retry_policy``."""
         queue = queues.get(self.routing_key) if queues is not None else None
         producer.publish(
             self.body, exchange=self.exchange, routing_key=self.routing_key,
             headers=self.headers, content_type=self.content_type,
             content_encoding=self.content_encoding,
             declare=[queue] if queue is not None else None,
-            retry=True, retry_policy=retry_policy, **self.properties)
+            retry=retry, retry_policy=retry_policy, **self.properties)
 
 
 @contextlib.contextmanager

@@ -252,6 +252,30 @@ def test_a_task_re_published_to_wait_outlives_the_broker_killed_at_once(
 
 
 @pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
+def test_a_re_publish_retried_after_a_lost_confirm_runs_the_task_once(
+    capp: ModuleType, records: redis.Redis, redis_base: str, broker: str
+) -> None:
+    """acks_late: the connection is lost after the broker took a waiting task's new copy,
+    before the publish returned (a confirm lost with it).  The publish is tried again on a
+    new connection, so the broker holds two copies of the task: they arrive together at the
+    worker's processes, and exactly one runs."""
+    conf = {**ACKS_LATE, "throttle_max_sleep": 0.01, **COUNTDOWNS}  # every wait is re-published
+    with worker_nodes(redis_base, ("w1",), conf=conf,
+                      env={"CT_RAISE": "defer.published"}) as nodes:
+        # 20/s: the second waits 50 ms, re-published; each run lasts 0.2 s, so a second
+        # copy taken as the first's redelivery would start while the first runs.
+        results = [capp.io_call.delay(i) for i in range(2)]
+        until("both tasks done", lambda: all(r.ready() for r in results), timeout=30)
+        rows = no_start_beyond(records, 3, 1.0)
+        text = logs(nodes)
+    raised = json.loads(records.get("raised") or "{}").get("id")
+    assert raised in {r.id for r in results}, text[-3000:]  # (either may be the one to wait)
+    runs = Counter(r["id"] for r in rows)
+    assert runs == {r.id: 1 for r in results}, (runs, text[-3000:])
+    assert "dropped: a stale copy" in text or "dropped: its run has ended" in text, text[-3000:]
+
+
+@pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
 def test_node_dies_between_republish_and_ack_acks_late(
     capp: ModuleType, records: redis.Redis, redis_base: str, broker: str
 ) -> None:

@@ -224,6 +224,7 @@ def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration:
         producer = Producer(mod)
         done: list[tuple[float, str]] = []
         kills: list[tuple[float, str]] = []  # (when, the node killed; "": the broker)
+        cut: list[tuple[float, str]] = []  # (when, the node killed or stopped)
         windows: list[tuple[str, float, float]] = []  # (fault, its start, its end)
         store_back = 0.0
         try:
@@ -236,6 +237,8 @@ def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration:
                 done.append((time.time() - t0, what))
                 if what.startswith(("kill node", "kill broker")):
                     kills.append((time.time(), what[-1] if "node" in what else ""))
+                if what.startswith(("kill node", "stop node")):
+                    cut.append((time.time(), what[-1]))
                 began = time.time()
                 if what.startswith("kill node"):
                     name = what[-1]
@@ -283,7 +286,7 @@ def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration:
                 + records.lrange("soak:end", 0, -1)))
     seen = "\n".join(fleet.logs)
     result = _judge(sent, records, t0, store_back if store_kind == "none" else 0.0,
-                    lambda task_id: f"[{task_id}] received" in seen, kills, windows)
+                    lambda task_id: f"[{task_id}] received" in seen, kills, windows, cut)
     result.update(broker=broker_kind, store=store_kind if throttle else "-",
                   throttle=throttle, seed=seed, held=held,
                   faults=", ".join(f"{w} {t:.0f}" for t, w in done))
@@ -302,7 +305,8 @@ def _seats_held(env: dict[str, str]) -> int | None:
 
 def _judge(sent: dict[str, str], records: redis.Redis, t0: float, store_back: float,
            received: Callable[[str], bool], kills: list[tuple[float, str]],
-           windows: list[tuple[str, float, float]]) -> dict[str, Any]:
+           windows: list[tuple[str, float, float]],
+           cut: list[tuple[float, str]]) -> dict[str, Any]:
     starts = [json.loads(r) for r in records.lrange("soak:start", 0, -1)]
     ends = [json.loads(r) for r in records.lrange("soak:end", 0, -1)]
     started, ended = Counter(s["id"] for s in starts), Counter(e["id"] for e in ends)
@@ -342,7 +346,7 @@ def _judge(sent: dict[str, str], records: redis.Redis, t0: float, store_back: fl
             by_tenant[s["kind"]].append(s["t"])
     out["tenant"]["window"] = max((max_in_window(ts, 1.0) for ts in by_tenant.values()),
                                   default=0)
-    out["seats"]["in_flight"] = _most_at_once(starts, ends)
+    out["seats"]["in_flight"] = _most_at_once(starts, ends, cut)
     out["last"] = max((e["t"] for e in ends), default=t0) - t0
     return out
 
@@ -364,9 +368,11 @@ def _recovery_line(r: dict[str, Any]) -> str:
                      for what, next_start, gap in r["recovery"])
 
 
-def _most_at_once(starts: list[dict[str, Any]], ends: list[dict[str, Any]]) -> int:
-    """The most runs of the concurrency limit at once (a run killed mid-way ends
-    SEAT_SECONDS after its start: it was killed before its body was done)."""
+def _most_at_once(starts: list[dict[str, Any]], ends: list[dict[str, Any]],
+                  cut: list[tuple[float, str]]) -> int:
+    """The most runs of the concurrency limit at once.  A run with no end was cut off
+    (its node killed, or stopped with its pool processes): it ended when its node was
+    cut, at most SEAT_SECONDS after its start."""
     end_of: defaultdict[tuple[str, int], list[float]] = defaultdict(list)
     for e in ends:
         if e["kind"] == "seats":
@@ -376,7 +382,10 @@ def _most_at_once(starts: list[dict[str, Any]], ends: list[dict[str, Any]]) -> i
         if s["kind"] != "seats":
             continue
         later = [t for t in end_of[(s["id"], s["pid"])] if t >= s["t"]]
-        events += [(s["t"], 1), (min(later, default=s["t"] + SEAT_SECONDS), -1)]
+        node = str(s["node"]).split("@")[0]
+        cut_at = [at for at, who in cut if who == node and at >= s["t"]]
+        died = min([s["t"] + SEAT_SECONDS, *cut_at])
+        events += [(s["t"], 1), (min(later, default=died), -1)]
     most = now = 0
     for _, step in sorted(events):  # an end before a start at the same moment
         now += step

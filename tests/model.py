@@ -1,6 +1,6 @@
 """A pure-Python reference model of the gate, written from the definition, for property tests.
 
-It keeps the buckets in a dict and decides exactly what gate.lua must decide;
+It keeps the buckets in a dict and decides exactly what decide.lua must decide;
 the Lua script is compared with it over random arrival sequences.
 """
 

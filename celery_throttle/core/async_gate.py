@@ -21,8 +21,8 @@ from ..values import from_us, to_us
 from . import waiting
 from .connect import connect_async
 from .gate import (
+    COMMANDS,
     DEFAULT_LEASE,
-    SCRIPT,
     AnyLimit,
     BucketState,
     Clock,
@@ -52,10 +52,10 @@ class AsyncGate(GateCalls):
         super().__init__(prefix, clock)
         self.client = client
         # redis-py's AsyncScript: EVALSHA, and the body again on NOSCRIPT.
-        self._script = client.register_script(SCRIPT)
+        self._scripts = {name: client.register_script(text) for name, text in COMMANDS.items()}
         if packed and AsyncPackedPath.takes(client):
-            self._packed = AsyncPackedPath(cast(aioredis.Redis, client), SCRIPT,
-                                           self._script.sha)
+            self._packed = AsyncPackedPath(cast(aioredis.Redis, client), COMMANDS["decide"],
+                                           self._scripts["decide"].sha)
 
     @classmethod
     def from_url(cls, url: str, *, master_name: str | None = None,
@@ -65,8 +65,9 @@ class AsyncGate(GateCalls):
         return cls(connect_async(url, master_name=master_name), **options)
 
     async def preload(self) -> None:
-        """Load the script now, so the first decision is a plain EVALSHA."""
-        await self.client.script_load(SCRIPT)
+        """Load the commands' scripts now, so the first call of each is a plain EVALSHA."""
+        for text in COMMANDS.values():
+            await self.client.script_load(text)
 
     async def acquire(self, name: str, rate: str | Rate, *, burst: int = 1,
                       key: object = None, cost: int = 1) -> Decision:
@@ -84,7 +85,7 @@ class AsyncGate(GateCalls):
             if reply is not None:
                 return self._decision(limits, reply)
         keys, args = self._decide_call(limits, reserve, claim, grace, holder, in_line, near)
-        return self._decision(limits, await self._script(keys=keys, args=args))
+        return self._decision(limits, await self._run("decide", keys, args))
 
     async def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
                    holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:
@@ -110,30 +111,29 @@ class AsyncGate(GateCalls):
     async def release(self, limits: Sequence[AnyLimit], holder: str,
                       ran_for: float = 0.0) -> int:
         """Give back ``holder``'s leases (see :meth:`Gate.release`)."""
-        return await self._op(limits, "release", to_us(ran_for), holder)
+        return int(await self._run("release", *self._release_call(limits, holder, to_us(ran_for))))
 
     async def extend(self, limits: Sequence[AnyLimit], holder: str) -> int:
         """Renew ``holder``'s leases; returns how many are lost (see :meth:`Gate.extend`)."""
-        return await self._op(limits, "extend", 0, holder)
+        return int(await self._run("renew", *self._call(limits, holder)))
 
     async def pause(self, limits: Sequence[AnyLimit], seconds: float) -> float:
         """Admit nothing in ``limits`` for ``seconds`` (see :meth:`Gate.pause`)."""
-        return from_us(await self._op(limits, "pause", to_us(seconds), ""))
+        return from_us(int(await self._run("pause", *self._paused_call(limits, to_us(seconds)))))
 
     async def resume(self, limits: Sequence[AnyLimit]) -> int:
         """End a pause of ``limits`` now (see :meth:`Gate.resume`)."""
-        return await self._op(limits, "resume", 0, "")
+        return int(await self._run("resume", *self._paused_call(limits)))
 
     async def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int:
         """Give back an unused booking (see :meth:`Gate.cancel`)."""
-        keys, args = self._cancel_call(limits, booking)
-        return int(await self._script(keys=keys, args=args))
+        return int(await self._run("cancel", *self._cancel_call(limits, booking)))
 
     async def settle(self, limit: Limit, actual: int, *, charged: int | None = None) -> None:
         """Correct ``limit``'s charge to the ``actual`` units (see :meth:`Gate.settle`)."""
         call = self._settle_call(limit, actual, charged)
         if call is not None:
-            await self._script(keys=call[0], args=call[1])
+            await self._run("settle", *call)
 
     async def follow(self, limits: Sequence[AnyLimit], remaining: int, reset: float) -> int:
         """:meth:`Gate.follow <celery_throttle.Gate.follow>`: spend at most ``remaining`` units
@@ -141,17 +141,17 @@ class AsyncGate(GateCalls):
         call = self._follow_call(limits, remaining, reset)
         if call is None:
             return 0
-        return int(await self._script(keys=call[0], args=call[1]))
+        return int(await self._run("follow", *call))
 
     async def inspect(self, limit: Limit) -> BucketState:
         """Read ``limit``'s bucket without charging it (see :meth:`Gate.inspect`)."""
         keys, args = self._inspect_call(limit)
-        return self._bucket_state(limit, await self._script(keys=keys, args=args))
+        return self._bucket_state(limit, await self._run("inspect", keys, args))
 
     async def inspect_leases(self, limit: Concurrency) -> LeaseState:
         """Count ``limit``'s unexpired leases and read its pause."""
         keys, args = self._inspect_call(limit)
-        return self._lease_state(limit, await self._script(keys=keys, args=args))
+        return self._lease_state(limit, await self._run("inspect", keys, args))
 
     async def reset(self, limit: AnyLimit) -> bool:
         """Forget ``limit``'s bucket (see :meth:`Gate.reset`)."""
@@ -169,9 +169,9 @@ class AsyncGate(GateCalls):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _op(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> int:
-        keys, args = self._op_call(limits, op, arg, holder)
-        return int(await self._script(keys=keys, args=args))
+    async def _run(self, command: str, keys: list[bytes], args: list[bytes]) -> Any:
+        """Run the gate's ``command`` (its script: EVALSHA, the body again on NOSCRIPT)."""
+        return await self._scripts[command](keys=keys, args=args)
 
 
 class LoopGates:

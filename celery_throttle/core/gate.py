@@ -1,4 +1,4 @@
-"""How the decision is made: :class:`Gate` runs ``lua/gate.lua`` on Redis.
+"""How the decision is made: :class:`Gate` runs the gate's commands (``lua/*.lua``) on Redis.
 
 The gate answers one question for every worker at once: *may this job start
 now, and if not, exactly when?*  The decision is read, made and written in one
@@ -42,15 +42,17 @@ from .rates import Rate, parse_rate
 from .scripts import script
 
 # The records live in limits.py; they are re-exported here, where they were first.
-__all__ = ["DEFAULT_LEASE", "SCRIPT", "AnyLimit", "BucketState", "Clock",
+__all__ = ["COMMANDS", "DEFAULT_LEASE", "AnyLimit", "BucketState", "Clock",
            "Concurrency", "Decision", "Gate", "GateCalls", "LeaseState", "Limit",
            "Reservation"]
 
-#: gate.lua, the one copy of the algorithm (Gate and AsyncGate both run it), after the
-#: rate bucket and the epoch it shares with the waiting room's dispatch.
-SCRIPT = script(__package__, "gate.lua")
+#: The gate's commands, one script each (Gate and AsyncGate both run them): name -> the
+#: script, with the libraries it includes (the rate bucket, the lease, the epoch: shared
+#: with the waiting room's dispatch) in front.  "decide" is the hot path.
+COMMANDS = {name: script(__package__, f"{name}.lua") for name in (
+    "decide", "release", "renew", "pause", "resume", "settle", "follow", "cancel", "inspect")}
 
-# Reply status codes of gate.lua (0 denied and 2 reserved are told apart by the booking).
+# Reply status codes of decide.lua (0 denied and 2 reserved are told apart by the booking).
 _ALLOWED, _EARLY, _QUEUED = 1, 3, 4
 _NEVER = -1
 # The booked-limits mask travels as an integer (exact in a Lua double).
@@ -125,10 +127,10 @@ class GateCalls:
         keys = self._keys(limits)
         if in_line:
             keys += [lim.queue_in(self.prefix) for lim in limits]
-        args = list(_head_args(now=self._now_us(),
-                               horizon=_NEVER if reserve is None else to_us(reserve),
-                               claim=claim, grace=to_us(grace), holder=holder,
-                               op=b"q" if in_line else b"a", op_arg=to_us(near)))
+        args = list(_decide_head(now=self._now_us(),
+                                 horizon=_NEVER if reserve is None else to_us(reserve),
+                                 claim=claim, grace=to_us(grace), holder=holder,
+                                 near=to_us(near)))
         return keys, args + self._limit_args(limits)
 
     @staticmethod
@@ -148,29 +150,34 @@ class GateCalls:
             return Decision(False, retry_after, limit=blocked, now=now_us, queued=True)
         return Decision(False, retry_after, limit=blocked, reservation=booking, now=now_us)
 
-    def _op_call(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> Call:
-        if op in ("pause", "resume") and not limits:
-            raise ValueError(f"{op} needs at least one limit")
-        args = list(_head_args(now=self._now_us(), holder=holder, op=op.encode(), op_arg=arg))
-        keys = self._keys(limits)
-        if op == "release":
-            # A seat given back: the tasks in line for one are due at once.
-            keys += [lim.queue_in(self.prefix) for lim in limits if lim.leased]
-            keys += [room_key(self.prefix, part).encode() for part in ("ready", "wake")]
-        return keys, args + self._limit_args(limits)
+    def _call(self, limits: Sequence[AnyLimit], *head: object) -> Call:
+        """KEYS and ARGV of a command that takes ``limits`` (``lua/limits.lua``) after its
+        own ARGV ``head`` (its script names them; now, the first, is added here)."""
+        args = [str(self._now_us()).encode(), *(str(v).encode() for v in head)]
+        return self._keys(limits), args + self._limit_args(limits)
+
+    def _release_call(self, limits: Sequence[AnyLimit], holder: str, ran_us: int) -> Call:
+        keys, args = self._call(limits, holder, ran_us)
+        # A seat given back: the tasks in line for one are due at once.
+        keys += [lim.queue_in(self.prefix) for lim in limits if lim.leased]
+        keys += [room_key(self.prefix, part).encode() for part in ("ready", "wake")]
+        return keys, args
+
+    def _paused_call(self, limits: Sequence[AnyLimit], *head: object) -> Call:
+        if not limits:
+            raise ValueError("pause and resume need at least one limit")
+        return self._call(limits, *head)
 
     def _cancel_call(self, limits: Sequence[AnyLimit], booking: Reservation) -> Call:
-        args = list(_head_args(now=self._now_us(), claim=booking, op=b"cancel"))
-        return self._keys(limits), args + self._limit_args(limits)
+        return self._call(limits, booking.slot, booking.booked, booking.epoch)
 
     def _settle_call(self, limit: Limit, actual: int, charged: int | None) -> Call | None:
         diff = (units("actual cost", actual)
                 - (limit.cost if charged is None else units("charged cost", charged)))
         if diff == 0:
             return None
-        args = [*_head_args(now=self._now_us(), op=b"settle"),
-                str(limit.rate.interval_us).encode(), str(limit.burst).encode(),
-                str(diff).encode()]
+        args = [str(self._now_us()).encode(), str(limit.rate.interval_us).encode(),
+                str(limit.burst).encode(), str(diff).encode()]
         return self._keys([limit]), args
 
     def _follow_call(self, limits: Sequence[AnyLimit], remaining: int,
@@ -189,15 +196,15 @@ class GateCalls:
                  and (left + 1 - lim.burst) * lim.rate.interval_us < reset_us]
         if not bound:
             return None
-        args = [*_head_args(now=self._now_us(), op=b"follow", op_arg=reset_us)]
+        args = [str(self._now_us()).encode(), str(reset_us).encode()]
         for lim in bound:
             args += [str(lim.rate.interval_us).encode(), str(lim.burst).encode(),
                      str(left).encode()]
         return self._keys(bound) + [lim.held_in(self.prefix) for lim in bound], args
 
     def _inspect_call(self, limit: AnyLimit) -> Call:
-        args = [*_head_args(now=self._now_us(), op=b"inspect"), *self._limit_args([limit])]
-        return self._keys([limit]) + self._held_keys(limit), args
+        keys, args = self._call([limit])
+        return keys + self._held_keys(limit), args
 
     @staticmethod
     def _bucket_state(limit: Limit, reply: Any) -> BucketState:
@@ -226,8 +233,8 @@ class GateCalls:
         return [limit.held_in(self.prefix)] if isinstance(limit, Limit) else []
 
     def _keys(self, limits: Sequence[AnyLimit]) -> list[bytes]:
-        """KEYS of gate.lua (its header names them): each limit's key, the epoch, then each
-        limit's side keys."""
+        """The limits' KEYS of every command (``lua/limits.lua``): each limit's key, the
+        epoch, then each limit's side keys."""
         keys = [lim.key_in(self.prefix) for lim in limits]
         keys.append(_epoch_key(self.prefix))
         keys += [k for lim in limits for k in lim.side_keys(self.prefix)]
@@ -267,9 +274,10 @@ class Gate(GateCalls):
         self.client = client
         # Every call off the packed path goes through redis-py's Script:
         # EVALSHA, and the body again on NOSCRIPT (SCRIPT FLUSH, a restart).
-        self._script = client.register_script(SCRIPT)
+        self._scripts = {name: client.register_script(text) for name, text in COMMANDS.items()}
         if packed and PackedPath.takes(client):
-            self._packed = PackedPath(cast(redis.Redis, client), SCRIPT, self._script.sha)
+            self._packed = PackedPath(cast(redis.Redis, client), COMMANDS["decide"],
+                                      self._scripts["decide"].sha)
 
     @classmethod
     def from_url(cls, url: str, *, master_name: str | None = None, **options: Any) -> Gate:
@@ -278,8 +286,9 @@ class Gate(GateCalls):
         return cls(connect(url, master_name=master_name), **options)
 
     def preload(self) -> None:
-        """Load the script now, so the first decision is a plain EVALSHA."""
-        self.client.script_load(SCRIPT)
+        """Load the commands' scripts now, so the first call of each is a plain EVALSHA."""
+        for text in COMMANDS.values():
+            self.client.script_load(text)
 
     def acquire(self, name: str, rate: str | Rate, *, burst: int = 1, key: object = None,
                 cost: int = 1) -> Decision:
@@ -319,7 +328,7 @@ class Gate(GateCalls):
             if reply is not None:
                 return self._decision(limits, reply)
         keys, args = self._decide_call(limits, reserve, claim, grace, holder, in_line, near)
-        return self._decision(limits, self._script(keys=keys, args=args))
+        return self._decision(limits, self._run("decide", keys, args))
 
     def wait(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
              holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:
@@ -365,7 +374,7 @@ class Gate(GateCalls):
         room's dispatcher serves them in their line's order).  Returns how many
         leases were released (0: none held, e.g. expired).
         """
-        return self._op(limits, "release", to_us(ran_for), holder)
+        return int(self._run("release", *self._release_call(limits, holder, to_us(ran_for))))
 
     def extend(self, limits: Sequence[AnyLimit], holder: str) -> int:
         """Renew ``holder``'s leases for another lease time (a running task's heartbeat).
@@ -373,7 +382,7 @@ class Gate(GateCalls):
         A lease that expired is taken again if a seat is free.  Returns how
         many leases are lost (all seats taken by others meanwhile): 0 is good.
         """
-        return self._op(limits, "extend", 0, holder)
+        return int(self._run("renew", *self._call(limits, holder)))
 
     def pause(self, limits: Sequence[AnyLimit], seconds: float) -> float:
         """Admit nothing in any of ``limits`` for ``seconds`` (a provider's ``Retry-After``).
@@ -382,11 +391,11 @@ class Gate(GateCalls):
         pause ends are void (their tasks book again after it).  A longer
         pause already set is kept.  Returns the seconds the pause lasts.
         """
-        return from_us(self._op(limits, "pause", to_us(seconds), ""))
+        return from_us(int(self._run("pause", *self._paused_call(limits, to_us(seconds)))))
 
     def resume(self, limits: Sequence[AnyLimit]) -> int:
         """End a pause of ``limits`` now (:meth:`pause`); returns how many were paused."""
-        return self._op(limits, "resume", 0, "")
+        return int(self._run("resume", *self._paused_call(limits)))
 
     def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int:
         """Give back ``booking`` (from :meth:`acquire_many` with the same ``limits``) unused.
@@ -396,8 +405,7 @@ class Gate(GateCalls):
         hole that costs throughput but never lets two starts share a slot.
         Returns how many limits gave it back.
         """
-        keys, args = self._cancel_call(limits, booking)
-        return int(self._script(keys=keys, args=args))
+        return int(self._run("cancel", *self._cancel_call(limits, booking)))
 
     def settle(self, limit: Limit, actual: int, *, charged: int | None = None) -> None:
         """Correct ``limit``'s charge from its estimated ``cost`` to the ``actual`` units.
@@ -413,7 +421,7 @@ class Gate(GateCalls):
         """
         call = self._settle_call(limit, actual, charged)
         if call is not None:
-            self._script(keys=call[0], args=call[1])
+            self._run("settle", *call)
 
     def follow(self, limits: Sequence[AnyLimit], remaining: int, reset: float) -> int:
         """The provider says ``remaining`` units are left until its limit is full again,
@@ -430,21 +438,21 @@ class Gate(GateCalls):
         call = self._follow_call(limits, remaining, reset)
         if call is None:
             return 0
-        return int(self._script(keys=call[0], args=call[1]))
+        return int(self._run("follow", *call))
 
     def inspect(self, limit: Limit) -> BucketState:
         """Read ``limit``'s bucket without charging it (for status commands and metrics).
 
         The script's ``inspect`` operation answers, so "when is the next start
-        free" is gate.lua's own admission test, not a copy of it.
+        free" is the decision's own admission test (bucket.lua), not a copy of it.
         """
         keys, args = self._inspect_call(limit)
-        return self._bucket_state(limit, self._script(keys=keys, args=args))
+        return self._bucket_state(limit, self._run("inspect", keys, args))
 
     def inspect_leases(self, limit: Concurrency) -> LeaseState:
         """Count ``limit``'s unexpired leases and read its pause, without changing them."""
         keys, args = self._inspect_call(limit)
-        return self._lease_state(limit, self._script(keys=keys, args=args))
+        return self._lease_state(limit, self._run("inspect", keys, args))
 
     def reset(self, limit: AnyLimit) -> bool:
         """Forget ``limit``'s bucket (full again; a concurrency limit: its leases, pause)."""
@@ -462,27 +470,26 @@ class Gate(GateCalls):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _op(self, limits: Sequence[AnyLimit], op: str, arg: int, holder: str) -> int:
-        keys, args = self._op_call(limits, op, arg, holder)
-        return int(self._script(keys=keys, args=args))
+    def _run(self, command: str, keys: list[bytes], args: list[bytes]) -> Any:
+        """Run the gate's ``command`` (its script: EVALSHA, the body again on NOSCRIPT)."""
+        return self._scripts[command](keys=keys, args=args)
 
 
-def _head_args(*, now: int = 0, horizon: int = _NEVER, claim: Reservation | None = None,
-               grace: int = 0, holder: str = "", op: bytes = b"a",
-               op_arg: int = 0) -> tuple[bytes, ...]:
-    """ARGV[1..10] of gate.lua (its header names them), microseconds throughout."""
-    if now == 0 and claim is None and not holder and op in (b"a", b"q"):
-        return _plain_head(horizon, grace, op, op_arg)  # most calls: the few distinct ones
+def _decide_head(*, now: int, horizon: int, claim: Reservation | None, grace: int,
+                 holder: str, near: int) -> tuple[bytes, ...]:
+    """ARGV[1..9] of decide.lua (its header names them), microseconds throughout."""
+    if now == 0 and claim is None and not holder:
+        return _plain_head(horizon, grace, near)  # most calls: the few distinct ones
     slot, mask, epoch, shift = ((claim.slot, claim.booked, claim.epoch, claim.shift)
                                 if claim is not None else (0, 0, 0, 0))
     return (*(str(v).encode() for v in (now, horizon, slot, grace, mask, epoch)),
-            holder.encode(), op, str(op_arg).encode(), str(shift).encode())
+            holder.encode(), str(near).encode(), str(shift).encode())
 
 
 @functools.lru_cache(maxsize=256)
-def _plain_head(horizon: int, grace: int, op: bytes, op_arg: int) -> tuple[bytes, ...]:
-    return (b"0", str(horizon).encode(), b"0", str(grace).encode(), b"0", b"0", b"", op,
-            str(op_arg).encode(), b"0")
+def _plain_head(horizon: int, grace: int, near: int) -> tuple[bytes, ...]:
+    return (b"0", str(horizon).encode(), b"0", str(grace).encode(), b"0", b"0", b"",
+            str(near).encode(), b"0")
 
 
 @functools.lru_cache(maxsize=64)

@@ -69,7 +69,7 @@ class Limit:
         return self.rate.interval_us
 
     def script_args(self) -> tuple[bytes, bytes, bytes]:
-        """This limit's three ARGV of gate.lua: interval (us), burst, cost."""
+        """Its three ARGV in every gate command (``lua/limits.lua``): interval (us), burst, cost."""
         return _encoded(self.rate.interval_us, self.burst, self.cost)
 
     def key_in(self, prefix: str) -> bytes:
@@ -127,7 +127,7 @@ class Concurrency:
         return to_us(self.lease)
 
     def script_args(self) -> tuple[bytes, bytes, bytes]:
-        """This limit's three ARGV of gate.lua: 0 (no interval), seats, lease (us)."""
+        """Its three ARGV in every gate command (``lua/limits.lua``): 0, seats, lease (us)."""
         return _encoded(0, self.seats, self.lease_us)
 
     def key_in(self, prefix: str) -> bytes:

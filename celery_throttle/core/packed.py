@@ -44,7 +44,7 @@ IDLE_CONNECTIONS = 8
 # bounded, since per-key limits may be many.
 _MAX_PACKED = 4096
 
-Call = tuple[list[bytes], list[bytes]]  # (KEYS, ARGV) of one gate.lua call
+Call = tuple[list[bytes], list[bytes]]  # (KEYS, ARGV) of one gate command
 # A plain decision: its cache key, and its packed command or the call to pack.
 Plain = tuple[tuple[Any, ...], "list[bytes] | Call"]
 

@@ -1,7 +1,7 @@
 """What a running task holds: concurrency leases (renewed by a heartbeat) and settle().
 
 A task admitted under a concurrency limit holds a lease in Redis under its
-task id (``gate.lua`` takes it atomically with the task's other limits).
+task id (``decide.lua`` takes it atomically with the task's other limits).
 While the run lasts, one daemon thread per worker process renews every lease
 the process holds, every third of the shortest lease; when the run ends in
 any state, ``task_postrun`` gives the lease back.  A process that dies

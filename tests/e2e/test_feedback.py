@@ -34,7 +34,7 @@ pytestmark = pytest.mark.integration
 # flight under-estimated by half (3 x 20 tokens): 320, in our starts' time,
 # plus a start up to the claim grace (0.25 s x 90) late: 342.  The provider
 # counts on its own clock, after each request's trip.  Until settlements
-# moved the slots booked before them (gate.lua, "shift"), tasks booked at the
+# moved the slots booked before them (bucket.lua, "shift"), tasks booked at the
 # estimates' pace kept those slots: 1-2 429s in 2 of 2 runs on 2026-12-01
 # (worst accepted windows 345, 346); since, 8 runs: 0 429s, worst 215-292.
 TOKEN_WINDOW, TOKEN_BUDGET = 2.0, 350

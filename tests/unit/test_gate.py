@@ -309,16 +309,14 @@ def _keep_keys(g: Gate, client: redis.Redis) -> None:
     PERSIST runs in the script's own transaction, microseconds after it.
     TTLs are tested on their own (``test_ttl_*``, ``test_every_write_sets_a_ttl``).
     """
-    script = g._script
-
-    def call(keys: list[bytes], args: list[bytes]) -> object:
+    def run(command: str, keys: list[bytes], args: list[bytes]) -> object:
         pipe = client.pipeline(transaction=True)
-        script(keys=keys, args=args, client=pipe)
+        g._scripts[command](keys=keys, args=args, client=pipe)
         for key in keys:
             pipe.persist(key)
         return pipe.execute()[0]
 
-    g._script = call  # type: ignore[assignment]
+    g._run = run  # type: ignore[method-assign]
 
 
 @settings(max_examples=200, deadline=None,

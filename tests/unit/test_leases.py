@@ -1,6 +1,6 @@
 """Concurrency leases, provider pauses and settled costs at the gate, on real Redis.
 
-Every decision runs the real ``gate.lua``; the caller clock is moved
+Every decision runs the real ``decide.lua``; the caller clock is moved
 explicitly, so lease expiry and pauses are exact without sleeping.
 """
 

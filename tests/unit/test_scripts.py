@@ -3,6 +3,7 @@ when missing, named twice or circular."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def test_every_script_of_the_package_resolves_and_includes_what_it_uses() -> Non
     """Each script file loads; a script calling a shared function has its file in front."""
     shared = {"read_rate(": "core/bucket.lua", "epoch_of(": "core/epoch.lua",
               "take(": "core/lease.lua", "fair_tag(": "room/turns.lua",
-              "split_record(": "room/record.lua"}
+              "split_record(": "room/record.lua", "limits_of(": "core/limits.lua",
+              "clock_of(": "core/clock.lua"}
     found = sorted(PACKAGE.glob("*/lua/*.lua"))
     assert len(found) >= 14
     for path in found:
@@ -83,3 +85,18 @@ def test_every_script_of_the_package_resolves_and_includes_what_it_uses() -> Non
             if call in own and f"{layer}/{path.name}" != home:
                 assert (PACKAGE / home.replace("/", "/lua/")).read_text("utf-8") in text, (
                     path, home)
+
+
+def test_the_gates_commands_are_small_scripts_that_each_do_one_thing() -> None:
+    """One script per command of the gate: each at most 350 lines, none choosing what to do
+    by an argument (an "op" compared with a name), every one loaded by the gate."""
+    from celery_throttle.core.gate import COMMANDS
+
+    found = sorted(PACKAGE.glob("core/lua/*.lua"))
+    for path in found:
+        own = path.read_text("utf-8")
+        assert len(own.splitlines()) <= 350, path
+        code = re.sub(r"--\[\[.*?\]\]|--[^\n]*", "", own, flags=re.S)
+        assert not re.search(r"\bop\b|ARGV\[[^]]+\]\s*==\s*'", code), path
+    libraries = {"bucket", "clock", "epoch", "lease", "limits"}
+    assert {p.stem for p in found} - libraries == set(COMMANDS)

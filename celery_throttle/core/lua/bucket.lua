@@ -1,9 +1,33 @@
 --[[
 celery_throttle bucket.lua: the rate bucket, one copy for every script that
-charges one (gate.lua decides a start, room/lua/serve.lua dispatches a
-waiting task), which include it (core/scripts.py puts it in front of
-theirs); the script sets `now` (microseconds) before it calls any function
-below.
+reads or charges one (the gate's commands; room/lua/serve.lua, which
+dispatches a waiting task), which include it (core/scripts.py puts it in
+front of theirs); the script sets `now` (microseconds) before it calls any
+function below.
+
+GCRA (the leaky bucket as a meter) keeps one integer per bucket: the
+theoretical arrival time TAT, in microseconds of the decision clock.  For an
+emission interval T, a burst B and a cost c, a start at `now` is allowed when
+
+    max(TAT, now) + c*T - B*T <= now
+
+and then TAT becomes max(TAT, now) + c*T.  Several buckets are decided all or
+nothing (decide.lua): either every bucket admits and every bucket is
+charged, or none is written.
+
+* A pause (a provider answered 429 with Retry-After): until then the bucket
+  admits nothing and honours no slot booked before the pause ends.  It is
+  stored in the bucket's value, "TAT:until", so a decision still reads one
+  key.
+* A shift (a settlement charged more than the estimate, or a start later
+  than its slot): the TAT moves on by the difference, and so must every slot
+  booked before, or the tasks holding them would start at the estimates'
+  pace (measured: 345 tokens in a 2 s window of a 90/s, burst 80 budget) or
+  one interval minus the lateness after a late start (a window one start
+  over the bound).  The bucket keeps the sum of all such moves,
+  "TAT:until:shift" (us); a booking carries the shift it was made at, and
+  its claim is honoured that much later: slot + (shift now - shift then).
+  Refunds move only the TAT (a slot is never moved earlier).
 
 A rate limit here is a table { key, interval (us), burst, cost }.
 ]]

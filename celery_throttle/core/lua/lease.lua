@@ -1,13 +1,18 @@
 --- @include "core/bucket.lua"
 --[[
 celery_throttle lease.lua: a concurrency limit's seats, one copy for every
-script that takes one (gate.lua decides a start, room/lua/serve.lua
+script that takes one (the gate's commands; room/lua/serve.lua, which
 dispatches a waiting task), which include it.  It includes bucket.lua
 (which declares `now` and `us`).
 
 A concurrency limit here is a table { key, slots, lease (us), meta }: key a
-sorted set of leases (holder -> expiry, us), meta a hash of its pause, its
-average run and its holders' starts ("s:<holder>").
+sorted set of leases (member = the holder, a task id; score = when the lease
+expires), meta a hash of its pause, its average run, the waiters' pacing
+cursor and its holders' starts ("s:<holder>").  Expired leases are reclaimed
+before counting, so a killed worker's seat comes back within one lease time;
+a running task's heartbeat renews its lease (renew.lua).  A full limit
+cannot book a future seat (nobody knows when a lease ends), so waiters are
+paced instead (decide.lua).
 ]]
 local META_TTL_MS = 86400000
 

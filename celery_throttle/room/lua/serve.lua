@@ -48,7 +48,7 @@ A task's record is in the messages hash, before its message (record.lua).
   the one it was enqueued with) admit it within `ahead`: every one is charged
   for that moment (a concurrency limit: a seat is free, or it holds one; its
   lease is taken in the task's id) and the task is dispatched.  A full
-  concurrency limit admits it when a seat is given back (gate.lua's release
+  concurrency limit admits it when a seat is given back (release.lua
   makes its queue due) or, failing that, when its earliest lease ends.  The
   limit that blocks it is another one: it moves to that limit's queue with
   its place in line.  Its expiry or its
@@ -233,7 +233,7 @@ end
 
 -- The task's limits as they are now; nil when one of its buckets was not
 -- passed (the caller looks at the queue again and brings it).
-local function limits_of(task)
+local function task_limits(task)
   local lims = {}
   for i, l in ipairs(task.l) do
     local key, name, interval, burst, cost, fair, units = row_of(l)
@@ -285,7 +285,7 @@ local function serve(q)
     elseif (task.w or 0) > 0 and now >= task.w then
       dispatch(q, entry, 't', 0, place, false)
     else
-      local lims = limits_of(task)
+      local lims = task_limits(task)
       if not lims then
         due_at(q, now, true)
         return

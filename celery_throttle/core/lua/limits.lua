@@ -1,0 +1,45 @@
+--[[
+celery_throttle limits.lua: the limits a gate command is called with, laid out
+one way for every command (core/gate.py, GateCalls, builds them):
+
+KEYS[i]        limit i's key, i = 1..n: a rate bucket (bucket.lua), or a
+               concurrency limit's sorted set of leases (lease.lua)
+KEYS[n+1]      the prefix's epoch (epoch.lua)
+KEYS[n+1+j]    the meta hash of the j-th concurrency limit among the n, j = 1..m
+KEYS[n+2+m..]  the command's own keys, named at its top
+
+ARGV[1..HEAD]  the command's own head, named at its top; ARGV[1] is always now
+               (clock.lua)
+ARGV[HEAD+3i-2 .. HEAD+3i]  limit i:
+               a rate limit: interval T (us >= 1), burst B (>= 1), cost c
+               (1 <= c <= B, checked by the caller; settle.lua and follow.lua
+               give it a meaning of their own, said there)
+               a concurrency limit: 0, slots N (>= 1), lease (us >= 1)
+]]
+
+-- The limits after an ARGV head of `head` fields: L[i] is a rate limit
+-- { key, interval, burst, cost } or a concurrency limit { key, concurrent,
+-- slots, lease, meta, nth }; returns L, n, m (the concurrency limits among
+-- the n) and the index in KEYS of the command's first own key.
+local function limits_of(head)
+  local n = (#ARGV - head) / 3
+  local L, m = {}, 0
+  for i = 1, n do
+    local base = head + 3 * i
+    local interval = tonumber(ARGV[base - 2])
+    if interval == 0 then
+      m = m + 1
+      L[i] = { key = KEYS[i], concurrent = true, slots = tonumber(ARGV[base - 1]),
+               lease = tonumber(ARGV[base]), meta = KEYS[n + 1 + m], nth = m }
+    else
+      L[i] = { key = KEYS[i], interval = interval, burst = tonumber(ARGV[base - 1]),
+               cost = tonumber(ARGV[base]) }
+    end
+  end
+  return L, n, m, n + 2 + m
+end
+
+-- Is limit i (1-based) in the booked-limits mask `mask` (bit i-1)?
+local function booked_in(mask, i)
+  return math.floor(mask / 2 ^ (i - 1)) % 2 == 1
+end

@@ -109,8 +109,12 @@ class WaitingRoom:
         self._park = client.register_script(script(__package__, "park.lua"))
         self._dispatch = client.register_script(script(__package__, "dispatch.lua"))
         self._arrive = client.register_script(script(__package__, "arrive.lua"))
-        # (look.lua: reads with the server's clock)
-        self._look = client.register_script(script(__package__, "look.lua"))
+        # Reads with the server's clock (state.lua says why scripts), and the purge.
+        self._state = client.register_script(script(__package__, "state.lua"))
+        self._peek = client.register_script(script(__package__, "peek.lua"))
+        self._note = client.register_script(script(__package__, "note.lua"))
+        self._where = client.register_script(script(__package__, "where.lua"))
+        self._purge = client.register_script(script(__package__, "purge.lua"))
         self.queues = Queues(client, prefix)  # the limits' queues share the messages
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
@@ -290,10 +294,10 @@ class WaitingRoom:
         those to publish and how many parked ones were made due.  Two calls: the first
         finds the entries and their queues (a script may touch only the keys it is given).
         Tasks that wait nowhere here (started, or waiting as a countdown) are left alone."""
-        args: list[str] = ["where"]
+        args: list[str] = []
         for task_id in task_ids:
             args += [key_digest(task_id), entry_id(task_id)]
-        reply = self._look(keys=[self.notes, self.messages, self.parked], args=args)
+        reply = self._where(keys=[self.notes, self.messages, self.parked], args=args)
         in_line: dict[str, list[str]] = {}
         parked = []
         for i in range(0, len(reply), 3):
@@ -316,7 +320,7 @@ class WaitingRoom:
 
     def next_parked(self, count: int) -> list[Waiting]:
         """The ``count`` parked tasks dispatched next, with their messages and notes."""
-        reply = self._look(keys=[self.parked, self.messages], args=["peek", count])
+        reply = self._peek(keys=[self.parked, self.messages], args=[count])
         now = _micros(reply[0], reply[1])
         items = reply[2:]
         if not items:
@@ -332,8 +336,8 @@ class WaitingRoom:
     def purge(self) -> list[str]:
         """Drop every parked and every dispatched-but-not-arrived task (a dispatched copy that
         arrives later is refused); return their task ids ("" for an unreadable message)."""
-        messages = self._look(keys=[self.parked, self.messages, self.claimed, self.wake,
-                                    self.notes], args=["purge"])
+        messages = self._purge(keys=[self.parked, self.messages, self.claimed, self.wake,
+                                     self.notes])
         self.queues.clear()
         if self.keeper is not None:
             self.keeper.clear()
@@ -341,8 +345,7 @@ class WaitingRoom:
 
     def state(self) -> RoomState:
         """Counts and the next dispatch time, read in one round trip."""
-        sec, usec, parked, claimed, first = self._look(keys=[self.parked, self.claimed],
-                                                       args=["state"])
+        sec, usec, parked, claimed, first = self._state(keys=[self.parked, self.claimed])
         nxt = from_us(int(float(first)) - _micros(sec, usec)) if first else None
         return RoomState(int(parked), int(claimed), nxt)
 
@@ -353,9 +356,9 @@ class WaitingRoom:
         started, or waits as a countdown: ``integration/notes.py``) or, while the
         task waits here, a field of the notes hash; a task in line is noted as "@" and
         its entry (``Queues.find`` reads it)."""
-        sec, usec, raw = self._look(
+        sec, usec, raw = self._note(
             keys=[task_key(self.prefix, "wait", task_id), self.notes, self.messages],
-            args=["note", key_digest(task_id), entry_id(task_id)])
+            args=[key_digest(task_id), entry_id(task_id)])
         return _micros(sec, usec), _raw(raw)
 
 

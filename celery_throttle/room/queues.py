@@ -183,7 +183,10 @@ class Queues:
         self.notes = room_key(prefix, "notes")  # (parking.py's: the wait notes)
         self.live = live_key(prefix)
         self._enqueue = client.register_script(script(__package__, "enqueue.lua"))
+        self._due = client.register_script(script(__package__, "due.lua"))
+        self._heads = client.register_script(script(__package__, "heads.lua"))
         self._serve = client.register_script(script(__package__, "serve.lua"))
+        self._withdraw = client.register_script(script(__package__, "withdraw.lua"))
         self._ahead: tuple[float, int, float] | None = None  # (read at, lead_us, seconds)
 
     def ahead(self, lead_us: int = 0) -> float:
@@ -193,8 +196,7 @@ class Queues:
         now = time.monotonic()
         if self._ahead is None or now - self._ahead[0] > AHEAD_FOR_S \
                 or self._ahead[1] != lead_us:
-            reply = self._serve(keys=[self.ready, self.trip],
-                                args=["look", 0, MAX_AHEAD_US, lead_us])
+            reply = self._due(keys=[self.ready, self.trip], args=[0, MAX_AHEAD_US, lead_us])
             self._ahead = (now, lead_us, from_us(int(reply[1])))
         return self._ahead[2]
 
@@ -264,14 +266,13 @@ class Queues:
         queue (0: more are due now; None: no task waits).  ``revoked(task_id)``: such
         tasks are dispatched uncharged (the worker drops them).  ``lead_us``: served
         this much ahead of their start, besides the measured trip (as parked tasks are)."""
-        reply = self._serve(keys=[self.ready, self.trip],
-                            args=["look", LOOK_QUEUES, MAX_AHEAD_US, lead_us])
+        reply = self._due(keys=[self.ready, self.trip],
+                          args=[LOOK_QUEUES, MAX_AHEAD_US, lead_us])
         queues = [text(q) for q in reply[3:]]
         if not queues:
             wait = int(reply[2])
             return (None if wait < 0 else from_us(wait)), []
-        heads = self._serve(keys=[self.messages, *queues],
-                            args=["heads", LOOK_HEADS])
+        heads = self._heads(keys=[self.messages, *queues], args=[LOOK_HEADS])
         others: dict[str, None] = {}  # buckets of the tasks' other limits, in order
         uncharged = []
         i = 0
@@ -294,8 +295,7 @@ class Queues:
         reply = self._serve(
             keys=[self.messages, self.ready, self.claimed, self.epoch, self.trip,
                   self.wake, self.specs, self.live, *quads],
-            args=["serve", batch, timeout_us, " ".join(uncharged), len(own), MAX_AHEAD_US,
-                  lead_us])
+            args=[batch, timeout_us, " ".join(uncharged), len(own), MAX_AHEAD_US, lead_us])
         wait = int(reply[0])
         return (None if wait < 0 else from_us(wait)), _served(int(reply[1]), reply[2:])
 
@@ -305,10 +305,9 @@ class Queues:
         queues, to be dispatched without a charge, and make the ``parked`` ones due now
         (``parked_key``: the waiting room's parked set); ``WaitingRoom.cancel`` finds them."""
         queues = list(dict.fromkeys(q for found in in_line.values() for q in found))
-        reply = self._serve(
-            keys=[self.messages, self.claimed, self.epoch, parked_key, self.wake,
-                  *queues],
-            args=["cancel", timeout_us, " ".join(in_line), " ".join(parked)])
+        reply = self._withdraw(
+            keys=[self.messages, self.claimed, self.epoch, parked_key, self.wake, *queues],
+            args=[timeout_us, " ".join(in_line), " ".join(parked)])
         return _served(int(reply[1]), reply[2:]), int(reply[0])
 
     def lines(self, intervals: Mapping[str, int], *, most: int = 10_000,

@@ -1,8 +1,9 @@
+--- @include "core/clock.lua"
 --[[
 celery_throttle bucket.lua: the rate bucket, one copy for every script that
 reads or charges one (the gate's commands; room/lua/serve.lua, which
 dispatches a waiting task), which include it (core/scripts.py puts it in
-front of theirs); the script sets `now` (microseconds) before it calls any
+front of theirs); the script sets `now` (clock.lua) before it calls any
 function below.
 
 GCRA (the leaky bucket as a meter) keeps one integer per bucket: the
@@ -31,7 +32,6 @@ charged, or none is written.
 
 A rate limit here is a table { key, interval (us), burst, cost }.
 ]]
-local now
 
 local function us(v)
   return string.format('%d', v) -- %d: the default format rounds 16 digits

@@ -1,11 +1,14 @@
 --[[
-celery_throttle clock.lua: the decision clock, one copy for every gate command,
-which include it (with bucket.lua, which declares `now`).
+celery_throttle clock.lua: the clock of every script, which include it.  It
+declares `now` (microseconds), which a script sets before it calls anything
+that reads it.
 
-Every command's ARGV[1] is "now" in microseconds: 0 means this server's TIME
-(the default: every worker agrees whatever its own clock says), anything else
-the caller's clock (a gate built with clock="local" or a callable).
+Every gate command's ARGV[1] is "now" in microseconds: 0 means this server's
+TIME (the default: every worker agrees whatever its own clock says),
+anything else the caller's clock (a gate built with clock="local" or a
+callable).  The waiting room's scripts are on the server's clock.
 ]]
+local now
 
 -- This server's clock, microseconds.
 local function server_us()

@@ -64,7 +64,7 @@ Reply: 1 when simply allowed (charged now); otherwise
            booking (hand it back as ARGV[9] with the claim)
 ]]
 
-now = clock_of(ARGV[1]) -- (declared by bucket.lua)
+now = clock_of(ARGV[1]) -- (declared by clock.lua)
 local horizon = tonumber(ARGV[2])
 local claim = tonumber(ARGV[3])
 local grace = tonumber(ARGV[4])

@@ -1,6 +1,6 @@
 --[[
 celery_throttle epoch.lua: the prefix's epoch, one copy for every script that
-hands it out (decide.lua with a booking, room/lua/dispatch.lua and serve.lua
+hands it out (decide.lua with a booking, room/lua/dispatch.lua, serve.lua and withdraw.lua
 with a dispatched task), which include it.
 
 The epoch is when the prefix's state began: set once, with no TTL, when first

@@ -3,7 +3,7 @@
 celery_throttle lease.lua: a concurrency limit's seats, one copy for every
 script that takes one (the gate's commands; room/lua/serve.lua, which
 dispatches a waiting task), which include it.  It includes bucket.lua
-(which declares `now` and `us`).
+(`us`; `now`: clock.lua).
 
 A concurrency limit here is a table { key, slots, lease (us), meta }: key a
 sorted set of leases (member = the holder, a task id; score = when the lease

@@ -1,6 +1,7 @@
 --- @include "core/clock.lua"
 --- @include "core/limits.lua"
 --- @include "core/lease.lua"
+--- @include "core/bell.lua"
 --[[
 celery_throttle release.lua: give back a holder's leases in the concurrency
 limits among those given; feed each one's average run; make the tasks
@@ -25,8 +26,7 @@ local holder, ran_for = ARGV[2], tonumber(ARGV[3])
 local L, n, m, own = limits_of(3)
 local ready, wake = KEYS[own + m], KEYS[own + m + 1]
 
--- A seat given back: the line waiting for one is due now; wake a dispatcher
--- (one token is enough, as park.lua).
+-- A seat given back: the line waiting for one is due now; wake a dispatcher.
 local function line_due(line)
   if redis.call('EXISTS', line) == 0 then
     return
@@ -34,9 +34,7 @@ local function line_due(line)
   local current = tonumber(redis.call('ZSCORE', ready, line))
   if not current or current > now then
     redis.call('ZADD', ready, now, line)
-    redis.call('LPUSH', wake, '1')
-    redis.call('LTRIM', wake, 0, 0)
-    redis.call('PEXPIRE', wake, 60000)
+    ring(wake)
   end
 end
 

@@ -1,3 +1,4 @@
+--- @include "core/clock.lua"
 -- Which copy of an acks_late task's message may go on (see defer.py).
 --
 -- KEYS[1]  the task's pointer ({prefix}:copy:<id digest>:<retries>); absent until
@@ -35,8 +36,7 @@
 -- copy served from its line is given its seat at dispatch, on its way).
 local latest = tonumber(ARGV[5] or 0) or 0
 if latest > 0 then
-  local t = redis.call('TIME')
-  if tonumber(t[1]) * 1000000 + tonumber(t[2]) > latest then
+  if server_us() > latest then
     return 3
   end
 end

@@ -1,3 +1,4 @@
+--- @include "core/clock.lua"
 --[[
 A dispatched task arrives at a worker: may this copy go on?
 
@@ -37,8 +38,7 @@ Reply: this server's time (us, > 0) when this copy goes on, 0 when it is a
 duplicate
 ]]
 local entry = ARGV[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+now = server_us()
 if redis.call('HDEL', KEYS[1], entry) == 1 then
   redis.call('ZREM', KEYS[2], entry)
   if ARGV[5] ~= '' then

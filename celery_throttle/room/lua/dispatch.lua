@@ -1,3 +1,4 @@
+--- @include "core/clock.lua"
 --- @include "core/epoch.lua"
 --[[
 Claim the parked tasks that are due, for one dispatcher to publish.
@@ -27,8 +28,7 @@ Reply: { wait, epoch, entry 1, token 1, message 1, entry 2, ... }
            another): the arrival tells a broker's redelivery of one publish
            from a second publish of the same entry
 ]]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+now = server_us()
 local batch = tonumber(ARGV[1])
 local deadline = now + tonumber(ARGV[2])
 local est = redis.call('HMGET', KEYS[5], 'avg', 'dev')

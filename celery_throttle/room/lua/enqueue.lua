@@ -1,3 +1,5 @@
+--- @include "core/clock.lua"
+--- @include "core/bell.lua"
 --- @include "room/turns.lua"
 --[[
 Put a waiting task in line: the queue of the rate limit that blocks it
@@ -33,8 +35,7 @@ Reply: now (us); 0 when the entry waits already (nothing written): the
 broker delivered the same message again.  With ARGV[8] "1": how many tasks
 were in the queue before it, -1 when none (nothing written), or that 0
 ]]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+now = server_us()
 local entry = ARGV[1]
 local ahead = ARGV[8] == '1' and redis.call('ZCARD', KEYS[2])
 if ahead == 0 then
@@ -57,11 +58,7 @@ if not current or due < current then
   redis.call('ZADD', KEYS[3], due, KEYS[2])
   local first = redis.call('ZRANGE', KEYS[3], 0, 0)
   if first[1] == KEYS[2] then
-    -- One token is enough (as in park.lua): the dispatcher woken reads the
-    -- index again.
-    redis.call('LPUSH', KEYS[4], '1')
-    redis.call('LTRIM', KEYS[4], 0, 0)
-    redis.call('PEXPIRE', KEYS[4], 60000)
+    ring(KEYS[4]) -- (the dispatcher woken reads the index again)
   end
 end
 if ARGV[5] ~= '' then

@@ -1,3 +1,5 @@
+--- @include "core/clock.lua"
+--- @include "core/bell.lua"
 --[[
 Park a waiting task in the waiting room (see room/parking.py).
 
@@ -21,8 +23,7 @@ ARGV[6]  the note's field in KEYS[4] (the task id's digest)
 Reply: { dispatch time (us), now (us) }; dispatch time 0 when the entry is
 parked already (nothing written): the broker delivered the same message again
 ]]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+now = server_us()
 local at = tonumber(ARGV[3])
 if at <= 0 then
   at = now + tonumber(ARGV[4])
@@ -34,11 +35,7 @@ end
 redis.call('ZADD', KEYS[1], at, entry)
 local first = redis.call('ZRANGE', KEYS[1], 0, 0)
 if first[1] == entry then
-  -- One token is enough: any dispatcher may dispatch any entry, and the one
-  -- woken goes back to sleep until the next dispatch time it reads.
-  redis.call('LPUSH', KEYS[3], '1')
-  redis.call('LTRIM', KEYS[3], 0, 0)
-  redis.call('PEXPIRE', KEYS[3], 60000)
+  ring(KEYS[3])
 end
 if ARGV[5] ~= '' then
   -- A field, not a key with a TTL: a key costs about 400 bytes of Redis per

@@ -104,3 +104,20 @@ def test_every_script_is_small_and_does_one_thing() -> None:
     libraries = {"bucket", "bell", "clock", "epoch", "lease", "limits"}
     core = {p.stem for p in found if p.parent.parent.name == "core"}
     assert core - libraries == set(COMMANDS)
+
+
+def test_the_architecture_page_lists_every_script_with_its_includes() -> None:
+    """docs/architecture.md names every script of the package, a command with the
+    libraries it includes (as its own lines say) and a library in the libraries' table."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text("utf-8")
+    rows = {m.group(1): m.group(2) for m in re.finditer(
+        r"^\| `([a-z]+/[a-z]+)\.lua` \|(.*)$", page, re.MULTILINE)}
+    for path in sorted(PACKAGE.glob("*/lua/*.lua")):
+        name = f"{path.parent.parent.name}/{path.stem}"
+        assert name in rows, name
+        own = path.read_text("utf-8")
+        included = re.findall(r'^--- @include "[a-z]+/([a-z]+)\.lua"', own, re.MULTILINE)
+        cells = [c.strip() for c in rows[name].split("|")]
+        if len(cells) > 3:  # a command: writes | includes | keys
+            assert sorted(c.strip() for c in cells[1].split(",") if c.strip()) == \
+                sorted(included), name

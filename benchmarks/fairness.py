@@ -56,8 +56,8 @@ from typing import Any
 
 import redis
 
-from celery_throttle.core.keys import room_key
 from celery_throttle.core.rates import parse_rate
+from celery_throttle.room.keys import room_key
 from celery_throttle.testing import max_in_window, redis_server, workers
 
 ROOT = Path(__file__).resolve().parent.parent

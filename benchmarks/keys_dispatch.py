@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import redis
 
-from celery_throttle.core.keys import room_key
 from celery_throttle.core.limits import Limit
 from celery_throttle.core.rates import parse_rate
 from celery_throttle.room.dispatcher import BATCH
+from celery_throttle.room.keys import room_key
 from celery_throttle.room.queues import Queues
 from celery_throttle.testing import RedisServer
 

@@ -22,8 +22,9 @@ from ..values import US_PER_SECOND, from_us, seconds, to_us, units
 from . import waiting
 from .connect import connect
 from .keys import (
+    bell_key,
     epoch_key,
-    room_key,
+    freed_key,
     validate_prefix,
 )
 from .limits import (
@@ -160,7 +161,7 @@ class GateCalls:
         keys, args = self._call(limits, holder, ran_us)
         # A seat given back: the tasks in line for one are due at once.
         keys += [lim.queue_in(self.prefix) for lim in limits if lim.leased]
-        keys += [room_key(self.prefix, part).encode() for part in ("ready", "wake")]
+        keys += [freed_key(self.prefix).encode(), bell_key(self.prefix).encode()]
         return keys, args
 
     def _paused_call(self, limits: Sequence[AnyLimit], *head: object) -> Call:

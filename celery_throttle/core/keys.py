@@ -1,4 +1,4 @@
-"""Where state lives: every key name is built here.
+"""Where the core's state lives: every key name the core uses is built here.
 
 A limit's keys: ``{<prefix>}:<kind>:<digest>:<name>``, where ``kind`` is
 ``b`` (a rate bucket), ``q`` (its queue of waiting tasks), ``t`` (the
@@ -11,8 +11,9 @@ value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
 one.  The name comes last, after two parts of fixed form, so a limit name
 can hold any character (``:`` included) and still never be the key of
 another limit, nor of the package's own keys: those (``epoch``, ``live``,
-``enforce``, ``room:*``, ``wait:*``, ``copy:*``, ``arrived:*``, ``counts:*``)
-start with a word no limit key starts with.
+``enforce``, ``bell``, ``freed``, ``wait:*``, ``copy:*``, ``arrived:*``,
+``counts:*``, and the waiting room's ``room:*``) start with a word no limit
+key starts with.
 
 * The prefix is the key's *first* ``{...}`` group, i.e. its Redis Cluster hash
   tag.  One decision may span several buckets (a tenant rate, a provider rate,
@@ -20,8 +21,10 @@ start with a word no limit key starts with.
   takes part in decisions with different partners, so every key of one
   prefix lives in one slot.  User data comes after the tag and can never move
   a key to another slot.
-* The waiting room (``room/parking.py``) keeps its keys under
-  ``{<prefix>}:room:<part>``, and tasks leave notes under
+* The waiting room keeps its own keys (``room/keys.py``) under a part of
+  the prefix of its own, named there, not here; the core names a limit's
+  line (what a decision reads of it) and the doorbell a freed seat rings.
+  Tasks leave notes under
   ``{<prefix>}:<kind>:<task id digest>``: same hash tag, so a script that
   books a slot and one that parks the task may touch both.
 * Key values are always hashed (BLAKE2b, 128 bits) after a type tag: values
@@ -37,9 +40,9 @@ import base64
 import hashlib
 import uuid
 
-__all__ = ["bucket_key", "copy_key", "counts_key", "enforce_key", "epoch_key", "held_key",
-           "key_digest", "leases_key", "limit_of", "line_of", "live_key", "meta_key",
-           "operator_key", "queue_key", "room_key", "seat_queue_key",
+__all__ = ["bell_key", "bucket_key", "copy_key", "counts_key", "enforce_key", "epoch_key",
+           "freed_key", "held_key", "key_digest", "leases_key", "limit_of", "line_of",
+           "live_key", "meta_key", "operator_key", "queue_key", "seat_queue_key",
            "sibling_key", "split_limit_key", "task_key", "turns_key",
            "validate_name", "validate_prefix"]
 
@@ -181,10 +184,17 @@ def copy_key(prefix: str, task_id: str, retries: int) -> str:
     return f"{task_key(prefix, 'copy', task_id)}:{retries}"
 
 
-def room_key(prefix: str, part: str) -> str:
-    """A waiting-room key: ``parked``, ``messages``, ``claimed``, ``wake``, or a
-    dispatcher's own ``bell:<id>``."""
-    return f"{{{prefix}}}:room:{part}"
+def bell_key(prefix: str) -> str:
+    """The dispatchers' doorbell (``lua/bell.lua``): a list of at most one token, rung
+    where a task is due sooner than a sleeping dispatcher would look (a seat given back,
+    a task parked or put in line first)."""
+    return f"{{{prefix}}}:bell"
+
+
+def freed_key(prefix: str) -> str:
+    """The lines of the limits a seat was given back in (``lua/release.lua``): a set of line
+    keys, due at once; the waiting room's dispatch empties it into its ready index."""
+    return f"{{{prefix}}}:freed"
 
 
 def task_key(prefix: str, kind: str, task_id: str) -> str:

@@ -53,12 +53,12 @@ from kombu import Queue
 from kombu.exceptions import ChannelError
 
 from .. import faults
-from ..core.keys import room_key
 from ..core.logs import Every, logger
 from ..values import to_us
 from .envelope import Envelope
 from .header import HEADER
 from .keeper import Keeper
+from .keys import room_key
 from .native import NativeThread
 from .parking import Parked, WaitingRoom
 from .queues import Served

@@ -43,9 +43,10 @@ from typing import Any, cast
 
 import redis
 
-from ..core.keys import room_key, task_key
+from ..core.keys import task_key
 from ..core.scripts import script
 from ..values import text
+from .keys import room_key
 
 __all__ = ["RESTORE_BATCH", "Keeper", "LinePlace", "in_line_kept", "read_kept"]
 

@@ -41,13 +41,14 @@ import redis
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
-from ..core.keys import epoch_key, key_digest, room_key, task_key
+from ..core.keys import bell_key, epoch_key, key_digest, task_key
 from ..core.limits import AnyLimit
 from ..core.logs import logger
 from ..core.scripts import script
 from ..values import US_PER_SECOND, from_us, text
 from .envelope import Envelope
 from .keeper import Keeper, LinePlace, in_line_kept, read_kept
+from .keys import room_key
 from .queues import MAX_AHEAD_US, Queues, Served, Weights, entry_id, queues_of
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
@@ -102,7 +103,7 @@ class WaitingRoom:
         self.replicas = replicas  # a park returns once this many replicas have it
         self._unreplicated_until = 0.0  # monotonic: parks do not wait for replicas until then
         self.parked, self.messages = room_key(prefix, "parked"), room_key(prefix, "messages")
-        self.claimed, self.wake = room_key(prefix, "claimed"), room_key(prefix, "wake")
+        self.claimed, self.wake = room_key(prefix, "claimed"), bell_key(prefix)
         self.trip, self.notes = room_key(prefix, "trip"), room_key(prefix, "notes")
         self.epoch = epoch_key(prefix)
         # redis-py's Script: EVALSHA, reloaded on NOSCRIPT; registering does no I/O.

@@ -50,12 +50,13 @@ from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
 from ..core.keys import (
+    bell_key,
     epoch_key,
+    freed_key,
     key_digest,
     limit_of,
     line_of,
     live_key,
-    room_key,
     sibling_key,
     split_limit_key,
 )
@@ -63,6 +64,7 @@ from ..core.limits import AnyLimit, Concurrency, Limit
 from ..core.scripts import script
 from ..values import from_us, text
 from .envelope import in_line, split_record
+from .keys import room_key
 
 __all__ = ["MAX_AHEAD_US", "InLine", "Line", "Queues", "Served", "Weights", "entry_id",
            "entry_json", "fair_of", "queues_of"]
@@ -178,9 +180,10 @@ class Queues:
         self.prefix = prefix
         self.messages = room_key(prefix, "messages")
         self.ready, self.specs = room_key(prefix, "ready"), room_key(prefix, "specs")
-        self.claimed, self.wake = room_key(prefix, "claimed"), room_key(prefix, "wake")
+        self.claimed, self.wake = room_key(prefix, "claimed"), bell_key(prefix)
         self.trip, self.epoch = room_key(prefix, "trip"), epoch_key(prefix)
         self.notes = room_key(prefix, "notes")  # (parking.py's: the wait notes)
+        self.freed = freed_key(prefix)  # (the lines a seat was given back in: due now)
         self.live = live_key(prefix)
         self._enqueue = client.register_script(script(__package__, "enqueue.lua"))
         self._due = client.register_script(script(__package__, "due.lua"))
@@ -196,7 +199,8 @@ class Queues:
         now = time.monotonic()
         if self._ahead is None or now - self._ahead[0] > AHEAD_FOR_S \
                 or self._ahead[1] != lead_us:
-            reply = self._due(keys=[self.ready, self.trip], args=[0, MAX_AHEAD_US, lead_us])
+            reply = self._due(keys=[self.ready, self.trip, self.freed],
+                              args=[0, MAX_AHEAD_US, lead_us])
             self._ahead = (now, lead_us, from_us(int(reply[1])))
         return self._ahead[2]
 
@@ -266,7 +270,7 @@ class Queues:
         queue (0: more are due now; None: no task waits).  ``revoked(task_id)``: such
         tasks are dispatched uncharged (the worker drops them).  ``lead_us``: served
         this much ahead of their start, besides the measured trip (as parked tasks are)."""
-        reply = self._due(keys=[self.ready, self.trip],
+        reply = self._due(keys=[self.ready, self.trip, self.freed],
                           args=[LOOK_QUEUES, MAX_AHEAD_US, lead_us])
         queues = [text(q) for q in reply[3:]]
         if not queues:

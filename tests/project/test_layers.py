@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -208,3 +209,32 @@ def test_no_module_imports_a_private_name_of_another() -> None:
                 private += [f"{path.name}: {node.module}.{a.name}" for a in node.names
                             if a.name.startswith("_") and not a.name.startswith("__")]
     assert private == []
+
+
+# Where key names are built: the core's modules build only the core's keys (core/keys.py:
+# the limits, their lines, the epoch, the freed set and the doorbell).  The waiting room's
+# own keys (room/keys.py: its messages, parked and claimed sets, the lines' ready index,
+# the trip estimate, the wait notes) are built by room_key, or spelled ":room:".
+_ROOM_KEY_NAMES = re.compile(r"\broom_key\(|:room:")
+
+
+def _room_keys_named(source: str) -> list[str]:
+    """The lines of a module's source that build a waiting-room key's name."""
+    return [line.strip() for line in source.splitlines()
+            if _ROOM_KEY_NAMES.search(line) and not line.strip().startswith("#")]
+
+
+def test_the_cores_scripts_are_given_only_the_cores_keys() -> None:
+    """Every KEYS list the core's modules build names only keys of the core's own."""
+    named = {path.name: _room_keys_named(path.read_text())
+             for path in sorted((PACKAGE / "core").glob("*.py"))}
+    assert {name: lines for name, lines in named.items() if lines} == {}
+
+
+def test_the_key_check_refuses_a_core_script_given_a_room_key() -> None:
+    """A release that rang the room's ready index itself, as it once did, is caught."""
+    call = 'keys += [room_key(self.prefix, part).encode() for part in ("ready", "wake")]'
+    assert _room_keys_named(f"def _release_call(self):\n    {call}\n") == [call]
+    spelled = 'keys.append(f"{{{self.prefix}}}:room:ready".encode())'
+    assert _room_keys_named(spelled) == [spelled]
+    assert _room_keys_named("keys.append(freed_key(self.prefix).encode())") == []

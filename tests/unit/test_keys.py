@@ -8,21 +8,24 @@ from hypothesis import strategies as st
 
 from celery_throttle import Concurrency, Gate, Limit, parse_rate
 from celery_throttle.core.keys import (
+    bell_key,
     bucket_key,
     copy_key,
     epoch_key,
+    freed_key,
     key_digest,
     leases_key,
     meta_key,
     queue_key,
-    room_key,
     seat_queue_key,
     task_key,
 )
+from celery_throttle.room.keys import room_key
 from celery_throttle.room.parking import WaitingRoom
 
 # Limit names shaped like the package's own keys, or like another limit's.
-LOOKALIKES = ["epoch", "room:parked", "room:messages", "room:claimed", "room:wake", "room:trip",
+LOOKALIKES = ["epoch", "bell", "freed", "room:parked", "room:messages", "room:claimed",
+              "room:ready", "room:trip",
               "wait:x", "copy:x:0", "arrived:x", "trip", "api:leases", "api:meta",
               "api:waiters", f"api:k:{key_digest('acme')}", "b:-:api", "-:api"]
 LIMIT_KEYS = [bucket_key, leases_key, meta_key, queue_key, seat_queue_key]
@@ -61,8 +64,8 @@ def test_distinct_limits_never_share_a_key(limits: list[tuple[int, str, object]]
 @given(names, key_values, st.text(min_size=1, max_size=12))
 def test_no_limit_key_is_ever_an_internal_key(name: str, key: object, task_id: str) -> None:
     """A limit's keys and the prefix's own keys (epoch, room, notes, copies) never meet."""
-    internal = {epoch_key("p"), copy_key("p", task_id, 0),
-                *(room_key("p", part) for part in ("parked", "messages", "claimed", "wake",
-                                                    "trip")),
+    internal = {epoch_key("p"), copy_key("p", task_id, 0), bell_key("p"), freed_key("p"),
+                *(room_key("p", part) for part in ("parked", "messages", "claimed", "ready",
+                                                    "trip", "notes")),
                 *(task_key("p", kind, task_id) for kind in ("wait", "arrived", "copy"))}
     assert {make("p", name, key) for make in LIMIT_KEYS} & internal == set()

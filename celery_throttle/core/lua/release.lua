@@ -4,15 +4,16 @@
 --- @include "core/bell.lua"
 --[[
 celery_throttle release.lua: give back a holder's leases in the concurrency
-limits among those given; feed each one's average run; make the tasks
-waiting in line for a seat due now (the dispatcher serves the line,
-room/lua/serve.lua), not when the earliest lease would have expired.
+limits among those given; feed each one's average run; a line of tasks
+waiting for a freed seat is due now, not when the earliest lease would have
+expired: it goes into the freed set and the doorbell rings (the waiting
+room's dispatch moves it to its ready index, room/lua/due.lua).
 
 KEYS and the limits' ARGV: limits.lua.  The command's own:
 KEYS[c+j-1] the j-th concurrency limit's line of tasks waiting for a seat
-            (room/queues.py), j = 1..m
-KEYS[c+m]   the lines' ready index (room/queues.py)
-KEYS[c+m+1] the dispatchers' wake list (room/parking.py)
+            (keys.py), j = 1..m (read)
+KEYS[c+m]   the freed set (keys.py freed_key)
+KEYS[c+m+1] the doorbell (bell.lua)
 ARGV[1]     now (clock.lua)
 ARGV[2]     the holder (a task id)
 ARGV[3]     how long the holder ran, us (its own measure; 0: the server's,
@@ -24,17 +25,14 @@ Reply: the leases released (0: none held, e.g. expired)
 now = clock_of(ARGV[1])
 local holder, ran_for = ARGV[2], tonumber(ARGV[3])
 local L, n, m, own = limits_of(3)
-local ready, wake = KEYS[own + m], KEYS[own + m + 1]
+local freed, bell = KEYS[own + m], KEYS[own + m + 1]
 
--- A seat given back: the line waiting for one is due now; wake a dispatcher.
+-- A seat given back: its line, if tasks wait in it, is due now.
 local function line_due(line)
-  if redis.call('EXISTS', line) == 0 then
-    return
-  end
-  local current = tonumber(redis.call('ZSCORE', ready, line))
-  if not current or current > now then
-    redis.call('ZADD', ready, now, line)
-    ring(wake)
+  if redis.call('EXISTS', line) == 1 then
+    redis.call('SADD', freed, line)
+    redis.call('PEXPIRE', freed, 60000)
+    ring(bell)
   end
 end
 

@@ -5,7 +5,8 @@ Allowed: the task runs.  A short wait (``throttle_max_sleep``): it sleeps and
 claims its booked slot.  A longer one: the task waits outside the worker,
 parked in the waiting room (``room/parking.py``, sent on by
 ``room/dispatcher.py``) or, without it, re-published with a countdown (in hops of at most
-``throttle_max_countdown``); then the running copy ends with Celery's
+``throttle_max_countdown``; on RabbitMQ the copy waits in the broker on the delay
+ladder, ``room/ladder.py``, not in a worker); then the running copy ends with Celery's
 ``Ignore`` (its message is acknowledged, no result is stored).  What it needs
 on its next arrival travels in one header (``room/header.py``); why it waits
 is noted for ``celery throttle why`` (``notes.py``); an ``acks_late`` task's
@@ -33,7 +34,7 @@ from ..core.gate import AnyLimit, Concurrency, Decision, Limit, Reservation
 from ..core.logs import logger
 from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import queue_of
-from ..room.envelope import Envelope, capture, confirmed_producer
+from ..room.envelope import Envelope, capture, confirmed_producer, ladder_of
 from ..room.header import HEADER, WaitState, spacing_of
 from ..room.queues import MAX_AHEAD_US, entry_id
 from ..values import from_us, to_us
@@ -758,8 +759,12 @@ def _limit_name(decision: Decision, limits: list[AnyLimit]) -> str:
 
 
 def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> WaitState:
-    """Publish the task's new copy ``state`` with ``countdown``; return the copy the
-    broker took (its id is the one the copy pointer moves to).
+    """Publish the task's new copy ``state`` to come back in ``countdown`` seconds; return
+    the copy the broker took (its id is the one the copy pointer moves to).
+
+    On RabbitMQ the copy waits in the broker, on the delay ladder
+    (``room/ladder.py``): no worker holds it meanwhile.  On a Redis broker it
+    carries an ETA, and the worker that receives it holds it until then.
 
     A publish that fails with the connection is tried again on a new connection,
     as kombu retries it, but each attempt is a copy of its own (a new copy id):
@@ -782,11 +787,16 @@ def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> Wait
         # Captured, then published as captured: apply_async itself would have the
         # result backend subscribe to its result where joins do not block (see
         # capture()), once per re-publish.
-        envelope = capture(task.signature_from_request(request, countdown=countdown,
-                                                       headers=headers))
-        envelope.publish(producer, queues=app.amqp.queues, retry=False)
+        if ladder is None:  # (a Redis broker: an ETA, held by the worker it reaches)
+            envelope = capture(task.signature_from_request(request, countdown=countdown,
+                                                           headers=headers))
+            envelope.publish(producer, queues=app.amqp.queues, retry=False)
+        else:  # RabbitMQ: it waits in the broker, on the delay ladder
+            envelope = capture(task.signature_from_request(request, headers=headers))
+            ladder.send(producer, envelope, countdown, app.amqp.queues)
         faults.at("defer.published", task)
 
+    ladder = ladder_of(app)
     with confirmed_producer(app) as producer:
         policy = _outlasting(app.conf.task_publish_retry_policy)
         producer.connection.ensure(producer, lambda: attempt(producer), **policy)()

@@ -35,7 +35,9 @@ from kombu import pools
 from kombu.compression import compress
 from kombu.serialization import dumps
 
-__all__ = ["Envelope", "capture", "confirmed_producer", "in_line", "split_record"]
+from .ladder import Ladder, origin, strip
+
+__all__ = ["Envelope", "capture", "confirmed_producer", "in_line", "ladder_of", "split_record"]
 
 # The first byte of a stored envelope: its format.  A format, once stored,
 # is read for as long as a task may wait in it (a dictionary is never
@@ -135,6 +137,12 @@ class Envelope:
         return Envelope(self.body, self.content_type, self.content_encoding, self.exchange,
                         self.routing_key, {**self.headers, name: merged}, self.properties)
 
+    def via(self, exchange: str, headers: dict[str, Any]) -> Envelope:
+        """A copy published to ``exchange`` with ``headers`` instead of its own (its
+        routing key unchanged)."""
+        return Envelope(self.body, self.content_type, self.content_encoding, exchange,
+                        self.routing_key, headers, self.properties)
+
     def to(self, routing_key: str) -> Envelope:
         """A copy addressed to ``routing_key``."""
         return Envelope(self.body, self.content_type, self.content_encoding, self.exchange,
@@ -168,7 +176,7 @@ def confirmed_producer(app: Any) -> Iterator[Any]:
     the connection's settings: the app's own pool keeps its settings).  A
     Redis broker's publish is a command Redis has answered: the app's pool.
     """
-    confirming = _confirming_connection(app)
+    confirming = _broker(app).confirming
     if confirming is None:
         with app.producer_or_acquire() as producer:
             yield producer
@@ -177,23 +185,37 @@ def confirmed_producer(app: Any) -> Iterator[Any]:
         yield producer
 
 
-# app -> (its broker URL, its confirming connection; None: the broker is not AMQP), made
-# once per app, broker and process: not a kombu Connection per re-publish.
-_confirming: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+def ladder_of(app: Any) -> Ladder | None:
+    """The delay ladder of ``app``'s broker (``ladder.py``); None where the broker is not
+    RabbitMQ (a Redis broker's countdown is an ETA)."""
+    return _broker(app).ladder
 
 
-def _confirming_connection(app: Any) -> Any:
+@dataclass(frozen=True, slots=True)
+class _Broker:
+    url: str
+    confirming: Any  # the connection for confirmed re-publishes; None: not AMQP
+    ladder: Ladder | None
+
+
+# app -> what it needs of its broker for re-publishes, made once per app, broker URL and
+# process: not a kombu Connection per re-publish.
+_brokers: weakref.WeakKeyDictionary[Any, _Broker] = weakref.WeakKeyDictionary()
+
+
+def _broker(app: Any) -> _Broker:
     url = app.conf.broker_url
-    known = _confirming.get(app)
-    if known is None or known[0] != url:
+    known = _brokers.get(app)
+    if known is None or known.url != url:
         connection = app.connection_for_write()
         confirming = None
         if connection.transport.driver_type == "amqp":
             options = {**(connection.transport_options or {}), "confirm_publish": True}
             confirming = app.connection_for_write(transport_options=options)
         connection.release()
-        known = _confirming[app] = (url, confirming)
-    return known[1]
+        known = _brokers[app] = _Broker(url, confirming,
+                                        Ladder() if confirming is not None else None)
+    return known
 
 
 def in_line(record: str, stored: bytes) -> bytes:
@@ -260,9 +282,10 @@ class _Recorder:
                       and v is not None}
         if delivery_mode is not None:
             properties["delivery_mode"] = delivery_mode
-        name = getattr(exchange, "name", exchange) or ""
-        self.sent = Envelope(data, content_type, content_encoding, str(name), routing_key or "",
-                             headers, properties)
+        name = str(getattr(exchange, "name", exchange) or "")
+        # A copy that came down the delay ladder goes back where it was first sent.
+        self.sent = Envelope(data, content_type, content_encoding, origin(name, headers),
+                             routing_key or "", strip(headers), properties)
 
 
 def capture(signature: Any) -> Envelope:

@@ -160,8 +160,9 @@ PROCESS_STATE = {
     "core.credit._unspent": "the start the running task was admitted for (a context "
                             "variable: one value per thread and coroutine)",
     "faults._hooks": "fault hooks a test's worker registered",
-    "room.envelope._confirming": "each app's connection for confirmed re-publishes on "
-                                 "RabbitMQ, made once per broker URL (kombu pools by it)",
+    "room.envelope._brokers": "each app's connection for confirmed re-publishes on "
+                              "RabbitMQ and its delay ladder, made once per broker URL "
+                              "(kombu pools by it)",
     "integration.leases._heartbeat": "one thread per process renews the leases its runs hold",
     "integration.memory._frozen": "this pool process froze what it inherited",
     "integration.memory._pending": "a deferral left garbage for the next run to collect",

@@ -30,7 +30,7 @@ Every rung expires in order (one TTL per queue), the messages are
 persistent and the queues durable: a broker's restart keeps them, and a
 message whose time passed while the broker was down goes on when it is back.
 The topology is declared once per process and broker, the first time it is
-used, and each destination queue bound once.
+used, and each destination bound once.
 """
 
 from __future__ import annotations
@@ -57,16 +57,19 @@ __all__ = [
 RUNGS = 32
 #: The longest delay (milliseconds) one trip down the ladder waits.
 MAX_DELAY_MS = 2**RUNGS - 1
-#: The exchange the bottom rung delivers to (routing by :data:`QUEUE_HEADER`).
-DELIVERY = "celery_throttle.delay.out"
+# Every exchange and queue of the ladder is named with this prefix.
+_PREFIX = "celery_throttle.delay."
+#: The exchange the bottom rung delivers to (routing by :data:`TO_HEADER`).
+DELIVERY = _PREFIX + "out"
 #: The header naming where a message goes back to (:func:`target`).
 TO_HEADER = "celery_throttle_to"
-_BIT = "celery_throttle_d{}"
+_BIT_PREFIX = "celery_throttle_d"
+_BIT = _BIT_PREFIX + "{}"
 
 
 def rung_name(rung: int) -> str:
     """The exchange and queue of ``rung``."""
-    return f"celery_throttle.delay.{rung}"
+    return f"{_PREFIX}{rung}"
 
 
 def rung_headers(delay_ms: int) -> tuple[str, dict[str, str]]:
@@ -85,7 +88,7 @@ def origin(exchange: str, headers: dict[str, Any]) -> str:
     delivery names the ladder's exchange (dead-lettering), its header where it went back
     to.  Any other message's ``exchange`` as it is."""
     to = headers.get(TO_HEADER)
-    if not (exchange.startswith("celery_throttle.delay.") and isinstance(to, str)):
+    if not (exchange.startswith(_PREFIX) and isinstance(to, str)):
         return exchange
     kind, _, name = to.partition(":")
     return name if kind == "x" else ""
@@ -96,7 +99,7 @@ def strip(headers: dict[str, Any]) -> dict[str, Any]:
     # RabbitMQ's own record of its dead-letterings goes too: a message whose x-death
     # names a rung's queue it expires from again is taken for a loop and dropped.
     return {k: v for k, v in headers.items()
-            if k != TO_HEADER and not k.startswith(("celery_throttle_d", "x-death",
+            if k != TO_HEADER and not k.startswith((_BIT_PREFIX, "x-death",
                                                     "x-first-death-", "x-last-death-"))}
 
 
@@ -116,16 +119,17 @@ class Ladder:
         self._lock = threading.Lock()
 
     def send(self, producer: Any, envelope: Any, delay: float, queues: Any) -> None:
-        """Publish ``envelope`` (an ``envelope.Envelope``, as captured, with no ETA; not
-        imported here: envelope.py imports this module) through ``producer`` to arrive in
-        its queue ``delay`` seconds from now (at most :data:`MAX_DELAY_MS`)."""
+        """Publish ``envelope`` (an ``envelope.Envelope`` as :func:`capture` made it: no ETA,
+        the last trip's headers stripped; not imported here, as envelope.py imports this
+        module) through ``producer`` to arrive ``delay`` seconds from now (at most
+        :data:`MAX_DELAY_MS`)."""
         if not envelope.exchange and envelope.routing_key in queues:
             # (declared as apply_async would, before it is bound)
             maybe_declare(queues[envelope.routing_key], producer.channel)
         to = target(envelope.exchange, envelope.routing_key)
         self.ready(producer.channel, to)
         exchange, bits = rung_headers(min(max(round(delay * 1000), 0), MAX_DELAY_MS))
-        envelope.via(exchange, {**strip(envelope.headers), **bits, TO_HEADER: to}).publish(
+        envelope.via(exchange, {**envelope.headers, **bits, TO_HEADER: to}).publish(
             producer, retry=False)
 
     def ready(self, channel: Any, to: str) -> None:

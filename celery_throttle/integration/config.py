@@ -22,6 +22,7 @@ from ..core.gate import Limit
 from ..core.keys import key_digest, validate_prefix
 from ..core.rates import parse_rate
 from ..errors import ThrottleConfigError
+from ..room.ladder import MAX_DELAY_MS
 from ..room.native import patched
 from ..values import seconds
 
@@ -55,7 +56,8 @@ SETTINGS: dict[str, tuple[object, str]] = {
                          "ahead (s) it books its slot; a later wait comes back when a slot "
                          "is within reach"),
     "throttle_max_countdown": (None, "longest single countdown (s); default: half the broker's "
-                               "visibility_timeout (Redis/SQS), at most 900; 900 on AMQP"),
+                               "visibility_timeout (Redis/SQS), at most 900; on AMQP the "
+                               "delay ladder's longest, 49 days"),
     "throttle_max_sleep": (0.5, "waits up to this many seconds are slept in the worker "
                            "instead of re-publishing the task; where the task would wait in "
                            "line, at most the dispatch lead plus the measured trip: a longer "
@@ -208,11 +210,12 @@ def _visibility_timeout(app: Celery) -> float:
 def _default_max_countdown(visibility: float | None) -> float:
     # kombu #337: with the Redis (and SQS) transport an ETA message that stays
     # unacknowledged longer than visibility_timeout is redelivered and runs
-    # twice.  A single countdown stays at half of it; longer waits hop.  An
-    # AMQP broker (None) has no visibility timeout (it redelivers when the
-    # channel closes), and RabbitMQ's consumer_timeout (30 min by default)
-    # closes a channel that holds a message longer: 900 s there too.
-    return 900.0 if visibility is None else max(1.0, min(900.0, visibility / 2))
+    # twice.  A single countdown stays at half of it; longer waits hop.  On an
+    # AMQP broker (None) a countdown waits in the broker, on the delay ladder,
+    # and no worker holds it: one trip, as long as the ladder's longest.
+    if visibility is None:
+        return MAX_DELAY_MS / 1000
+    return max(1.0, min(900.0, visibility / 2))
 
 
 #: Settings that earlier versions read, and what takes their place: naming one is an

@@ -33,7 +33,7 @@ from ..core import waiting
 from ..core.gate import AnyLimit, Concurrency, Decision, Limit, Reservation
 from ..core.logs import logger
 from ..errors import ThrottleStoreError, ThrottleTimeout
-from ..room.dispatcher import queue_of
+from ..room.dispatcher import by_lane, queue_of
 from ..room.envelope import Envelope, capture, confirmed_producer, ladder_of
 from ..room.header import HEADER, WaitState, spacing_of
 from ..room.queues import MAX_AHEAD_US, entry_id
@@ -128,14 +128,15 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             logger.info("throttle: task %s[%s] dropped: a second copy dispatched from the "
                         "waiting room (the first one goes on)", task.name, request.id)
             raise Ignore()
-        # The entry is taken: a copy made from here on is a new one, and goes
-        # to the task's queue, not the lane it came by (retry() and parking
-        # again take the routing from delivery_info).
+        # The entry is taken: a copy made from here on is a new one.
         state = replace(state, entry="", token="", room=0, charged="", kept=False)
-        info: dict[str, Any] = dict(request.delivery_info or {})
-        if info.get("routing_key"):
-            info["routing_key"] = queue_of(str(info["routing_key"]))
-            request.delivery_info = info  # type: ignore[assignment]
+    info: dict[str, Any] = dict(request.delivery_info or {})
+    if info.get("routing_key") and queue_of(str(info["routing_key"])) != info["routing_key"]:
+        # Came by its queue's lane (dispatched, or re-published to wait): a copy made
+        # from here on goes to the task's queue, as the task was sent (retry() and
+        # parking again take the routing from delivery_info).
+        info["routing_key"] = queue_of(str(info["routing_key"]))
+        request.delivery_info = info  # type: ignore[assignment]
     concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
     holder = str(request.id) if concurrent else ""
     latest = 0  # the latest it may start, server clock (us; 0: any time)
@@ -280,11 +281,12 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
     # A short wait is slept, then the booked slot claimed (the claim is what charges
     # the limits the slot is not booked in): the waiting loop of every waiter
     # (core/waiting.py).  Bounded: if the slot is lost again and again, the task
-    # waits outside the worker instead.  A copy dispatched from the waiting room
-    # arrives up to the dispatch lead early: it sleeps that, whatever
-    # throttle_max_sleep says (parking it again for less would loop).
-    max_sleep = max(config.max_sleep, config.dispatch_lead + 0.1) if arrived \
-        else config.max_sleep
+    # waits outside the worker instead.  A copy dispatched from the waiting room,
+    # or re-published for a booked slot, arrives up to the dispatch lead early: it
+    # sleeps that, whatever throttle_max_sleep says (sending it away again for
+    # less would loop).
+    max_sleep = max(config.max_sleep, config.dispatch_lead + 0.1) \
+        if arrived or state.booked else config.max_sleep
 
     def elsewhere(decision: Decision) -> bool:
         return decision.retry_after > max_sleep or (in_line and _waits_for_a_seat(decision))
@@ -643,8 +645,18 @@ def _send_back(task: Task[Any, Any], runtime: Runtime, state: WaitState,
 def _count_down(task: Task[Any, Any], runtime: Runtime, state: WaitState,
                 countdown: float) -> WaitState:
     """Re-publish the task with ``countdown``, at most ``throttle_max_countdown`` (a longer
-    wait comes back then and asks again); return the copy the broker took."""
-    return _republish(task, state, min(max(countdown, 0.001), runtime.config.max_countdown))
+    wait comes back then and asks again); return the copy the broker took.
+
+    A copy booked for a slot is aimed the dispatch lead before it, as the
+    waiting room dispatches one: aimed at the slot itself, its way to a pool
+    process (the broker's delivery, the consumer, the pool's handoff) would
+    make it late, past its grace, and it would lose the slot.  The pool
+    process it reaches sleeps the rest.
+    """
+    config = runtime.config
+    if state.booked and countdown <= config.max_countdown:
+        countdown -= min(config.dispatch_lead, countdown)
+    return _republish(task, state, min(max(countdown, 0.001), config.max_countdown))
 
 
 def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, delay_us: int) -> bool:
@@ -759,8 +771,8 @@ def _limit_name(decision: Decision, limits: list[AnyLimit]) -> str:
 
 
 def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> WaitState:
-    """Publish the task's new copy ``state`` to come back in ``countdown`` seconds; return
-    the copy the broker took (its id is the one the copy pointer moves to).
+    """Publish the task's new copy ``state`` to come back in ``countdown`` seconds from the
+    call; return the copy the broker took (its id is the one the copy pointer moves to).
 
     On RabbitMQ the copy waits in the broker, on the delay ladder
     (``room/ladder.py``): no worker holds it meanwhile.  On a Redis broker it
@@ -777,23 +789,27 @@ def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> Wait
     request = task.request
     app = task.app
     sent: list[WaitState] = []
+    asked = time.monotonic()
 
     def attempt(producer: Any) -> None:
         this = replace(state, copy=new_copy()) if sent else state
         sent.append(this)
         headers = {**(request.headers or {}), HEADER: this.to_header()}
+        # Counted from now, not from the publish: a publish that takes long (a new
+        # connection, the ladder's declaration, a retry) must not make it late.
+        left = max(countdown - (time.monotonic() - asked), 0.001)
         # signature_from_request keeps id, args, queue/routing, priority, links,
         # chain, expires, time limits and `retries` (so max_retries is untouched).
         # Captured, then published as captured: apply_async itself would have the
         # result backend subscribe to its result where joins do not block (see
         # capture()), once per re-publish.
         if ladder is None:  # (a Redis broker: an ETA, held by the worker it reaches)
-            envelope = capture(task.signature_from_request(request, countdown=countdown,
-                                                           headers=headers))
+            envelope = by_lane(capture(task.signature_from_request(
+                request, countdown=left, headers=headers)))
             envelope.publish(producer, queues=app.amqp.queues, retry=False)
         else:  # RabbitMQ: it waits in the broker, on the delay ladder
-            envelope = capture(task.signature_from_request(request, headers=headers))
-            ladder.send(producer, envelope, countdown, app.amqp.queues)
+            envelope = by_lane(capture(task.signature_from_request(request, headers=headers)))
+            ladder.send(producer, envelope, left, app.amqp.queues)
         faults.at("defer.published", task)
 
     ladder = ladder_of(app)

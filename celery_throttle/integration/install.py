@@ -2,8 +2,9 @@
 
 Receivers (all idempotent, all for this app only):
 
-* ``celeryd_after_setup`` (with the waiting room): also consume each
-  queue's lane of dispatched tasks (``dispatcher.add_lanes``).
+* ``celeryd_after_setup``: also consume each queue's lane, where tasks
+  dispatched from a line or re-published to wait come back
+  (``dispatcher.add_lanes``).
 * ``on_after_finalize`` / ``worker_init``: put the gate in every task's call
   path (queue limits apply to undecorated tasks too).  This must happen before
   the worker builds its tracers, which capture ``task.run``.
@@ -160,10 +161,9 @@ def install(app: Celery) -> Celery:
         return sender is None or getattr(sender, "app", app) is app
 
     def on_after_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
-        if instance is not None and getattr(instance, "app", None) is app \
-                and read_config(app).waiting_room:
+        if instance is not None and getattr(instance, "app", None) is app:
             lanes = add_lanes(app.amqp.queues)
-            logger.info("celery_throttle: consuming the lanes of dispatched tasks: %s",
+            logger.info("celery_throttle: consuming the lanes of tasks aimed at a start: %s",
                         ", ".join(lanes) or "none")
 
     if getattr(app, "finalized", False):

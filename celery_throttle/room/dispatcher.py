@@ -13,7 +13,8 @@ script call and one blocking pop per ``IDLE`` seconds.
 Dispatched tasks go to a *lane* beside their queue (``<queue>.dispatched``),
 which every worker consuming the queue also consumes (:func:`add_lanes`):
 behind a backlog of fresh tasks in the queue itself, a dispatched task would
-reach a worker long after its slot.
+reach a worker long after its slot.  A task re-published to wait comes back
+by the lane too (:func:`by_lane`).
 
 The thread is an operating-system thread also under the gevent and eventlet
 pools (``native.py``), with a store client and a broker connection of its
@@ -63,7 +64,7 @@ from .native import NativeThread
 from .parking import Parked, WaitingRoom
 from .queues import Served
 
-__all__ = ["LANE", "Dispatcher", "add_lanes", "lane_of", "queue_of"]
+__all__ = ["LANE", "Dispatcher", "add_lanes", "by_lane", "lane_of", "queue_of"]
 
 #: The longest sleep between two looks at the waiting room, in seconds.
 IDLE = 5.0
@@ -91,6 +92,13 @@ def lane_of(queue: str) -> str:
 def queue_of(routing_key: str) -> str:
     """The queue a lane belongs to (any other name is returned as is)."""
     return routing_key[: -len(LANE)] if routing_key.endswith(LANE) else routing_key
+
+
+def by_lane(envelope: Envelope) -> Envelope:
+    """``envelope`` as a copy aimed at a start is sent: addressed to its queue by name, to
+    the queue's lane, ahead of the backlog of fresh tasks in the queue itself; published
+    to an exchange, where the exchange routes it."""
+    return envelope if envelope.exchange else envelope.to(lane_of(envelope.routing_key))
 
 
 def add_lanes(queues: Any) -> list[str]:
@@ -280,10 +288,9 @@ class Dispatcher:
         marks: dict[str, Any] = {"token": item.token, "room": item.epoch}
         if isinstance(item, Served):
             marks.update(charged=item.flag, slot=item.start or None)
-        envelope = Envelope.loads(item.message).with_header(HEADER, **marks)
+        envelope = by_lane(Envelope.loads(item.message).with_header(HEADER, **marks))
         by_name = not envelope.exchange
-        if by_name:  # addressed to its queue by name: use its lane
-            envelope = envelope.to(lane_of(envelope.routing_key))
+        if by_name:
             self._lanes.add(envelope.routing_key)
         # (Workers declare the lane when they consume it; the publish does too.)
         envelope.publish(producer, queues=queues if by_name else None,

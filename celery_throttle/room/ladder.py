@@ -8,7 +8,7 @@ prefetch), and all of a dead node's came back at once.  On RabbitMQ the
 message waits in the broker instead, on a ladder of queues whose messages
 expire (a per-queue TTL) into the next rung down (dead-lettering); no plugin:
 
-* rung ``k`` (k = 0 .. :data:`RUNGS` - 1) is a headers exchange and a durable
+* rung ``k`` (k = 0 .. :data:`RUNGS` - 1) is a headers exchange and a quorum
   queue, both named ``celery_throttle.delay.<k>``; the queue's messages live
   ``2**k`` milliseconds, then are dead-lettered to rung ``k - 1``'s exchange
   (rung 0's to the delivery exchange);
@@ -27,10 +27,17 @@ expire (a per-queue TTL) into the next rung down (dead-lettering); no plugin:
   as it was published.
 
 Every rung expires in order (one TTL per queue), the messages are
-persistent and the queues durable: a broker's restart keeps them, and a
-message whose time passed while the broker was down goes on when it is back.
-The topology is declared once per process and broker, the first time it is
-used, and each destination bound once.
+persistent and the queues quorum queues that dead-letter at least once (a
+rung keeps a message until the next one down has confirmed it): a broker's
+kill and restart keeps every message, the ones on their way from rung to
+rung too, and a message whose time passed while the broker was down goes on
+when it is back.  At least once: a message whose move the kill interrupted
+may arrive twice (an acks_late task's copy pointer, ``copies.py``, drops
+the second unless the first is still running; a task without acks_late has
+no pointer, and would run twice).  The topology is
+declared once per process and broker, the first time it is used, and each
+destination bound once.  A copy that comes back to a queue addressed by name
+goes to the queue's lane (``dispatcher.by_lane``), ahead of its backlog.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ __all__ = [
 #: Rungs of the ladder: the longest delay one trip can wait is 2**RUNGS - 1 ms (49 days).
 RUNGS = 32
 #: The longest delay (milliseconds) one trip down the ladder waits.
-MAX_DELAY_MS = 2**RUNGS - 1
+MAX_DELAY_MS: int = 2**RUNGS - 1
 # Every exchange and queue of the ladder is named with this prefix.
 _PREFIX = "celery_throttle.delay."
 #: The exchange the bottom rung delivers to (routing by :data:`TO_HEADER`).
@@ -144,22 +151,36 @@ class Ladder:
                 kind, name = to.split(":", 1)
                 match = {"x-match": "all", TO_HEADER: to}
                 if kind == "x":
-                    channel.exchange_bind(name, DELIVERY, routing_key="", arguments=match)
+                    channel.exchange_bind(name, DELIVERY, routing_key="", arguments=match,
+                                          nowait=True)
                 else:
-                    channel.queue_bind(name, DELIVERY, routing_key="", arguments=match)
+                    channel.queue_bind(name, DELIVERY, routing_key="", arguments=match,
+                                       nowait=True)
                 self._bound.add(to)
 
 
+# A classic queue dead-letters a message unconfirmed: a node killed meanwhile loses
+# messages that were on their way down (or already in their queue, not yet on disk).
+# A quorum queue keeps each until the queue it is dead-lettered to has confirmed it
+# (at-least-once dead-lettering: RabbitMQ 3.10; it needs reject-publish overflow).
+_SAFE = {"x-queue-type": "quorum", "x-dead-letter-strategy": "at-least-once",
+         "x-overflow": "reject-publish"}
+
+
 def _declare(channel: Any) -> None:
-    channel.exchange_declare(DELIVERY, "headers", durable=True, auto_delete=False)
+    # nowait: the 129 declarations go out in one stream, not a round trip each (a
+    # process's first wait would take about half a second, past a near slot).  The
+    # broker handles a channel's frames in order: the publish that follows is
+    # confirmed after them, or fails with the channel if one of them was refused.
+    channel.exchange_declare(DELIVERY, "headers", durable=True, auto_delete=False, nowait=True)
     for rung in range(RUNGS):
         name = rung_name(rung)
         below = rung_name(rung - 1) if rung else DELIVERY
-        channel.exchange_declare(name, "headers", durable=True, auto_delete=False)
-        channel.queue_declare(name, durable=True, auto_delete=False, arguments={
-            "x-message-ttl": 2**rung, "x-dead-letter-exchange": below})
+        channel.exchange_declare(name, "headers", durable=True, auto_delete=False, nowait=True)
+        channel.queue_declare(name, durable=True, auto_delete=False, nowait=True, arguments={
+            "x-message-ttl": 2**rung, "x-dead-letter-exchange": below, **_SAFE})
         # "1": wait on this rung; "0": on to the next one down at once.
-        channel.queue_bind(name, name, routing_key="",
+        channel.queue_bind(name, name, routing_key="", nowait=True,
                            arguments={"x-match": "all", _BIT.format(rung): "1"})
-        channel.exchange_bind(below, name, routing_key="",
+        channel.exchange_bind(below, name, routing_key="", nowait=True,
                               arguments={"x-match": "all", _BIT.format(rung): "0"})

@@ -14,6 +14,7 @@ import celery_throttle
 from celery_throttle import ThrottleConfigError
 from celery_throttle.core.connect import connect
 from celery_throttle.integration.config import REMOVED, SETTINGS, read_config
+from celery_throttle.room.ladder import MAX_DELAY_MS
 from celery_throttle.testing import free_port
 
 
@@ -79,12 +80,13 @@ def test_config_defaults(app: Celery) -> None:
 
 
 def test_an_amqp_broker_has_no_visibility_timeout_to_halve(app: Celery) -> None:
-    """RabbitMQ redelivers a held message only when its channel closes: a visibility timeout
-    set for it (it ignores one) does not cut countdowns short; 900 s, as at most elsewhere."""
+    """On RabbitMQ a countdown waits on the delay ladder, held by no worker: a visibility
+    timeout set for it (it ignores one) does not cut countdowns short; one trip, as long as
+    the ladder's longest."""
     app.conf["broker_url"] = "amqp://guest:guest@127.0.0.1:5672//"
     app.conf.broker_transport_options = {"visibility_timeout": 8}
     app.conf.throttle_redis_url = "redis://127.0.0.1:6379/0"
-    assert read_config(app).max_countdown == 900.0
+    assert read_config(app).max_countdown == MAX_DELAY_MS / 1000
     app.conf["broker_url"] = "redis://127.0.0.1:6379/1"
     assert read_config(app).max_countdown == 4.0
 

@@ -159,7 +159,8 @@ def test_a_countdown_re_publish_is_the_task_s_message_and_subscribes_to_no_resul
     redis_base: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The countdown path re-publishes the running task's message with an ETA and this
-    package's header, its ignore_result as it was, without subscribing to its result."""
+    package's header, its ignore_result as it was, without subscribing to its result, to
+    its queue's lane (ahead of the queue's backlog)."""
     from celery import _state
 
     from celery_throttle.integration.defer import _republish
@@ -175,7 +176,7 @@ def test_a_countdown_re_publish_is_the_task_s_message_and_subscribes_to_no_resul
 
     monkeypatch.setattr(_state, "_task_join_will_block", False)
     with Connection(broker) as conn:
-        queue = conn.SimpleQueue("celery")
+        queue = conn.SimpleQueue("celery.dispatched")
         queue.clear()
         again.push_request(id="t-again", args=(7,), kwargs={}, headers={}, retries=0,
                            delivery_info={"exchange": "", "routing_key": "celery"},

@@ -273,6 +273,7 @@ def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration:
                     break
                 time.sleep(1.0)
             held = _seats_held(env) if throttle else None
+            left = _left_in_broker(run.broker_url) if broker_kind == "amqp" else ""
         finally:
             producer.halt.set()
             fleet.close()
@@ -288,9 +289,28 @@ def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration:
     result = _judge(sent, records, t0, store_back if store_kind == "none" else 0.0,
                     lambda task_id: f"[{task_id}] received" in seen, kills, windows, cut)
     result.update(broker=broker_kind, store=store_kind if throttle else "-",
-                  throttle=throttle, seed=seed, held=held,
+                  throttle=throttle, seed=seed, held=held, left=left,
                   faults=", ".join(f"{w} {t:.0f}" for t, w in done))
     return result
+
+
+def _left_in_broker(url: str) -> str:
+    """Messages left in RabbitMQ's queues (the delay ladder's and the task queue's and its
+    lane) after the drain: where tasks that never ran were, if not lost."""
+    from kombu import Connection
+
+    from celery_throttle.room.ladder import RUNGS, rung_name
+
+    names = [rung_name(k) for k in range(RUNGS)] + ["celery", "celery.dispatched"]
+    found = []
+    with contextlib.suppress(Exception), Connection(url) as conn:
+        for name in names:
+            channel: Any = conn.channel()  # (a queue never declared closes its channel)
+            with contextlib.suppress(Exception):
+                count = channel.queue_declare(name, passive=True).message_count
+                if count:
+                    found.append(f"{name} {count}")
+    return ", ".join(found) or "none"
 
 
 def _seats_held(env: dict[str, str]) -> int | None:
@@ -461,6 +481,8 @@ def main(argv: list[str] | None = None) -> None:
                          records.url, args.logs)
                 print(_row(r), flush=True)
                 print(f"<!-- faults: {r['faults']} -->", flush=True)
+                if r["left"]:
+                    print(f"<!-- left in the broker after the drain: {r['left']} -->", flush=True)
                 recovery.append(f"- {r['broker']}, {r['store']}, "
                                 f"{'ours' if r['throttle'] else 'Celery alone'}, seed "
                                 f"{r['seed']}: {_recovery_line(r)}")

@@ -86,9 +86,9 @@ def test_a_backlog_on_a_quorum_queue_runs_once_within_the_bound(
 ) -> None:
     """60 tasks at 20/s on two nodes consuming a quorum queue: each runs once, the window
     bound holds, and the dispatched tasks' lane is a quorum queue too.  On the countdown
-    path Celery keeps the re-published copies in the worker until their ETA (a quorum
-    queue's consumer cannot raise its prefetch for them; its native delayed delivery takes
-    only topic exchanges, and the default queue's is direct)."""
+    path the re-published copies wait on the delay ladder (``room/ladder.py``), held by no
+    worker, and come back by the lane (Celery's native delayed delivery takes only topic
+    exchanges, and the default queue's is direct)."""
     conf = dict(QUORUM)
     if path == "countdown":
         conf.update(COUNTDOWNS)

@@ -116,7 +116,8 @@ def test_the_ladder_keeps_every_waiting_message_through_the_broker_s_kill() -> N
 
 def _in_queue(url: str, name: str) -> int:
     with Connection(url) as conn:
-        return int(conn.channel().queue_declare(name, passive=True).message_count)
+        channel: Any = conn.channel()
+        return int(channel.queue_declare(name, passive=True).message_count)
 
 
 def _on_ladder(url: str) -> int:

@@ -299,9 +299,10 @@ def _left_in_broker(url: str) -> str:
     lane) after the drain: where tasks that never ran were, if not lost."""
     from kombu import Connection
 
+    from celery_throttle.room.dispatcher import lane_of
     from celery_throttle.room.ladder import RUNGS, rung_name
 
-    names = [rung_name(k) for k in range(RUNGS)] + ["celery", "celery.dispatched"]
+    names = [rung_name(k) for k in range(RUNGS)] + ["celery", lane_of("celery")]
     found = []
     with contextlib.suppress(Exception), Connection(url) as conn:
         for name in names:

@@ -131,11 +131,12 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         # The entry is taken: a copy made from here on is a new one.
         state = replace(state, entry="", token="", room=0, charged="", kept=False)
     info: dict[str, Any] = dict(request.delivery_info or {})
-    if info.get("routing_key") and queue_of(str(info["routing_key"])) != info["routing_key"]:
+    came_by = str(info.get("routing_key") or "")
+    if came_by and queue_of(came_by) != came_by:
         # Came by its queue's lane (dispatched, or re-published to wait): a copy made
         # from here on goes to the task's queue, as the task was sent (retry() and
         # parking again take the routing from delivery_info).
-        info["routing_key"] = queue_of(str(info["routing_key"]))
+        info["routing_key"] = queue_of(came_by)
         request.delivery_info = info  # type: ignore[assignment]
     concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
     holder = str(request.id) if concurrent else ""

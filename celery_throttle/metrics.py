@@ -191,8 +191,7 @@ def prepare() -> None:
 
     Importing prometheus_client takes tens of milliseconds: done on a task's
     first admission, it delays that start past its slot while later tasks
-    start on time, which bunches starts together (measured: 7 starts in a
-    0.25 s window of a 20/s limit).
+    start on time, which bunches starts together.
     """
     _prometheus()
 

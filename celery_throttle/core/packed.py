@@ -5,10 +5,8 @@ every time for the same limits, horizon and grace.  Packed once and sent on
 a connection the gate keeps between calls, it skips redis-py's per-call
 argument packing, its command machinery and its pool's checkout (a lock,
 observability counters and a readiness poll per call): most of a
-decision's client-side cost.  Measured side by side in one run (``make
-bench``, BENCHMARKS.md section 2): a decision's p50 is 0.88x a PING this
-way against 1.52x through redis-py's ``Script`` on every call (sync), and
-1.27x against 1.81x an asyncio PING.
+decision's client-side cost (BENCHMARKS.md section 2 compares the two
+paths with a PING).
 
 Everything else of that path lives here, once for both gates:
 

@@ -30,81 +30,95 @@ __all__ = ["REMOVED", "SETTINGS", "Config", "QueueLimit", "read_config"]
 
 _POLICIES = ("defer", "allow", "fail")
 
-#: Every setting: (default, meaning); docs/guide/settings.md tables the same (test_docs).
+#: Every setting: (default, meaning), written once: docs/guide/settings.md is its table
+#: (test_docs compares them).  A default the code computes is None here, and the
+#: meaning ends with "; default: " and what it is.
 SETTINGS: dict[str, tuple[object, str]] = {
-    "throttle_redis_url": (
-        None, "Redis for the buckets (redis://, rediss://, unix://, sentinel://, "
-        "redis+cluster://); default: broker_url when it is one of those"),
-    "throttle_sentinel_master": (
-        None, "the master's name for a sentinel:// store; default: "
-        "broker_transport_options['master_name']"),
-    "throttle_sentinel_kwargs": (
-        None, "options of the connections to the sentinels themselves (e.g. their "
-        "password); default: broker_transport_options['sentinel_kwargs']"),
-    "throttle_park_replicas": (
-        None, "a parked task (or one put in line) is acknowledged once this many replicas "
-        "have it (WAIT, up to 0.5 s); default: 1 with a sentinel:// store, else 0"),
-    "throttle_prefix": ("throttle", "key prefix and Redis Cluster hash tag of every bucket"),
-    "throttle_queues": ({}, "{queue: rate} or {queue: {'rate': r, 'burst': b}}: a limit on "
-                        "every task consumed from that queue"),
-    "throttle_on_error": ("defer", "when the throttle's Redis fails: 'defer' (re-schedule "
-                          "with backoff), 'allow' (run unthrottled, WARNING) or 'fail'"),
-    "throttle_max_wait": (None, "seconds a task may wait in total before it fails with "
-                          "ThrottleTimeout; None: no limit"),
-    "throttle_horizon": (3600.0, "where a waiting task is re-published with a countdown "
-                         "(the waiting room is off or the store would lose it): how far "
-                         "ahead (s) it books its slot; a later wait comes back when a slot "
-                         "is within reach"),
-    "throttle_max_countdown": (None, "longest single countdown (s); default: half the broker's "
-                               "visibility_timeout (Redis/SQS), at most 900; on AMQP the "
-                               "delay ladder's longest, 49 days"),
-    "throttle_max_sleep": (0.5, "waits up to this many seconds are slept in the worker "
-                           "instead of re-publishing the task; where the task would wait in "
-                           "line, at most the dispatch lead plus the measured trip: a longer "
-                           "wait waits in line"),
-    "throttle_claim_grace": (None, "how late (s) a task may start in its booked slot; later "
-                             "it asks again; default: half the slot (cost x interval), "
-                             "between 0.02 and 0.25"),
-    "throttle_waiting_room": (True, "tasks that must wait longer than a sleep in the worker "
-                              "wait in Redis, in the line of the limit that blocks them, and "
-                              "are dispatched to their queue when it admits them, best "
-                              "priority first, where they are kept as well as in the broker "
-                              "(the store is the broker's server, appends to disk, waits for "
-                              "replicas, or a copy is kept beside the broker); else, and with "
-                              "False, they are re-published with a countdown; \"always\": "
-                              "on any store"),
-    "throttle_keep_beside_broker": (True, "where the store alone would lose waiting tasks (no "
-                                    "appendonly, not the broker's server) and the broker is "
-                                    "a Redis server: wait in the store anyway, with a copy of "
-                                    "each task kept beside the broker's queues, restored if "
-                                    "the store comes back empty; False: such waits are "
-                                    "re-published with a countdown"),
-    "throttle_enforce": (True, "False: shadow mode for every limit of the app: each decision is "
-                         "made and counted (would have waited, how long, for which limit) "
-                         "but every task runs at once; @throttled(enforce=...) overrides it "
-                         "per limit, `celery throttle shadow NAME on|off` overrides both"),
-    "throttle_priority_ageing": (3600.0, "seconds of waiting in line that are worth "
-                                 "one priority level: a waiting task moves up one level per "
-                                 "step, so urgent work never starves the rest for ever"),
-    "throttle_fair_weights": ({}, "{limit name: {fair key value: weight}}: a fair limit's "
-                              "line serves a value weight times as often as a value of "
-                              "weight 1 (the default)"),
-    "throttle_dispatch_lead": (None, "the waiting room dispatches a task this many seconds before "
-                              "its slot besides the measured broker trip (it sleeps the rest); "
-                              "default: 0.05, or 0.15 on the gevent and eventlet pools"),
-    "throttle_pool_check_interval": (None, "where prefork pool processes are recycled, the "
-                                    "worker also checks this often for an exited process and "
-                                    "starts its replacement (Celery's own check runs every 5 s, "
-                                    "and a task sent to a process just before it exited waits "
-                                    "for it); default: 0.25; 0: Celery's check only"),
-    "throttle_dispatch_timeout": (60.0, "a dispatched task that has not reached a worker after "
-                                 "this many seconds is dispatched again (only the first copy "
-                                 "to arrive runs)"),
-    "throttle_gc_freeze": (True, "at the start of each pool process, move the objects it "
-                           "inherited into the garbage collector's permanent generation "
-                           "(gc.freeze): see Memory"),
-    "throttle_metrics_port": (None, "serve Prometheus /metrics on this port from each worker "
-                              "node (needs prometheus_client; see Observability); None: off"),
+    "throttle_redis_url": (None,
+        "the store: one server (`redis://`, `rediss://`, `unix://`), Sentinel "
+        "(`sentinel://h:26379;sentinel://h2:26379`) or Cluster (`redis+cluster://h:7000`): "
+        "see [stores](stores.md); default: `broker_url` when it is one of these"),
+    "throttle_sentinel_master": (None,
+        "the master's name, for a `sentinel://` store; default: "
+        '`broker_transport_options["master_name"]`'),
+    "throttle_sentinel_kwargs": (None,
+        "options of the connections to the sentinels themselves (their password, TLS); "
+        'default: `broker_transport_options["sentinel_kwargs"]`'),
+    "throttle_park_replicas": (None,
+        "a task parked in the waiting room (or put in line) is acknowledged once this many "
+        "replicas have it (`WAIT`, at most 0.5 s; then a WARNING); default: `1` with a "
+        "`sentinel://` store, else `0`"),
+    "throttle_prefix": ("throttle",
+        "key prefix and Redis Cluster hash tag of every bucket"),
+    "throttle_queues": ({},
+        '`{queue: rate}` or `{queue: {"rate": r, "burst": b}}`: a limit on every task '
+        "consumed from that queue"),
+    "throttle_on_error": ("defer",
+        'the store is down: `"defer"` (re-schedule with backoff 1-30 s, never run '
+        'unthrottled), `"allow"` (run unthrottled, WARNING), `"fail"` (task fails with '
+        "`ThrottleStoreError`)"),
+    "throttle_max_wait": (None,
+        "seconds a task may wait in total before it fails with `ThrottleTimeout` (a "
+        "decorator's `max_wait` wins); `None`: no limit"),
+    "throttle_horizon": (3600.0,
+        "where a waiting task is re-published with a countdown (the waiting room is off, or "
+        "the store would lose it): how far ahead (s) it books its slot; a longer wait comes "
+        "back when one is within reach"),
+    "throttle_max_countdown": (None,
+        "longest single countdown (s); longer waits take several hops; default: half the "
+        "broker's `visibility_timeout` (Redis, SQS), at most 900; on RabbitMQ the delay "
+        "ladder's longest, 49 days (a countdown waits in the broker, held by no worker)"),
+    "throttle_max_sleep": (0.5,
+        "a booked slot this close (s) is slept for in the worker instead of re-publishing; "
+        "where the task would wait in line, at most the dispatch lead plus the measured trip "
+        "(a longer wait waits in line)"),
+    "throttle_claim_grace": (None,
+        "how late (s) a task may start in its booked slot; later it asks again; default: half"
+        " the slot (cost x interval), 0.02-0.25"),
+    "throttle_waiting_room": (True,
+        "tasks that must wait longer than a sleep in the worker wait in Redis, in the line of"
+        " the limit that blocks them (see [the scheduler](scheduler.md)), and are dispatched "
+        "to their queue when it admits them, best priority first, where they are kept as well"
+        " as in the broker (the store is the broker's server, appends to disk, waits for "
+        "replicas, or a copy is kept beside the broker); else, and with `False`, they are "
+        're-published with a countdown; `"always"`: on any store (see [the waiting '
+        "room](waiting-room.md))"),
+    "throttle_keep_beside_broker": (True,
+        "where the store alone would lose waiting tasks (no `appendonly`, not the broker's "
+        "server) and the broker is a Redis server: tasks wait in the store anyway, each with "
+        "a copy kept beside the broker's queues and restored from there if the store comes "
+        "back empty; `False`: such waits are re-published with a countdown (see [kept beside "
+        "the broker](waiting-room.md#kept-beside-the-broker))"),
+    "throttle_enforce": (True,
+        "`False`: shadow mode for every limit of the app: each decision is made and counted "
+        "(would have waited, how long, for which limit) but every task runs at once; "
+        "`@throttled(enforce=...)` overrides it per limit, `celery throttle shadow NAME "
+        "on|off` overrides both (see [shadow mode](observability.md#shadow-mode))"),
+    "throttle_priority_ageing": (3600.0,
+        "seconds of waiting in line that are worth one priority level: a waiting task moves "
+        "up one level per step, so urgent work never starves the rest for ever"),
+    "throttle_fair_weights": ({},
+        "`{limit name: {fair key value: weight}}`: a fair limit's line serves a value weight "
+        "times as often as a value of weight 1 (the default)"),
+    "throttle_dispatch_lead": (None,
+        "the waiting room dispatches a task this many seconds before its slot besides the "
+        "measured broker trip (it sleeps the rest): a green pool's loop delays an arrival "
+        "while the node takes in a burst, and a green thread sleeps for free; default: 0.05, "
+        "or 0.15 on the gevent and eventlet pools"),
+    "throttle_pool_check_interval": (None,
+        "the worker also checks this often (s) for a pool process that exited and starts its "
+        "replacement: Celery's own check of a process that exits just after it was sent a "
+        "task runs every 5 s, and the task waits for it; `0`: Celery's checks only (see "
+        "[worker pools](pools.md)); default: 0.25 where prefork pool processes are recycled"),
+    "throttle_dispatch_timeout": (60.0,
+        "a dispatched task that has not reached a worker after this many seconds is "
+        "dispatched again (only the first copy to arrive runs)"),
+    "throttle_gc_freeze": (True,
+        "at the start of each pool process, move the objects it inherited into the garbage "
+        "collector's permanent generation (`gc.freeze`): see [memory](memory.md)"),
+    "throttle_metrics_port": (None,
+        "serve Prometheus `/metrics` on this port from each worker node (needs "
+        "`prometheus_client`; see [observability](observability.md)); `None`: off"),
 }
 
 
@@ -332,10 +346,9 @@ def read_config(app: Celery) -> Config:
 
 #: The dispatch lead's default (s), and on the gevent and eventlet pools: there
 #: a dispatched task reaches its green thread only when the pool's loop gets
-#: to it, 100-250 ms late while the node takes in a burst (measured: 100 tasks
-#: at once at 20/s, one node -c 50, 0.93-0.98 of the limit used with 0.05, 8 of
-#: 10 runs at 0.95 or more; 0.965-0.978 in 8 of 8 with 0.15).  A green thread
-#: sleeps the difference for free; a prefork process would be held for it.
+#: to it, later still while the node takes in a burst, so it is sent earlier.
+#: A green thread sleeps the difference for free; a prefork process would be
+#: held for it.
 DISPATCH_LEAD, GREEN_DISPATCH_LEAD = 0.05, 0.15
 
 

@@ -6,7 +6,7 @@ deferred, the waits given, provider pauses, store errors) and a thread of
 ``{<prefix>}:counts:<unix second>`` (``<field>:<limit name>`` -> count), which
 expires after :data:`KEPT` seconds.  The decision's path gains a dictionary
 update, no store call: the writer costs each busy process one pipelined call
-per second, whatever the rate (measured in BENCHMARKS.md).  :func:`read_counts`
+per second, whatever the rate (BENCHMARKS.md section 6 has its cost).  :func:`read_counts`
 reads a span of seconds back, summed over every process and machine, for the
 dashboard.
 

@@ -2,20 +2,22 @@
 
 Every task that waits outside the worker ends its run with Celery's
 ``Ignore``, which Celery wraps in two ``ExceptionInfo`` objects: picklable
-copies of every frame with its code's positions (~0.3 MB per run, most of it
-in Celery's own tracer frame), left as cyclic garbage in the collector's
-oldest generation.  Python collects that generation only when it has grown
-by a quarter, and a pool process starts with ~75,000 objects in it: in a
-backlog deferred at ~75 tasks/s per process, ~130 copies waited for
-collection at any time, and each process grew by ~100 MB (measured, 3,000
-tasks at 5/s, 4 processes).
+copies of every frame with its code's positions (most of it in Celery's own
+tracer frame), left as cyclic garbage in the collector's oldest generation.
+Python collects that generation only when it has grown by a quarter, and a
+pool process starts with tens of thousands of objects in it: a backlog
+deferred at pace leaves a hundred or more copies waiting for collection at
+any time, and each process grows by that much garbage (BENCHMARKS.md
+section 3, "Memory of pool processes", measures it with the setting on and
+off).
 
 So, with ``throttle_gc_freeze`` (the default), each pool process freezes
 what it inherited at its start (those objects live as long as it does, and
 frozen, the collector no longer writes to pages shared with the parent), and
 the first gated run after a deferral collects the garbage: a full
-collection of the unfrozen objects only, ~0.7 ms.  The same run then grew
-each process by ~1 MB.  Frozen objects are never collected as cycles.
+collection of the unfrozen objects only, which is cheap, and keeps each
+process near its starting size.  Frozen objects are never collected as
+cycles.
 """
 
 from __future__ import annotations

@@ -4,10 +4,9 @@ Where prefork processes are recycled (``worker_max_tasks_per_child``,
 ``worker_max_memory_per_child``), Celery's pool replaces a process when it
 sees it exit.  A process that is sent a task just before it exits can be
 missed then: the pool replaces it only at its next maintenance, every 5 s,
-and the task sent to it waits until then (measured with Celery alone: two
-nodes of 4 processes with ``worker_max_tasks_per_child=3``, 60 tasks at 10/s,
-starts up to 4.6 s after their publish; Celery's issue #9588).  A task
-dispatched for its slot then loses it, and the limit goes unused meanwhile.
+and the task sent to it waits until then (Celery's issue #9588, which
+Celery alone shows too).  A task dispatched for its slot then loses it, and
+the limit goes unused meanwhile.
 
 So where processes are recycled, the worker's event loop runs the pool's own
 maintenance (``maintain_pool``: reap exited processes, start their

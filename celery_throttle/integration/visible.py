@@ -53,9 +53,10 @@ _EVENTS_PER_MESSAGE = 500
 
 # One result backend per app and process for these writes: Celery's
 # ``app.backend`` is a new instance, with its own connection, in every thread,
-# and under the gevent and eventlet pools every task's greenlet is one (measured:
-# a backend built and connected per deferral, 15 % of a node's CPU while it
-# parked 100 tasks).  Celery's tracer shares one across its pool the same way.
+# and under the gevent and eventlet pools every task's greenlet is one: a
+# backend built and connected per deferral would cost a node a good part of its
+# CPU while it parks a backlog.  Celery's tracer shares one across its pool the
+# same way.
 _backends: weakref.WeakKeyDictionary[Celery, tuple[int, Any]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()  # (the threads pool)
 

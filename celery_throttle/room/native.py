@@ -3,9 +3,9 @@
 The dispatcher keeps the time of every waiting task on its node.  Under
 ``-P gevent`` or ``-P eventlet`` a patched ``threading.Thread`` is a green
 thread, run by the same loop as the pool's task greenlets and the consumer,
-so it wakes and gets its replies only when that loop gets round to it
-(measured with 50 task greenlets at 20 starts/s: one dispatch took 16-44 ms,
-up to 213 ms, against 1-14 ms in a thread of its own).  A thread started with
+so it wakes and gets its replies only when that loop gets round to it: a
+busy pool makes every dispatch late, where a thread of its own keeps time.
+A thread started with
 the original ``_thread`` runs beside the loop; its calls on patched sockets
 block on a hub of that thread (gevent and eventlet each keep one per thread).
 Nothing it uses may be shared with the loop's greenlets: it makes its own

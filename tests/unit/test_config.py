@@ -77,6 +77,12 @@ def test_config_defaults(app: Celery) -> None:
     assert "redis://" not in repr(config)  # the URL (and any password) stays out of reprs
     assert config.park_replicas == 0  # one server: nothing to wait for
     assert config.pool_check_interval is None  # (recycling.DEFAULT_INTERVAL where recycled)
+    # Every literal default SETTINGS states (and the settings page tables) is the one read.
+    literal = {name: default for name, (default, _) in SETTINGS.items() if default is not None}
+    assert len(literal) >= 10
+    for name, default in literal.items():
+        value = getattr(config, name.removeprefix("throttle_"))
+        assert value == (() if name == "throttle_queues" else default), name  # ({} read)
 
 
 def test_an_amqp_broker_has_no_visibility_timeout_to_halve(app: Celery) -> None:

@@ -23,9 +23,8 @@ charged, or none is written.
 * A shift (a settlement charged more than the estimate, or a start later
   than its slot): the TAT moves on by the difference, and so must every slot
   booked before, or the tasks holding them would start at the estimates'
-  pace (measured: 345 tokens in a 2 s window of a 90/s, burst 80 budget) or
-  one interval minus the lateness after a late start (a window one start
-  over the bound).  The bucket keeps the sum of all such moves,
+  pace (a budget's window far over its bound) or one interval minus the
+  lateness after a late start (a window one start over the bound).  The bucket keeps the sum of all such moves,
   "TAT:until:shift" (us); a booking carries the shift it was made at, and
   its claim is honoured that much later: slot + (shift now - shift then).
   Refunds move only the TAT (a slot is never moved earlier).

@@ -77,18 +77,17 @@ SETTINGS: dict[str, tuple[object, str]] = {
         " the slot (cost x interval), 0.02-0.25"),
     "throttle_waiting_room": (True,
         "tasks that must wait longer than a sleep in the worker wait in Redis, in the line of"
-        " the limit that blocks them (see [the scheduler](scheduler.md)), and are dispatched "
-        "to their queue when it admits them, best priority first, where they are kept as well"
-        " as in the broker (the store is the broker's server, appends to disk, waits for "
-        "replicas, or a copy is kept beside the broker); else, and with `False`, they are "
-        're-published with a countdown; `"always"`: on any store (see [the waiting '
-        "room](waiting-room.md))"),
+        " the limit that blocks them, and are dispatched to their queue when it admits them, "
+        "best priority first, where they are kept as well as in the broker (the store is the "
+        "broker's server, appends to disk, waits for replicas, or a copy is kept beside the "
+        "broker); else, and with `False`, they are re-published with a countdown; "
+        '`"always"`: on any store (see [where a waiting task waits](waiting.md))'),
     "throttle_keep_beside_broker": (True,
         "where the store alone would lose waiting tasks (no `appendonly`, not the broker's "
         "server) and the broker is a Redis server: tasks wait in the store anyway, each with "
         "a copy kept beside the broker's queues and restored from there if the store comes "
         "back empty; `False`: such waits are re-published with a countdown (see [kept beside "
-        "the broker](waiting-room.md#kept-beside-the-broker))"),
+        "the broker](waiting.md#kept-beside-the-broker))"),
     "throttle_enforce": (True,
         "`False`: shadow mode for every limit of the app: each decision is made and counted "
         "(would have waited, how long, for which limit) but every task runs at once; "

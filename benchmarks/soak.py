@@ -77,6 +77,7 @@ RATE, TENANT_RATE, TENANTS, SEATS, SEAT_SECONDS = 10, 2, 10, 3, 0.3
 DEMAND = 1.2  # the traffic, times each limit's capacity
 AOF = ("--appendonly", "yes", "--appendfsync", "always")
 RECOVERY_SPAN = 10.0  # seconds after a fault's end in which its longest gap is looked for
+PACE_SPAN = 5.0  # seconds per figure of the rate limit's pace over the run
 AFTER_STORE_LOSS = 3.0  # seconds after the store is back that the window check leaves out
 ACK_LOST = 2.0  # a run that ended this long before a kill may not have been acknowledged
 #: (duration, drain, visibility timeout), seconds: the full run and --quick's.
@@ -361,6 +362,7 @@ def _judge(sent: dict[str, str], records: redis.Redis, t0: float, store_back: fl
     out["rate"]["used"] = ((len(rated) - 1) / (rated[-1] - rated[0]) / RATE
                            if len(rated) > 1 else 0.0)
     out["recovery"] = [(what, *_recovery(rated, began, end)) for what, began, end in windows]
+    out["rate"]["pace"] = _pace(rated, t0)
     by_tenant: defaultdict[str, list[float]] = defaultdict(list)
     for s in starts:
         if s["kind"].startswith("tenant:") and counted(s["t"]):
@@ -382,6 +384,13 @@ def _recovery(rated: list[float], began: float, end: float) -> tuple[float, floa
     stop = min(end + RECOVERY_SPAN, rated[-1])
     span = [began, *(t for t in rated if began <= t <= stop), stop]
     return after - end, max(b - a for a, b in itertools.pairwise(span))
+
+
+def _pace(rated: list[float], t0: float) -> str:
+    """The rate limit's starts per second in each PACE_SPAN seconds from the first publish to
+    its last start: where a run loses the limit (a fault, a backlog's recovery)."""
+    spans = Counter(int((t - t0) // PACE_SPAN) for t in rated if t >= t0)
+    return " ".join(f"{spans[k] / PACE_SPAN:.1f}" for k in range(max(spans, default=-1) + 1))
 
 
 def _recovery_line(r: dict[str, Any]) -> str:
@@ -482,6 +491,9 @@ def main(argv: list[str] | None = None) -> None:
                          records.url, args.logs)
                 print(_row(r), flush=True)
                 print(f"<!-- faults: {r['faults']} -->", flush=True)
+                if r["throttle"]:
+                    print(f"<!-- 10/s starts per second, each {PACE_SPAN:g} s from the first "
+                          f"publish: {r['rate']['pace']} -->", flush=True)
                 if r["left"]:
                     print(f"<!-- left in the broker after the drain: {r['left']} -->", flush=True)
                 recovery.append(f"- {r['broker']}, {r['store']}, "

@@ -130,14 +130,14 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             raise Ignore()
         # The entry is taken: a copy made from here on is a new one.
         state = replace(state, entry="", token="", room=0, charged="", kept=False)
-    info: dict[str, Any] = dict(request.delivery_info or {})
+    info: Mapping[str, Any] = request.delivery_info or {}
     came_by = str(info.get("routing_key") or "")
     if came_by and queue_of(came_by) != came_by:
         # Came by its queue's lane (dispatched, or re-published to wait): a copy made
         # from here on goes to the task's queue, as the task was sent (retry() and
-        # parking again take the routing from delivery_info).
-        info["routing_key"] = queue_of(came_by)
-        request.delivery_info = info  # type: ignore[assignment]
+        # parking again take the routing from delivery_info).  Copied only then: the
+        # common arrival by the queue itself costs nothing here.
+        request.delivery_info = {**info, "routing_key": queue_of(came_by)}  # type: ignore[assignment]
     concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
     holder = str(request.id) if concurrent else ""
     latest = 0  # the latest it may start, server clock (us; 0: any time)

@@ -38,7 +38,8 @@ from ..room.envelope import Envelope, capture, confirmed_producer, ladder_of
 from ..room.header import HEADER, WaitState, spacing_of
 from ..room.queues import MAX_AHEAD_US, entry_id
 from ..values import from_us, to_us
-from . import leases, shadow
+from . import admission, leases, shadow
+from .admission import CountDown, Drop, JoinLine, Known, Start, TimeOut
 from .copies import Verdict, new_copy
 from .notes import NOTE_AFTER_MS, wait_note, write_note
 from .runtime import INSTALLED, Runtime
@@ -48,7 +49,6 @@ __all__ = ["admit", "admitted_late", "defer_after_start", "join_line_on_arrival"
            "release_leases_of", "run_ended"]
 
 
-_GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _MAX_SLEEPS = 2  # sleeps for a booked slot in a worker; lost again after them: wait outside
 _STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of a started copy
 _LEASED = "_celery_throttle_leased"  # request attribute: the leases.Held of this run
@@ -68,24 +68,6 @@ def admitted_late(task: Task[Any, Any]) -> float:
 
 def _late(task: Task[Any, Any], seconds: float) -> None:
     setattr(task.request, _LATE, max(0.0, seconds))
-
-
-def _grace(runtime: Runtime, limits: list[AnyLimit], booked_mask: int) -> float:
-    """How late a task may start in its booked slot.
-
-    Up to half the slot's length (cost x interval of the limits it is booked
-    in), a late start can add at most one start to a window: the documented
-    jitter allowance.  The floor keeps claims possible at high rates, where
-    Celery's own ETA jitter (a few ms) exceeds the interval; without it a task
-    would lose every slot and never start.  The cap bounds the wait for slow
-    limits, where a 250 ms late start is harmless.
-    """
-    if runtime.config.claim_grace is not None:
-        return runtime.config.claim_grace
-    rates = [(i, lim) for i, lim in enumerate(limits) if isinstance(lim, Limit)]
-    booked = [lim for i, lim in rates if booked_mask >> i & 1] or [lim for _, lim in rates]
-    longest = max((lim.cost * lim.rate.interval for lim in booked), default=0.0)
-    return min(_GRACE_CAP, max(_GRACE_FLOOR, longest / 2))
 
 
 def _seconds_to_expiry(request: Any) -> float | None:
@@ -121,15 +103,6 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     charged = state.charged  # ... from a limit's queue: how (queues.Served.flag)
     arrived_at: int | None = 0  # the server's time when it arrived (0: unknown)
     asked = 0.0  # (this process's clock before the arrival is asked: see _turn_kept)
-    if arrived:
-        asked = time.monotonic()
-        arrived_at = _first_arrival(task, runtime, state)
-        if arrived_at is None:
-            logger.info("throttle: task %s[%s] dropped: a second copy dispatched from the "
-                        "waiting room (the first one goes on)", task.name, request.id)
-            raise Ignore()
-        # The entry is taken: a copy made from here on is a new one.
-        state = replace(state, entry="", token="", room=0, charged="", kept=False)
     info: Mapping[str, Any] = request.delivery_info or {}
     came_by = str(info.get("routing_key") or "")
     if came_by and queue_of(came_by) != came_by:
@@ -138,6 +111,17 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         # parking again take the routing from delivery_info).  Copied only then: the
         # common arrival by the queue itself costs nothing here.
         request.delivery_info = {**info, "routing_key": queue_of(came_by)}  # type: ignore[assignment]
+    if arrived:
+        asked = time.monotonic()
+        arrived_at = _first_arrival(task, runtime, state)
+        served = charged if limits else ""  # (every limit in shadow mode: nothing to serve)
+        ended = admission.arrived(
+            served, first=arrived_at is not None, limit=limits[0].name if limits else "",
+            waited=_waited(runtime, state) if served == "t" else 0.0, max_wait=max_wait)
+        if ended is not None:
+            _end(task, ended)
+        # The entry is taken: a copy made from here on is a new one.
+        state = replace(state, entry="", token="", room=0, charged="", kept=False)
     concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
     holder = str(request.id) if concurrent else ""
     latest = 0  # the latest it may start, server clock (us; 0: any time)
@@ -147,9 +131,6 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             and _turn_kept(task, runtime, limits, state, arrived_at, asked):
         admitted = True  # its turn came in its queue: every limit was charged for it
         latest = _latest_start(runtime, limits, state)
-    elif charged == "t" and arrived:
-        raise ThrottleTimeout.exceeded(task.name, limits[0].name if limits else "",
-                                       _waited(runtime, state), max_wait or 0.0)
     else:
         admitted = _wait_for_slot(task, runtime, limits, max_wait, state, holder, arrived)
     if getattr(task, "acks_late", False):
@@ -160,14 +141,15 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
                         "late); in line again", task.name, request.id)
             admitted = _wait_for_slot(task, runtime, limits, max_wait, state, holder, arrived)
             verdict = _move_pointer(task, runtime, state, "ran:")
-        if verdict != "go":
-            if verdict == "ended" and admitted and concurrent:
+        refused = admission.verdict(verdict)
+        if refused is not None:
+            if refused.reason == "ended" and admitted and concurrent:
                 # The task's run has ended: the seats just given under its id are
                 # this copy's alone, and go back now rather than a lease later.  (A
-                # newer copy's, given at its dispatch, stay: see _drop_refused.)
+                # newer copy's, given at its dispatch, stay: see _drop.)
                 with contextlib.suppress(redis.RedisError):
                     runtime.gate.release(concurrent, holder)
-            _drop_refused(task, verdict)
+            _drop(task, refused)
         setattr(request, _STARTED, (runtime, state))  # for _run_ended
     if admitted:
         if concurrent:
@@ -262,43 +244,33 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
 def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
                    max_wait: float | None, state: WaitState, holder: str,
                    arrived: str = "") -> bool:
-    """Return True when the gate admitted the task, False when the store-down policy did."""
+    """Return True when the gate admitted the task, False when the store-down policy did;
+    otherwise the task waits out of the process (or fails) and this raises."""
     request = task.request
     config = runtime.config
-    # Book no slot the task could not use: past its expiry or its max_wait.
-    horizon = config.horizon
     to_expiry = _seconds_to_expiry(request)
-    if to_expiry is not None:
-        horizon = min(horizon, max(0.0, to_expiry))
-    if max_wait is not None:
-        horizon = min(horizon, max_wait)
     in_line = _room_open(task, runtime)
-    if in_line:
-        # Book only a start the line would hand out now (the dispatch's ahead: the
-        # lead and the trip): a later one waits in line, unbooked, where turns and
-        # priorities order it.  A longer horizon would let the processes' sleeps
-        # hold a fast limit's backlog in the broker's order.
-        horizon = min(horizon, config.max_sleep, _handed_out_within(runtime))
-    # A short wait is slept, then the booked slot claimed (the claim is what charges
-    # the limits the slot is not booked in): the waiting loop of every waiter
-    # (core/waiting.py).  Bounded: if the slot is lost again and again, the task
-    # waits outside the worker instead.  A copy dispatched from the waiting room,
-    # or re-published for a booked slot, arrives up to the dispatch lead early: it
-    # sleeps that, whatever throttle_max_sleep says (sending it away again for
-    # less would loop).
-    max_sleep = max(config.max_sleep, config.dispatch_lead + 0.1) \
-        if arrived or state.booked else config.max_sleep
+    known = Known(
+        limits,
+        max_sleep=admission.longest_sleep(config.max_sleep, config.dispatch_lead,
+                                          bool(arrived or state.booked)),
+        horizon=admission.booking_horizon(
+            config.horizon, to_expiry, max_wait,
+            min(config.max_sleep, _handed_out_within(runtime)) if in_line else None),
+        shortest=config.max_sleep, to_expiry=to_expiry, max_wait=max_wait,
+        since=state.since or 0, in_line=in_line)
 
+    # A short wait is slept, then the booked start claimed (the claim is what charges
+    # the limits the start is not booked in): the waiting loop of every waiter
+    # (core/waiting.py).  Bounded: if the start is lost again and again, the task
+    # waits outside the worker instead.
     def elsewhere(decision: Decision) -> bool:
-        return decision.retry_after > max_sleep or (in_line and _waits_for_a_seat(decision))
+        return not isinstance(admission.refused(known, decision), admission.Sleep)
 
     def check(decision: Decision) -> None:
-        waited = from_us(decision.now - state.since) if state.since else 0.0
-        if to_expiry is not None and decision.retry_after > to_expiry:
-            _expire(task, decision)
-        if max_wait is not None and waited + decision.retry_after > max_wait:
-            raise ThrottleTimeout.exceeded(task.name, _limit_name(decision, limits),
-                                           waited + decision.retry_after, max_wait)
+        action = admission.refused(known, decision)
+        if isinstance(action, (Drop, TimeOut)):
+            _end(task, action)
 
     def ask(step: waiting.Ask) -> Decision:
         if step.late:
@@ -309,8 +281,8 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
                                              in_line=step.in_line, near=step.near)
         if step.claim is not None and step.claim.booked and not decision.allowed \
                 and not decision.early:
-            # Arrived after its slot's grace, or a limit it was not booked in is busy:
-            # the slot is lost (a little throughput) rather than used late (that
+            # Arrived after its start's grace, or a limit it was not booked in is busy:
+            # the start is lost (a little throughput) rather than used late (that
             # could burst).
             logger.info("throttle: task %s[%s] lost its slot (%.3fs ago); asking again",
                         task.name, request.id, from_us(decision.now - step.claim.slot))
@@ -326,50 +298,52 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
             with contextlib.suppress(redis.RedisError):
                 runtime.gate.cancel(limits, booking)
 
-    steps = waiting.plan(limits, grace=lambda booked: _grace(runtime, limits, booked), near=0.0,
-                         horizon=horizon, claim=state.claim_under(limits), in_line=in_line,
-                         elsewhere=elsewhere, check=check, max_sleeps=_MAX_SLEEPS)
+    steps = waiting.plan(limits, near=0.0, horizon=known.horizon, in_line=in_line,
+                         grace=lambda booked: admission.grace(limits, booked,
+                                                              config.claim_grace),
+                         claim=state.claim_under(limits), elsewhere=elsewhere, check=check,
+                         max_sleeps=_MAX_SLEEPS)
     try:
         outcome = waiting.drive(steps, ask, sleep, give_back)
     except redis.RedisError as exc:
         metrics.store_error([lim.name for lim in limits])
         _store_failed(task, runtime, state, exc)
         return False
-    decision = outcome.decision
-    if decision.allowed:
-        _late(task, outcome.late)
+    action = admission.settled(known, outcome)
+    if isinstance(action, Start):
+        _late(task, action.late)
         return True
-    booking = decision.reservation
-    if in_line:
-        # Every wait left to wait out of the process waits in line, a booked one too
-        # (its slot lost again and again, or answered early beyond a sleep): the
-        # booking is given back, and the line serves the task from that moment on.
-        if booking is not None and booking.booked:
+    if isinstance(action, JoinLine):
+        if action.booking is not None:
             with contextlib.suppress(redis.RedisError):
-                runtime.gate.cancel(limits, booking)
-        booking = None
-        _join_line(task, runtime, limits, decision, state, to_expiry, max_wait)
-    # Not in line (the waiting room is off, the store would lose it, or it failed just
-    # now): re-published with a countdown, to the slot it booked, or, with nothing
-    # booked (the wait is beyond the horizon), to when a slot comes within reach.
-    countdown = decision.retry_after if booking is not None else \
-        max(decision.retry_after - horizon, config.max_sleep, 0.001)
+                runtime.gate.cancel(limits, action.booking)
+        _join_line(task, runtime, limits, outcome.decision, action, state, known)
+        # (still here: the store failed as it joined)
+        action = admission.unlined(known, outcome.decision)
+    _wait_counted_down(task, runtime, limits, state, outcome.decision, action)
+
+
+def _wait_counted_down(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+                       state: WaitState, decision: Decision, action: CountDown) -> NoReturn:
+    """The task waits out of the process as a countdown (the room is closed for it, or it
+    could not be put in line): re-published to come back for ``action``'s booking, or to
+    when a start is within reach."""
+    booking = action.booking
     new = WaitState(slot=booking.slot if booking else None,
                     booked=booking.booked if booking else 0,
                     epoch=booking.epoch if booking else 0,
                     shift=booking.shift if booking else 0, deferrals=state.deferrals + 1,
                     since=state.since or decision.now, copy=new_copy(), prev=state.copy_id,
                     spacing=spacing_of(limits))
-    name = _limit_name(decision, limits)
-    new = _count_down(task, runtime, new, countdown)
-    write_note(task, runtime, wait_note(task, name, decision, new), decision.retry_after)
+    new = _count_down(task, runtime, new, action.seconds)
+    write_note(task, runtime, wait_note(task, action.limit, decision, new), action.wait)
     if getattr(task, "acks_late", False):
         _move_pointer(task, runtime, state, new.copy)
-    metrics.deferred(name, decision.retry_after)
-    announce(task, limit=name, wait=decision.retry_after, deferrals=new.deferrals,
+    metrics.deferred(action.limit, action.wait)
+    announce(task, limit=action.limit, wait=action.wait, deferrals=new.deferrals,
              reason="limit")
     logger.info("throttle: task %s[%s] waits %.3fs for limit %r (deferral %d)",
-                task.name, request.id, decision.retry_after, name, new.deferrals)
+                task.name, task.request.id, action.wait, action.limit, new.deferrals)
     raise Ignore()
 
 
@@ -407,9 +381,9 @@ def _rank(task: Task[Any, Any], runtime: Runtime) -> int:
 
 
 def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
-               decision: Decision, state: WaitState, to_expiry: float | None,
-               max_wait: float | None) -> None:
-    """Wait in the queue of the limit that blocks the task, then raise ``Ignore``.
+               decision: Decision, line: JoinLine, state: WaitState, known: Known) -> None:
+    """Wait in the line of the limit that blocks the task (``line.limit``), then raise
+    ``Ignore``.
 
     Returns (the caller re-publishes it) if it cannot be put in line: the
     store failed.  Its place: its first wait plus its rank's ageing steps.
@@ -417,9 +391,7 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     request = task.request
     if getattr(task, "acks_late", False):
         _refuse_superseded(task, runtime, state)
-    # (An early answer names no limit: its slot was its rate limits'.)
-    blocking = decision.limit if decision.limit is not None else \
-        next((lim for lim in limits if isinstance(lim, Limit)), limits[0])
+    blocking = line.limit
     since = state.since or decision.now
     seats = [lim for lim in limits if isinstance(lim, Concurrency)]
     if seats:
@@ -436,8 +408,8 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     try:
         waiting = runtime.room.enqueue(
             entry, envelope.dumps(), str(request.id),
-            **_line_args(task, runtime, limits, blocking, since, decision.now, to_expiry,
-                         max_wait),
+            **_line_args(task, runtime, limits, blocking, since, decision.now, known.to_expiry,
+                         known.max_wait),
             due_us=0 if decision.queued or isinstance(blocking, Concurrency) else due,
             kept=kept)
     except redis.RedisError as exc:
@@ -445,8 +417,8 @@ def _join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         _log_outage(runtime, exc, "re-published with a countdown instead of put in line")
         return
     if not waiting:
-        _delivered_again(task)
-    _waits_in_line(task, runtime, state, new, blocking, decision.retry_after)
+        _drop(task, Drop("delivered again"))
+    _waits_in_line(task, runtime, state, new, blocking, line.wait)
     raise Ignore()
 
 
@@ -566,8 +538,9 @@ def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         return True  # (a seat alone: its lease is taken already, lateness spends nothing)
     late = _slept_to_start(task, asked, min(from_us(state.slot - arrived_at),
                                             from_us(MAX_AHEAD_US)))
-    if late <= _turn_grace(runtime, limits):
-        _late(task, late)
+    start = admission.turn(late, _turn_grace(runtime, limits))
+    if start is not None:
+        _late(task, start.late)
         return True
     logger.info("throttle: task %s[%s] ready %.3fs after its turn; in line again",
                 task.name, task.request.id, late)
@@ -576,7 +549,7 @@ def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
 
 def _turn_grace(runtime: Runtime, limits: list[AnyLimit]) -> float:
     """How late a task may start in a turn it was charged for (every limit was charged)."""
-    return _grace(runtime, limits, (1 << len(limits)) - 1)
+    return admission.grace(limits, (1 << len(limits)) - 1, runtime.config.claim_grace)
 
 
 def _latest_start(runtime: Runtime, limits: list[AnyLimit], state: WaitState) -> int:
@@ -606,13 +579,6 @@ def _entry_of(task: Task[Any, Any], copy: str) -> str:
     return entry_id(str(task.request.id), copy)
 
 
-def _delivered_again(task: Task[Any, Any]) -> NoReturn:
-    """This delivery's message already waits in the waiting room: it ends here."""
-    logger.info("throttle: task %s[%s] dropped: its message was delivered again while it "
-                "waits (the copy waiting goes on)", task.name, task.request.id)
-    raise Ignore()
-
-
 def _waited(runtime: Runtime, state: WaitState) -> float:
     """Seconds since the task first waited (0 if unknown or the store is down)."""
     if not state.since:
@@ -622,15 +588,6 @@ def _waited(runtime: Runtime, state: WaitState) -> float:
     except redis.RedisError:
         return 0.0
     return max(0.0, from_us(int(sec) * 1_000_000 + int(usec) - state.since))
-
-
-def _waits_for_a_seat(decision: Decision) -> bool:
-    """A wait for a full concurrency limit (its paced return, nothing booked): in the seat's
-    line, where it is at once, it is served the next freed seat in its line's order; a task
-    sleeping in a worker for its paced return would only compete."""
-    booking = decision.reservation
-    return (isinstance(decision.limit, Concurrency) and booking is not None
-            and not booking.booked)
 
 
 def _send_back(task: Task[Any, Any], runtime: Runtime, state: WaitState,
@@ -683,7 +640,7 @@ def _park(task: Task[Any, Any], runtime: Runtime, state: WaitState, delay_us: in
         _log_outage(runtime, exc, "re-published with a countdown instead of parked")
         return False
     if not at:
-        _delivered_again(task)
+        _drop(task, Drop("delivered again"))
     return True
 
 
@@ -743,32 +700,9 @@ def _refuse_superseded(task: Task[Any, Any], runtime: Runtime, state: WaitState)
         verdict = runtime.copies.check(str(request.id), request.retries, state)
     except redis.RedisError:
         return
-    if verdict != "go":
-        _drop_refused(task, verdict)
-
-
-def _drop_refused(task: Task[Any, Any], verdict: Verdict) -> NoReturn:
-    """Drop a copy the pointer refused; the seats held under the task's id stay (while
-    the task runs or waits they are its running or newer copy's)."""
-    request = task.request
-    if verdict == "ended":
-        logger.warning("throttle: task %s[%s] dropped: its run has ended (its message was "
-                       "delivered again)", task.name, request.id)
-    else:
-        logger.warning("throttle: task %s[%s] dropped: a stale copy (a node died while "
-                       "re-scheduling it; its newer copy goes on)", task.name, request.id)
-    raise Ignore()
-
-
-def _limit_name(decision: Decision, limits: list[AnyLimit]) -> str:
-    """The limit the task waits for: the one that forced the wait, else its slot's first limit.
-
-    (An "early" answer, for a slot that moved later, names no limit.)
-    """
-    if decision.limit is not None:
-        return decision.limit.name
-    booked = decision.reservation.booked if decision.reservation is not None else 0
-    return next((lim.name for i, lim in enumerate(limits) if booked >> i & 1), "(booked slot)")
+    refused = admission.verdict(verdict)
+    if refused is not None:
+        _drop(task, refused)
 
 
 def _republish(task: Task[Any, Any], state: WaitState, countdown: float) -> WaitState:
@@ -837,36 +771,61 @@ def _outlasting(policy: Mapping[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
-def _expire(task: Task[Any, Any], decision: Decision) -> None:
-    request = task.request
-    logger.info("throttle: task %s[%s] expires before its slot (%.3fs away); not run",
-                task.name, request.id, decision.retry_after)
-    task.backend.mark_as_revoked(str(request.id), "expired", request=request)
-    raise Ignore()
-
-
 def _store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
                   exc: redis.RedisError) -> None:
+    """The store failed while the task was decided: returns when the store-down policy
+    lets it run unthrottled; otherwise it fails, or waits for the store (a countdown)."""
     policy = runtime.config.on_error
     _log_outage(runtime, exc, f"policy {policy!r}")
-    if policy == "allow":
+    action = admission.store_down(policy, state.deferrals, random.uniform(0.5, 1.0))
+    if isinstance(action, Start):
         return
-    if policy == "fail":
+    if isinstance(action, admission.StoreFailed):
         raise ThrottleStoreError(f"throttle store unavailable for task {task.name!r}: "
                                  f"{type(exc).__name__}") from exc
-    # "defer": never run unthrottled, never lost; back off 1, 2, 4 ... 30 s
-    # with jitter so that a fleet of waiting tasks does not return in step.
-    backoff = min(30.0, 2.0 ** min(state.deferrals, 5)) * random.uniform(0.5, 1.0)
     new = state.unmoved_successor(new_copy())
     # The copy pointer is not moved (the store is down): the new copy names
     # the last copy the pointer knows as its predecessor, which it accepts.
     # (No THROTTLED state here: a result backend on the store's server is down
     # too, and Celery's Redis backend retries a write for about 20 s.)
-    _count_down(task, runtime, new, backoff)
+    _count_down(task, runtime, new, action.seconds)
     logger.info("throttle: task %s[%s] re-scheduled in %.1fs: store unavailable (deferral %d)",
-                task.name, task.request.id, backoff, new.deferrals)
+                task.name, task.request.id, action.seconds, new.deferrals)
     raise Ignore()
 
+
+def _end(task: Task[Any, Any], action: Drop | TimeOut) -> NoReturn:
+    """The task ends here: dropped, or failed with its ``max_wait`` passed."""
+    if isinstance(action, Drop):
+        _drop(task, action)
+    raise ThrottleTimeout.exceeded(task.name, action.limit, action.waited, action.max_wait)
+
+
+_DROPPED = {
+    "second copy": "a second copy dispatched from the waiting room (the first one goes on)",
+    "delivered again": "its message was delivered again while it waits (the copy waiting "
+                       "goes on)",
+    "ended": "its run has ended (its message was delivered again)",
+    "stale": "a stale copy (a node died while re-scheduling it; its newer copy goes on)",
+}
+
+
+def _drop(task: Task[Any, Any], drop: Drop) -> NoReturn:
+    """The task's copy ends here, never run.  A copy the pointer refused keeps the seats
+    held under the task's id (while the task runs or waits they are its running or newer
+    copy's); an expired task is marked revoked, as Celery marks one."""
+    request = task.request
+    if drop.reason == "expired":
+        logger.info("throttle: task %s[%s] expires before its slot (%.3fs away); not run",
+                    task.name, request.id, drop.away)
+        task.backend.mark_as_revoked(str(request.id), "expired", request=request)
+    elif drop.reason in ("ended", "stale"):
+        logger.warning("throttle: task %s[%s] dropped: %s", task.name, request.id,
+                       _DROPPED[drop.reason])
+    else:
+        logger.info("throttle: task %s[%s] dropped: %s", task.name, request.id,
+                    _DROPPED[drop.reason])
+    raise Ignore()
 
 def _log_outage(runtime: Runtime, exc: redis.RedisError, what: str) -> None:
     """Report the store being down once per 30 s per process and app, not per task."""

@@ -310,6 +310,8 @@ class RabbitMQ(Servers):
             "RABBITMQ_MNESIA_BASE": str(self.dir / "mnesia"),
             "RABBITMQ_LOG_BASE": str(self.dir / "log"),
             "RABBITMQ_CONFIG_FILE": str(self.dir / "rabbitmq.conf"),
+            # (the Erlang-term config: settings rabbitmq.conf has no key for)
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.dir / "advanced.config"),
             "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "enabled_plugins"),
             "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
             "ERL_EPMD_ADDRESS": "127.0.0.1", "ERL_EPMD_PORT": str(self.epmd_port),
@@ -326,6 +328,11 @@ class RabbitMQ(Servers):
         (self.dir / "rabbitmq.conf").write_text(
             f"listeners.tcp.1 = 127.0.0.1:{self.port}\n"
             "disk_free_limit.absolute = 1MB\n")
+        # A quorum queue that dead-letters at least once sends again a message whose
+        # publish was not confirmed (its target unroutable, or not back yet after a
+        # kill) only after this timeout: 180 s by default, past every bounded wait here.
+        (self.dir / "advanced.config").write_text(
+            "[{rabbit, [{dead_letter_worker_publisher_confirm_timeout, 5000}]}].\n")
         with (self.dir / "console.log").open("wb") as log:  # the node has its own copy
             self.proc = subprocess.Popen([self.binary], env=self.env, start_new_session=True,
                                          stdout=log, stderr=subprocess.STDOUT)

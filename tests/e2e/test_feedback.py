@@ -121,9 +121,12 @@ def test_429_with_retry_after_3_stops_every_worker_for_3_s(
         states = wait_results(results, timeout=90)
     assert Counter(states) == {"SUCCESS": 40}
     first_429 = min(provider.refused)
-    # Calls already admitted when the first 429 came back may still arrive
-    # (their request was on its way); after that, nothing until the pause ends.
-    stragglers = [t - first_429 for t in provider.refused if t > first_429 + 0.25]
+    # Calls admitted before the pause was written may still arrive: their request was
+    # on its way, or left a process the loaded machine had not run yet (one came 0.252 s
+    # after the first 429 on a 2-core box running the suite).  They are counted below,
+    # at most the calls in flight; after them, nothing until the pause ends (a pause
+    # that did not hold would see a refusal at every start, 8 a second, for 3 s).
+    stragglers = [t - first_429 for t in provider.refused if t > first_429 + 1.0]
     # The 429 says to wait for the rest of the hold (Retry-After-Ms), which
     # began up to a call's spacing before the first refused call came.
     resumed = min(t for t in provider.accepted if t > first_429) - (held_at + 3.0)

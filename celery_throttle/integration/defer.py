@@ -42,6 +42,7 @@ from . import admission, leases, shadow
 from .admission import CountDown, Drop, JoinLine, Known, Start, TimeOut
 from .copies import Verdict, new_copy
 from .notes import NOTE_AFTER_MS, wait_note, write_note
+from .run import Run, rewrite, run_of, start_run
 from .runtime import INSTALLED, Runtime
 from .visible import announce
 
@@ -50,10 +51,6 @@ __all__ = ["admit", "admitted_late", "defer_after_start", "join_line_on_arrival"
 
 
 _MAX_SLEEPS = 2  # sleeps for a booked slot in a worker; lost again after them: wait outside
-_STARTED = "_celery_throttle_started"  # request attribute: (runtime, state) of a started copy
-_LEASED = "_celery_throttle_leased"  # request attribute: the leases.Held of this run
-_SHADOW_LEASED = "_celery_throttle_shadow_leased"  # ... its shadow leases (shadow.py)
-_LATE = "_celery_throttle_late"  # request attribute: how late after its slot it was admitted
 # A re-publish retries for about 80 s (20 tries, 0.5 s apart growing to 5 s).
 _REPUBLISH_RETRY: dict[str, Any] = {"max_retries": 20, "interval_start": 0.5,
                                     "interval_step": 0.5, "interval_max": 5.0}
@@ -63,11 +60,8 @@ def admitted_late(task: Task[Any, Any]) -> float:
     """How long after the start it was admitted for the running task was let go (seconds;
     0 when admitted at once): a gated transport's request spends the admission only
     within its window of that start, not of this late moment (``transport.py``)."""
-    return float(getattr(task.request, _LATE, 0.0))
-
-
-def _late(task: Task[Any, Any], seconds: float) -> None:
-    setattr(task.request, _LATE, max(0.0, seconds))
+    run = run_of(task.request)
+    return run.late if run is not None else 0.0
 
 
 def _seconds_to_expiry(request: Any) -> float | None:
@@ -94,7 +88,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     (``shadow.py``) are decided once the others admit the task, and never hold it.
     """
     request = task.request
-    _late(task, 0.0)
+    run = start_run(request, runtime)
     runtime.counts.start()  # (once per process) the per-second history the dashboard reads
     limits = runtime.live.apply(limits)  # the rates set at run time (core/live.py)
     limits, shadowed = shadow.split(runtime, limits, coded or {})
@@ -110,7 +104,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         # from here on goes to the task's queue, as the task was sent (retry() and
         # parking again take the routing from delivery_info).  Copied only then: the
         # common arrival by the queue itself costs nothing here.
-        request.delivery_info = {**info, "routing_key": queue_of(came_by)}  # type: ignore[assignment]
+        rewrite(request, routing_key=queue_of(came_by))
     if arrived:
         asked = time.monotonic()
         arrived_at = _first_arrival(task, runtime, state)
@@ -128,18 +122,18 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     if not limits:
         admitted = True  # (every limit is in shadow mode)
     elif charged == "c" and arrived and _seats_kept(task, runtime, concurrent, holder, state) \
-            and _turn_kept(task, runtime, limits, state, arrived_at, asked):
+            and _turn_kept(task, run, limits, state, arrived_at, asked):
         admitted = True  # its turn came in its queue: every limit was charged for it
         latest = _latest_start(runtime, limits, state)
     else:
-        admitted = _wait_for_slot(task, runtime, limits, max_wait, state, holder, arrived)
+        admitted = _wait_for_slot(task, run, limits, max_wait, state, holder, arrived)
     if getattr(task, "acks_late", False):
         # Before the seats are held: a copy refused here must not keep them renewed.
         verdict = _move_pointer(task, runtime, state, "ran:", latest_us=latest)
         if verdict == "late":
             logger.info("throttle: task %s[%s] ready after its turn (the store answered "
                         "late); in line again", task.name, request.id)
-            admitted = _wait_for_slot(task, runtime, limits, max_wait, state, holder, arrived)
+            admitted = _wait_for_slot(task, run, limits, max_wait, state, holder, arrived)
             verdict = _move_pointer(task, runtime, state, "ran:")
         refused = admission.verdict(verdict)
         if refused is not None:
@@ -150,21 +144,21 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
                 with contextlib.suppress(redis.RedisError):
                     runtime.gate.release(concurrent, holder)
             _drop(task, refused)
-        setattr(request, _STARTED, (runtime, state))  # for _run_ended
+        run.started = state  # for run_ended
     if admitted:
         if concurrent:
             # Recorded before anything else may raise: the gated run gives it back.
-            setattr(request, _LEASED, leases.hold(runtime.gate, concurrent, holder))
-        setattr(request, leases.ADMITTED, leases.Admitted(runtime.gate, limits, estimated or set()))
+            run.leased = leases.hold(runtime.gate, concurrent, holder)
+        run.admitted = leases.Admitted(runtime.gate, limits, estimated or set())
     if shadowed:  # it starts now: what would the shadowed limits have said?
-        setattr(request, _SHADOW_LEASED, shadow.decide(task, runtime, shadowed))
+        run.shadow_leased = shadow.decide(task, runtime, shadowed)
     metrics.admitted([lim.name for lim in limits + shadowed])
     if state.slot is not None or state.since is not None:
         # The task starts now: its booked slot is spent.  Celery's retry() and
         # any re-publish copy request.headers, and a copy still carrying the
         # claim could be honoured a second time within the grace.
-        spent = {**WaitState(deferrals=state.deferrals).to_header(), "started_slot": state.slot}
-        request.headers = {**(request.headers or {}), HEADER: spent}
+        rewrite(request, header={**WaitState(deferrals=state.deferrals).to_header(),
+                                 "started_slot": state.slot})
 
 
 def run_ended(task: Task[Any, Any]) -> None:
@@ -177,12 +171,10 @@ def run_ended(task: Task[Any, Any]) -> None:
     with no result.  A run cut off by its process's exit (Celery sends the
     signal with no state) is not ended: the receiver does not call this.
     """
-    request = getattr(task, "request", None)
-    started = getattr(request, _STARTED, None)
-    if isinstance(started, tuple):
-        setattr(request, _STARTED, None)
-        runtime, state = started
-        _move_pointer(task, runtime, state, "done:")
+    run = run_of(getattr(task, "request", None))
+    if run is not None and run.started is not None:
+        state, run.started = run.started, None
+        _move_pointer(task, run.runtime, state, "done:")
 
 
 def release_leases_of(task: Task[Any, Any]) -> None:
@@ -191,11 +183,14 @@ def release_leases_of(task: Task[Any, Any]) -> None:
     The gated run calls it as the run ends in any state (success, failure,
     retry, ``Ignore``, soft time limit), and after a provider's pause is written.
     """
-    for attr in (_LEASED, _SHADOW_LEASED):
-        held = getattr(task.request, attr, None)
-        if held is not None:
-            setattr(task.request, attr, None)
-            leases.release(held)
+    run = run_of(task.request)
+    if run is None:
+        return
+    held, shadow_held = run.leased, run.shadow_leased
+    run.leased = run.shadow_leased = None
+    for each in (held, shadow_held):
+        if each is not None:
+            leases.release(each)
 
 
 def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
@@ -209,9 +204,11 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     not spent.  With the store down the task is still re-scheduled.
     """
     request = task.request
-    started = getattr(request, _STARTED, None)
-    state = started[1] if isinstance(started, tuple) else WaitState.from_request(request)
-    setattr(request, _STARTED, None)  # this copy's run did not complete
+    run = run_of(request)
+    state = run.started if run is not None and run.started is not None \
+        else WaitState.from_request(request)
+    if run is not None:
+        run.started = None  # this copy's run did not complete
     refused = sorted({lim.name for lim in limits})
     names = ", ".join(refused)
     metrics.provider_paused(refused)
@@ -241,12 +238,13 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     raise Ignore()
 
 
-def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+def _wait_for_slot(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
                    max_wait: float | None, state: WaitState, holder: str,
                    arrived: str = "") -> bool:
     """Return True when the gate admitted the task, False when the store-down policy did;
     otherwise the task waits out of the process (or fails) and this raises."""
     request = task.request
+    runtime = run.runtime
     config = runtime.config
     to_expiry = _seconds_to_expiry(request)
     in_line = _room_open(task, runtime)
@@ -311,7 +309,7 @@ def _wait_for_slot(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit
         return False
     action = admission.settled(known, outcome)
     if isinstance(action, Start):
-        _late(task, action.late)
+        run.late = max(0.0, action.late)
         return True
     if isinstance(action, JoinLine):
         if action.booking is not None:
@@ -520,7 +518,7 @@ def _seats_kept(task: Task[Any, Any], runtime: Runtime, concurrent: list[Concurr
     return not lost
 
 
-def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+def _turn_kept(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
                state: WaitState, arrived_at: int | None, asked: float) -> bool:
     """A task dispatched from its queue: wait for the start it was charged for; in time?
 
@@ -538,9 +536,9 @@ def _turn_kept(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         return True  # (a seat alone: its lease is taken already, lateness spends nothing)
     late = _slept_to_start(task, asked, min(from_us(state.slot - arrived_at),
                                             from_us(MAX_AHEAD_US)))
-    start = admission.turn(late, _turn_grace(runtime, limits))
+    start = admission.turn(late, _turn_grace(run.runtime, limits))
     if start is not None:
-        _late(task, start.late)
+        run.late = max(0.0, start.late)
         return True
     logger.info("throttle: task %s[%s] ready %.3fs after its turn; in line again",
                 task.name, task.request.id, late)

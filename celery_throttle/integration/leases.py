@@ -17,47 +17,20 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 
 import redis
 from celery import current_task
 
-from ..core.gate import AnyLimit, Concurrency, Gate, Limit
+from ..core.gate import Concurrency, Gate, Limit
 from ..core.logs import logger
 from ..values import renew_every, units
+from .run import Admitted, Held, run_of
 
 __all__ = ["Admitted", "Held", "hold", "release", "settle"]
 
 
-#: Request attribute naming what the current run was admitted under.
-ADMITTED = "_celery_throttle_admitted"
 # The heartbeat's longest sleep, so a new, shorter lease is renewed in time.
 _MAX_BEAT = 5.0
-
-
-@dataclass(eq=False)
-class Held:
-    """The leases one run holds."""
-
-    gate: Gate
-    limits: list[Concurrency]
-    holder: str
-    since: float = field(default_factory=time.monotonic)
-    lost: bool = False
-    released: bool = False
-    # Taken by a renewal and by the release: a renewal that overtook the release would
-    # take the freed seat again, held by nobody for a lease.
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-
-@dataclass
-class Admitted:
-    """What a run was admitted under, for :func:`settle`."""
-
-    gate: Gate
-    limits: list[AnyLimit]
-    estimated: set[str]  # names of limits whose cost was an estimate
-    charged: dict[str, int] = field(default_factory=dict)  # settled costs so far
 
 
 class _Heartbeat:
@@ -162,8 +135,9 @@ def settle(actual: int, limit: str | None = None) -> bool:
     """
     units("actual cost", actual)
     task = current_task
-    admitted = getattr(getattr(task, "request", None), ADMITTED, None)
-    if not isinstance(admitted, Admitted):
+    run = run_of(getattr(task, "request", None))
+    admitted = run.admitted if run is not None else None
+    if admitted is None:
         return False
     rates = [lim for lim in admitted.limits if isinstance(lim, Limit)]
     if limit is None:

@@ -1,8 +1,9 @@
 """Where a task waits, decided from what is known: no Celery, no store, no clock.
 
-``defer.py`` asks the gate and carries out what is decided here; this module
-only chooses.  Each function takes what is known about the task (:class:`Known`)
-and the gate's answer, and returns one action:
+``defer.py`` asks the gate and carries out what is decided here (``line.py`` and
+``exits.py`` the ways a task leaves the worker); this module only chooses.
+Each function takes what is known about the task (:class:`Known`) and the
+gate's answer, and returns one action:
 
 * :class:`Start`: start now (admitted by the gate, or let through by the
   store-down policy ``"allow"``, holding nothing);

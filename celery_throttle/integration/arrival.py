@@ -54,7 +54,7 @@ from ..room.header import HEADER
 from ..room.queues import MAX_AHEAD_US
 from ..values import from_us, to_us
 from . import shadow
-from .defer import join_line_on_arrival
+from .line import join_line_on_arrival
 from .runtime import Runtime, runtime_for
 from .throttled import ORIGINAL_STRATEGY, call_of
 

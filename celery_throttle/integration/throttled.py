@@ -31,6 +31,7 @@ from ..room.dispatcher import queue_of
 from ..values import check_cost, positive_int, seconds
 from . import memory
 from .defer import admit, admitted_late, defer_after_start, release_leases_of
+from .exits import Left
 from .runtime import INSTALLED, Runtime, runtime_for
 
 __all__ = ["ORIGINAL_STRATEGY", "STRATEGY", "Call", "Throttle", "call_of", "ensure_gated",
@@ -323,7 +324,7 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         limits = call.limits
         admitted = False
         try:
-            with contextlib.suppress(Ignore):  # raised again below, shallow
+            with contextlib.suppress(Left):  # Ignore is raised below, shallow
                 admit(task, runtime, limits, call.max_wait, call.estimated, call.coded)
                 admitted = True
         finally:
@@ -346,7 +347,7 @@ def ensure_gated(task: Task[Any, Any]) -> None:
             # The provider said "not now": hold every worker off these limits,
             # give back the leases (only once the pause is written), come back
             # after the pause.
-            with contextlib.suppress(Ignore):  # raised again, shallow
+            with contextlib.suppress(Left):  # Ignore is raised below, shallow
                 defer_after_start(task, runtime, limited.limits_in(limits), limited.retry_after)
         finally:
             credit.revoke(unspent)
@@ -359,6 +360,8 @@ def ensure_gated(task: Task[Any, Any]) -> None:
 def _end_run() -> NoReturn:
     """End this copy's run (it waits outside the worker): Celery's ``Ignore``, raised shallow.
 
+    The only place that raises it: the admission's ways out raise
+    :class:`~.exits.Left`, which the gated run catches.
     Raised here, outside any handler, so that its traceback holds three
     small frames and Celery's tracer, not the whole admission: Celery copies
     every frame of it, with its code's positions, into two ``ExceptionInfo``

@@ -163,7 +163,7 @@ def test_a_countdown_re_publish_is_the_task_s_message_and_subscribes_to_no_resul
     its queue's lane (ahead of the queue's backlog)."""
     from celery import _state
 
-    from celery_throttle.integration.defer import _republish
+    from celery_throttle.integration.exits import republish as _republish
     from celery_throttle.room.header import WaitState
 
     broker = f"{redis_base}/{databases.SCRATCH}"

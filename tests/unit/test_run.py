@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import Any, cast
 
 from celery import Celery
 
+import celery_throttle
 from celery_throttle.integration.run import Run, rewrite, run_of, start_run
 from celery_throttle.integration.runtime import Runtime
 from celery_throttle.room.header import HEADER
@@ -60,3 +63,20 @@ def test_rewrite_on_a_request_with_nothing_yet() -> None:
     rewrite(request, routing_key="q", header={"deferrals": 1})
     assert request.delivery_info == {"routing_key": "q"}
     assert request.headers == {HEADER: {"deferrals": 1}}
+
+
+def test_only_the_gated_run_raises_celerys_control_exceptions() -> None:
+    """The ways out raise exits.Left; the gated run alone turns it into Celery's Ignore."""
+    package = Path(celery_throttle.__file__).parent
+    raised = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.Raise) and inner.exc is not None:
+                        called = inner.exc.func if isinstance(inner.exc, ast.Call) else inner.exc
+                        name = getattr(called, "id", getattr(called, "attr", ""))
+                        if name in {"Ignore", "Reject", "Retry"}:
+                            raised.append((path.relative_to(package).as_posix(), node.name))
+    assert raised == [("integration/throttled.py", "_end_run")]

@@ -1,5 +1,5 @@
 --- @include "core/clock.lua"
--- Which copy of an acks_late task's message may go on (see defer.py).
+-- Which copy of an acks_late task's message may go on (see integration/copies.py).
 --
 -- KEYS[1]  the task's pointer ({prefix}:copy:<id digest>:<retries>); absent until
 --          the user's message ("-") first moves it, and again after the store

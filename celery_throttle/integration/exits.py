@@ -1,0 +1,353 @@
+"""The ways a task's copy leaves the worker without running, and the one way out.
+
+A copy that must not run now leaves the process: it waits in its limit's
+line (``line.py``), parked in the waiting room's timer, or re-published with
+a countdown (on RabbitMQ on the delay ladder, ``room/ladder.py``); or it is
+dropped (expired, a second copy, delivered again, its run ended, stale), or
+fails (``max_wait`` passed, the store down under ``on_error="fail"``).  Every
+function here that ends the copy ends it through :func:`gone`, typed
+``NoReturn``: it raises :class:`Left`, which the gated run
+(``throttled.py``) turns into Celery's ``Ignore``, the only place that
+raises it (the message is acknowledged, no result is stored).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any, NoReturn
+
+import redis
+from celery import Task
+
+from .. import faults, metrics
+from ..core.gate import AnyLimit, Decision
+from ..core.logs import logger
+from ..errors import ThrottleStoreError, ThrottleTimeout
+from ..room.dispatcher import by_lane
+from ..room.envelope import capture, confirmed_producer, ladder_of
+from ..room.header import HEADER, WaitState, spacing_of
+from ..room.queues import entry_id
+from ..values import to_us
+from . import admission
+from .admission import CountDown, Drop, Start, TimeOut
+from .copies import Verdict, new_copy
+from .notes import wait_note, write_note
+from .runtime import INSTALLED, Runtime
+from .visible import announce
+
+__all__ = ["Left", "count_down", "drop", "end", "entry_of", "gone", "kept_beside_broker",
+           "log_outage", "move_pointer", "park", "refuse_superseded", "republish",
+           "room_open", "seconds_to_expiry", "send_back", "store_failed", "wait_counted_down",
+           "waits_in_line"]
+
+
+class Left(Exception):
+    """The task's copy left the worker without running (it waits elsewhere, or was dropped).
+
+    Raised by :func:`gone` alone; the gated run ends the copy on it with
+    Celery's ``Ignore``.
+    """
+
+
+def gone() -> NoReturn:
+    """The copy has left (it waits elsewhere, or was dropped): end its run here."""
+    raise Left
+
+
+# A re-publish retries for about 80 s (20 tries, 0.5 s apart growing to 5 s).
+_REPUBLISH_RETRY: dict[str, Any] = {"max_retries": 20, "interval_start": 0.5,
+                                    "interval_step": 0.5, "interval_max": 5.0}
+
+
+def seconds_to_expiry(request: Any) -> float | None:
+    expires = getattr(request, "expires", None)
+    if not expires:
+        return None
+    when = expires if isinstance(expires, dt.datetime) else dt.datetime.fromisoformat(expires)
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return (when - dt.datetime.now(dt.timezone.utc)).total_seconds()
+
+
+def room_open(task: Task[Any, Any], runtime: Runtime) -> bool:
+    """The waiting room is on, this app's workers run dispatchers (it was installed), and
+    the store keeps a waiting task as well as the broker would (``room/durability.py``)."""
+    return (runtime.config.waiting_room and getattr(task.app, INSTALLED, False)
+            and runtime.durability.safe())
+
+
+def kept_beside_broker(runtime: Runtime) -> bool:
+    """Is a task that starts to wait now also kept beside the broker's queues
+    (``room/keeper.py``: the store alone would lose it)?"""
+    return runtime.room.keeper is not None and runtime.durability.verdict().kept
+
+
+def entry_of(task: Task[Any, Any], copy: str) -> str:
+    """The waiting room's entry of the task's message copy ``copy`` (``queues.entry_id``):
+    a broker that delivers that copy again (a node's warm shutdown gives back messages
+    whose acknowledgement it had not sent yet) finds it waiting already."""
+    return entry_id(str(task.request.id), copy)
+
+
+def drop(task: Task[Any, Any], drop: Drop) -> NoReturn:
+    """The task's copy ends here, never run.  A copy the pointer refused keeps the seats
+    held under the task's id (while the task runs or waits they are its running or newer
+    copy's); an expired task is marked revoked, as Celery marks one."""
+    request = task.request
+    if drop.reason == "expired":
+        logger.info("throttle: task %s[%s] expires before its slot (%.3fs away); not run",
+                    task.name, request.id, drop.away)
+        task.backend.mark_as_revoked(str(request.id), "expired", request=request)
+    elif drop.reason in ("ended", "stale"):
+        logger.warning("throttle: task %s[%s] dropped: %s", task.name, request.id,
+                       _DROPPED[drop.reason])
+    else:
+        logger.info("throttle: task %s[%s] dropped: %s", task.name, request.id,
+                    _DROPPED[drop.reason])
+    gone()
+
+
+_DROPPED = {
+    "second copy": "a second copy dispatched from the waiting room (the first one goes on)",
+    "delivered again": "its message was delivered again while it waits (the copy waiting "
+                       "goes on)",
+    "ended": "its run has ended (its message was delivered again)",
+    "stale": "a stale copy (a node died while re-scheduling it; its newer copy goes on)",
+}
+
+
+def end(task: Task[Any, Any], action: Drop | TimeOut) -> NoReturn:
+    """The task ends here: dropped, or failed with its ``max_wait`` passed."""
+    if isinstance(action, Drop):
+        drop(task, action)
+    raise ThrottleTimeout.exceeded(task.name, action.limit, action.waited, action.max_wait)
+
+
+def log_outage(runtime: Runtime, exc: redis.RedisError, what: str) -> None:
+    """Report the store being down once per 30 s per process and app, not per task."""
+    # It may come back with another configuration: ask again before parking there.
+    runtime.durability.invalidate()
+    if runtime.outage.due():
+        # The exception's text names host and port, never the password.
+        logger.warning("throttle: store unavailable (%s: %s); %s", type(exc).__name__, exc,
+                       what)
+
+
+def store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
+                  exc: redis.RedisError) -> None:
+    """The store failed while the task was decided: returns when the store-down policy
+    lets it run unthrottled; otherwise it fails, or waits for the store (a countdown)."""
+    policy = runtime.config.on_error
+    log_outage(runtime, exc, f"policy {policy!r}")
+    action = admission.store_down(policy, state.deferrals, random.uniform(0.5, 1.0))
+    if isinstance(action, Start):
+        return
+    if isinstance(action, admission.StoreFailed):
+        raise ThrottleStoreError(f"throttle store unavailable for task {task.name!r}: "
+                                 f"{type(exc).__name__}") from exc
+    new = state.unmoved_successor(new_copy())
+    # The copy pointer is not moved (the store is down): the new copy names
+    # the last copy the pointer knows as its predecessor, which it accepts.
+    # (No THROTTLED state here: a result backend on the store's server is down
+    # too, and Celery's Redis backend retries a write for about 20 s.)
+    count_down(task, runtime, new, action.seconds)
+    logger.info("throttle: task %s[%s] re-scheduled in %.1fs: store unavailable (deferral %d)",
+                task.name, task.request.id, action.seconds, new.deferrals)
+    gone()
+
+
+def move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState,
+                  then: str, *, latest_us: int = 0) -> Verdict:
+    """acks_late: may this copy go on (``CopyPointer.move``)?  Store down: yes.
+
+    With the store down a copy re-published meanwhile names this one as its
+    predecessor, so the pointer still lets exactly one through; a start with
+    the store down is the store-down policy's call.
+    """
+    request = task.request
+    try:
+        return runtime.copies.move(str(request.id), request.retries, state, then,
+                                   latest_us=latest_us)
+    except redis.RedisError as exc:
+        if then == "ran:":
+            store_failed(task, runtime, state, exc)
+        return "go"
+
+
+def refuse_superseded(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> None:
+    """acks_late: is this copy still the task's, before it gives back the seats held under
+    the task's id and puts the task in line?  A copy delivered again after it was
+    re-published is not: those seats may be its newer copy's, and a second copy of the
+    task in line would be refused when served, with its kept copy left behind.
+
+    Only asked, nothing moved: the pointer moves after the task is in line, so a
+    node dying in between leaves this copy (redelivered) to go on.  Store down:
+    the move after decides, as ``move_pointer``.
+    """
+    request = task.request
+    try:
+        verdict = runtime.copies.check(str(request.id), request.retries, state)
+    except redis.RedisError:
+        return
+    refused = admission.verdict(verdict)
+    if refused is not None:
+        drop(task, refused)
+
+
+def waits_in_line(task: Task[Any, Any], runtime: Runtime, state: WaitState, new: WaitState,
+                   blocking: AnyLimit, wait: float) -> None:
+    """The task waits in ``blocking``'s line as ``new`` (about ``wait`` seconds): say so."""
+    if getattr(task, "acks_late", False):
+        move_pointer(task, runtime, state, new.copy)
+    metrics.deferred(blocking.name, wait)
+    announce(task, limit=blocking.name, wait=wait, deferrals=new.deferrals, reason="limit")
+    logger.info("throttle: task %s[%s] waits in line for limit %r (~%.3fs; deferral %d)",
+                task.name, task.request.id, blocking.name, wait, new.deferrals)
+
+
+def wait_counted_down(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+                       state: WaitState, decision: Decision, action: CountDown) -> NoReturn:
+    """The task waits out of the process as a countdown (the room is closed for it, or it
+    could not be put in line): re-published to come back for ``action``'s booking, or to
+    when a start is within reach."""
+    booking = action.booking
+    new = WaitState(slot=booking.slot if booking else None,
+                    booked=booking.booked if booking else 0,
+                    epoch=booking.epoch if booking else 0,
+                    shift=booking.shift if booking else 0, deferrals=state.deferrals + 1,
+                    since=state.since or decision.now, copy=new_copy(), prev=state.copy_id,
+                    spacing=spacing_of(limits))
+    new = count_down(task, runtime, new, action.seconds)
+    write_note(task, runtime, wait_note(task, action.limit, decision, new), action.wait)
+    if getattr(task, "acks_late", False):
+        move_pointer(task, runtime, state, new.copy)
+    metrics.deferred(action.limit, action.wait)
+    announce(task, limit=action.limit, wait=action.wait, deferrals=new.deferrals,
+             reason="limit")
+    logger.info("throttle: task %s[%s] waits %.3fs for limit %r (deferral %d)",
+                task.name, task.request.id, action.wait, action.limit, new.deferrals)
+    gone()
+
+
+def send_back(task: Task[Any, Any], runtime: Runtime, state: WaitState,
+               countdown: float) -> WaitState:
+    """A task due again in ``countdown`` seconds, uncharged (a provider's pause), leaves the
+    worker: parked in the waiting room's timer (:func:`park`) where it is open, else
+    re-published with a countdown (:func:`count_down`).  Returns the copy sent."""
+    if park(task, runtime, state, to_us(max(countdown, 0.0))):
+        return state
+    return count_down(task, runtime, state, countdown)
+
+
+def count_down(task: Task[Any, Any], runtime: Runtime, state: WaitState,
+                countdown: float) -> WaitState:
+    """Re-publish the task with ``countdown``, at most ``throttle_max_countdown`` (a longer
+    wait comes back then and asks again); return the copy the broker took.
+
+    A copy booked for a slot is aimed the dispatch lead before it, as the
+    waiting room dispatches one: aimed at the slot itself, its way to a pool
+    process (the broker's delivery, the consumer, the pool's handoff) would
+    make it late, past its grace, and it would lose the slot.  The pool
+    process it reaches sleeps the rest.
+    """
+    config = runtime.config
+    if state.booked and countdown <= config.max_countdown:
+        countdown -= min(config.dispatch_lead, countdown)
+    return republish(task, state, min(max(countdown, 0.001), config.max_countdown))
+
+
+def park(task: Task[Any, Any], runtime: Runtime, state: WaitState, delay_us: int) -> bool:
+    """Park the task in the waiting room's timer, due ``delay_us`` from now.
+
+    False when it cannot be parked (the waiting room is off, the app was
+    never installed so no worker dispatches it, or the store failed): the
+    caller re-publishes it with a countdown instead, never losing it.
+    """
+    if not room_open(task, runtime):
+        return False
+    request = task.request
+    entry = entry_of(task, state.prev)
+    kept = kept_beside_broker(runtime)
+    headers = {**(request.headers or {}),
+               HEADER: replace(state, entry=entry, kept=kept).to_header()}
+    envelope = capture(task.signature_from_request(request, headers=headers))
+    try:
+        at = runtime.room.park(entry, envelope.dumps(), str(request.id), delay_us=delay_us,
+                               kept=kept)
+    except redis.RedisError as exc:
+        metrics.store_error(["(waiting room)"])
+        log_outage(runtime, exc, "re-published with a countdown instead of parked")
+        return False
+    if not at:
+        drop(task, Drop("delivered again"))
+    return True
+
+
+def republish(task: Task[Any, Any], state: WaitState, countdown: float) -> WaitState:
+    """Publish the task's new copy ``state`` to come back in ``countdown`` seconds from the
+    call; return the copy the broker took (its id is the one the copy pointer moves to).
+
+    On RabbitMQ the copy waits in the broker, on the delay ladder
+    (``room/ladder.py``): no worker holds it meanwhile.  On a Redis broker it
+    carries an ETA, and the worker that receives it holds it until then.
+
+    A publish that fails with the connection is tried again on a new connection,
+    as kombu retries it, but each attempt is a copy of its own (a new copy id):
+    an attempt whose confirm was lost with the connection may still have reached
+    the broker, and a second copy identical to it would pass the copy pointer as
+    acks_late's redelivery of the first, and run beside it.  Copies with ids of
+    their own both name this copy as their predecessor: whichever arrives first
+    takes the pointer and the other is refused.
+    """
+    request = task.request
+    app = task.app
+    sent: list[WaitState] = []
+    asked = time.monotonic()
+
+    def attempt(producer: Any) -> None:
+        this = replace(state, copy=new_copy()) if sent else state
+        sent.append(this)
+        headers = {**(request.headers or {}), HEADER: this.to_header()}
+        # Counted from now, not from the publish: a publish that takes long (a new
+        # connection, the ladder's declaration, a retry) must not make it late.
+        left = max(countdown - (time.monotonic() - asked), 0.001)
+        # signature_from_request keeps id, args, queue/routing, priority, links,
+        # chain, expires, time limits and `retries` (so max_retries is untouched).
+        # Captured, then published as captured: apply_async itself would have the
+        # result backend subscribe to its result where joins do not block (see
+        # capture()), once per re-publish.
+        if ladder is None:  # (a Redis broker: an ETA, held by the worker it reaches)
+            envelope = by_lane(capture(task.signature_from_request(
+                request, countdown=left, headers=headers)))
+            envelope.publish(producer, queues=app.amqp.queues, retry=False)
+        else:  # RabbitMQ: it waits in the broker, on the delay ladder
+            envelope = by_lane(capture(task.signature_from_request(request, headers=headers)))
+            ladder.send(producer, envelope, left, app.amqp.queues)
+        faults.at("defer.published", task)
+
+    ladder = ladder_of(app)
+    with confirmed_producer(app) as producer:
+        policy = _outlasting(app.conf.task_publish_retry_policy)
+        producer.connection.ensure(producer, lambda: attempt(producer), **policy)()
+    faults.at("defer.after_republish", task)
+    return sent[-1]
+
+
+def _outlasting(policy: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The app's publish retry policy, stretched to outlast a broker's restart.
+
+    A task that must wait and cannot be sent back has nowhere to go: Celery's
+    default policy gives up within a second, and the task would fail with
+    the broker's error, never run.  Waiting for the broker holds one pool
+    process, which has nothing to take from a broker that is down anyway.
+    """
+    merged = {**_REPUBLISH_RETRY, **(policy or {})}
+    merged["max_retries"] = max(int(merged.get("max_retries") or 0),
+                                int(_REPUBLISH_RETRY["max_retries"]))
+    merged["interval_max"] = max(float(merged.get("interval_max") or 0.0),
+                                 float(_REPUBLISH_RETRY["interval_max"]))
+    return merged

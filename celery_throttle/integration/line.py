@@ -1,0 +1,167 @@
+"""A task waits in its limit's line (``room/queues.py``): where it stands and how it gets there.
+
+Two ways in: a running copy the gate refuses for longer than it may sleep
+(:func:`join_line`, from ``defer.py``), and a fresh message whose limit has
+tasks in line already, put behind them in the worker's main process before a
+pool process takes it (:func:`join_line_on_arrival`, from ``arrival.py``).
+Its place is when it first waited plus its priority's ageing steps; the
+dispatcher hands it out from there (``room/dispatcher.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from typing import Any
+
+import redis
+from celery import Task
+
+from .. import metrics
+from ..core.gate import AnyLimit, Concurrency, Decision, Limit
+from ..core.logs import logger
+from ..room.envelope import Envelope, capture
+from ..room.header import HEADER, WaitState, spacing_of
+from ..values import from_us, to_us
+from .admission import Drop, JoinLine, Known
+from .copies import new_copy
+from .exits import (
+    drop,
+    entry_of,
+    gone,
+    kept_beside_broker,
+    log_outage,
+    refuse_superseded,
+    room_open,
+    seconds_to_expiry,
+    waits_in_line,
+)
+from .runtime import Runtime
+
+__all__ = ["handed_out_within", "join_line", "join_line_on_arrival"]
+
+
+def join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+               decision: Decision, line: JoinLine, state: WaitState, known: Known) -> None:
+    """Wait in the line of the limit that blocks the task (``line.limit``): the copy
+    leaves (:func:`~.exits.gone`).
+
+    Returns (the caller re-publishes it) if it cannot be put in line: the
+    store failed.  Its place: its first wait plus its rank's ageing steps.
+    """
+    request = task.request
+    if getattr(task, "acks_late", False):
+        refuse_superseded(task, runtime, state)
+    blocking = line.limit
+    since = state.since or decision.now
+    seats = [lim for lim in limits if isinstance(lim, Concurrency)]
+    if seats:
+        # A seat it may hold (taken for a turn it came too late for) is not kept
+        # idle while it waits: the next in line for one gets it.
+        with contextlib.suppress(redis.RedisError):
+            runtime.gate.release(seats, str(request.id))
+    new, entry = _next_in_line(task, state, since, limits)
+    kept = kept_beside_broker(runtime)
+    headers = {**(request.headers or {}),
+               HEADER: replace(new, entry=entry, kept=kept).to_header()}
+    envelope = capture(task.signature_from_request(request, headers=headers))
+    due = decision.now + to_us(decision.retry_after)
+    try:
+        waiting = runtime.room.enqueue(
+            entry, envelope.dumps(), str(request.id),
+            **_line_args(task, runtime, limits, blocking, since, decision.now, known.to_expiry,
+                         known.max_wait),
+            due_us=0 if decision.queued or isinstance(blocking, Concurrency) else due,
+            kept=kept)
+    except redis.RedisError as exc:
+        metrics.store_error(["(waiting room)"])
+        log_outage(runtime, exc, "re-published with a countdown instead of put in line")
+        return
+    if not waiting:
+        drop(task, Drop("delivered again"))
+    waits_in_line(task, runtime, state, new, blocking, line.wait)
+    gone()
+
+
+def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
+                         max_wait: float | None, message: Any, now_us: int) -> bool:
+    """A fresh message of ``task`` (``task.request`` is its context) whose first limit has
+    tasks in line: put it behind them, as it is, before a pool process runs it
+    (``arrival.py``).  True when it waits in line (or waited already: the broker delivered
+    it again); False when that line is empty or it has expired (nothing written: the pool
+    gates it).  ``now_us``: the store's clock now, as near as the caller knows it.
+    Raises ``redis.RedisError`` when the store fails (nothing is acknowledged: the pool
+    gates it under the store-down policy).
+    """
+    request = task.request
+    runtime.counts.start()  # (once per process) as admit(): the dashboard's history
+    to_expiry = seconds_to_expiry(request)
+    if not room_open(task, runtime) or (to_expiry is not None and to_expiry <= 0):
+        return False
+    state = WaitState()
+    blocking = limits[0]
+    new, entry = _next_in_line(task, state, now_us, list(limits))
+    kept = kept_beside_broker(runtime)
+    envelope = Envelope.of_message(
+        message, {HEADER: replace(new, entry=entry, kept=kept).to_header()})
+    ahead = runtime.room.enqueue(
+        entry, envelope.dumps(), str(request.id),
+        **_line_args(task, runtime, list(limits), blocking, now_us, now_us, to_expiry, max_wait),
+        behind=True, kept=kept)
+    if ahead < 0:
+        return False
+    if ahead == 0:
+        logger.info("throttle: task %s[%s] dropped: its message was delivered again while it "
+                    "waits (the copy waiting goes on)", task.name, request.id)
+        return True
+    waits_in_line(task, runtime, state, new, blocking,
+                   from_us(ahead * blocking.cost * blocking.rate.interval_us))
+    return True
+
+
+def handed_out_within(runtime: Runtime) -> float:
+    """How far ahead of its start the line hands a task out (seconds; ``queues.ahead``)."""
+    try:
+        return runtime.room.queues.ahead(to_us(runtime.config.dispatch_lead))
+    except redis.RedisError:
+        return runtime.config.max_sleep  # (the decision meets the store's failure next)
+
+
+def _rank(task: Task[Any, Any], runtime: Runtime) -> int:
+    """The task's priority as a rank, 0 first, in the order its broker delivers them.
+
+    kombu's Redis transport (and the other virtual ones) delivers 0 first and
+    counts a message without a priority as 0; AMQP brokers deliver a higher
+    number first and count none as 0, the lowest.  Celery's range is 0-9.
+    """
+    raw = (task.request.delivery_info or {}).get("priority")
+    priority = min(max(raw, 0), 9) if isinstance(raw, int) else 0
+    return 9 - priority if runtime.config.high_priority_first else priority
+
+
+def _place(task: Task[Any, Any], runtime: Runtime, since: int) -> int:
+    """A waiting task's place (us) in a limit's queue: when it first waited (``since``,
+    server clock) plus its priority's rank times the ageing step, so rank 0 goes first and
+    the others age toward it."""
+    return since + _rank(task, runtime) * to_us(runtime.config.priority_ageing)
+
+
+def _next_in_line(task: Task[Any, Any], state: WaitState, since: int,
+                  limits: list[AnyLimit]) -> tuple[WaitState, str]:
+    """The state of the task's copy that waits in line, and its entry there."""
+    new = WaitState(deferrals=state.deferrals + 1, since=since, copy=new_copy(),
+                    prev=state.copy_id, spacing=spacing_of(limits))
+    return new, entry_of(task, new.prev)
+
+
+def _line_args(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
+               blocking: AnyLimit, since: int, now: int, to_expiry: float | None,
+               max_wait: float | None) -> dict[str, Any]:
+    """Where the task waits in line: its place (its first wait plus its rank's ageing
+    steps), its expiry and its ``max_wait`` deadline (server clock, us)."""
+    config = runtime.config
+    return {"limits": limits, "blocking": blocking,
+            "place_us": _place(task, runtime, since),
+            "expires_us": now + to_us(max(to_expiry, 0.0)) if to_expiry is not None else 0,
+            "deadline_us": since + to_us(max_wait) if max_wait is not None else 0,
+            "weights": config.fair_weights}

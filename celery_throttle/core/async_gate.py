@@ -20,16 +20,13 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from ..values import from_us, to_us
 from . import waiting
 from .connect import connect_async
-from .gate import (
-    COMMANDS,
+from .gate import COMMANDS, Clock, F, GateCalls
+from .limits import (
     DEFAULT_LEASE,
     AnyLimit,
     BucketState,
-    Clock,
     Concurrency,
     Decision,
-    F,
-    GateCalls,
     LeaseState,
     Limit,
     Reservation,

@@ -46,8 +46,8 @@ from celery.app.task import Context
 from celery.utils.imports import instantiate
 from celery.worker import state as worker_state
 
-from ..core.gate import Limit
 from ..core.keys import key_digest
+from ..core.limits import Limit
 from ..core.logs import logger
 from ..room.dispatcher import queue_of
 from ..room.header import HEADER

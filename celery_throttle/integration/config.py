@@ -18,8 +18,8 @@ from celery import Celery
 from redis.cluster import RedisCluster
 
 from ..core.connect import check_url, connect, kind_of
-from ..core.gate import Limit
 from ..core.keys import key_digest, validate_prefix
+from ..core.limits import Limit
 from ..core.rates import parse_rate
 from ..errors import ThrottleConfigError
 from ..room.ladder import MAX_DELAY_MS

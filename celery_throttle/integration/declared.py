@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from celery import Celery
 
-from ..core.gate import Concurrency, Limit
+from ..core.limits import Concurrency, Limit
 from ..core.rates import Rate
 from .config import read_config
 from .throttled import specs_of

@@ -27,10 +27,10 @@ from celery import Task
 
 from .. import faults, metrics
 from ..core import waiting
-from ..core.gate import AnyLimit, Concurrency, Decision, Limit, Reservation
+from ..core.limits import AnyLimit, Concurrency, Decision, Limit, Reservation
 from ..core.logs import logger
 from ..room.dispatcher import queue_of
-from ..room.header import WaitState, spacing_of
+from ..room.header import WaitState
 from ..room.queues import MAX_AHEAD_US
 from ..values import from_us, to_us
 from . import admission, leases, shadow
@@ -217,8 +217,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     # Only now: a seat freed before the pause was written could let another
     # call through to the provider that just refused.
     release_leases_of(task)
-    new = WaitState(deferrals=state.deferrals + 1, since=state.since, copy=new_copy(),
-                    prev=state.copy_id, spacing=spacing_of(limits))
+    new = state.successor(new_copy(), limits, state.since)
     new = send_back(task, runtime, new, seconds)
     if getattr(task, "acks_late", False):
         move_pointer(task, runtime, state, new.copy)
@@ -298,8 +297,7 @@ def _wait_for_slot(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
     try:
         outcome = waiting.drive(steps, ask, sleep, give_back)
     except redis.RedisError as exc:
-        metrics.store_error([lim.name for lim in limits])
-        store_failed(task, runtime, state, exc)
+        store_failed(task, runtime, state, exc, [lim.name for lim in limits])
         return False
     action = admission.settled(known, outcome)
     if isinstance(action, Start):
@@ -329,8 +327,7 @@ def _seats_kept(task: Task[Any, Any], runtime: Runtime, concurrent: list[Concurr
     try:
         lost = runtime.gate.extend(concurrent, holder)
     except redis.RedisError as exc:
-        metrics.store_error([lim.name for lim in concurrent])
-        store_failed(task, runtime, state, exc)
+        store_failed(task, runtime, state, exc, [lim.name for lim in concurrent])
         return True  # (policy "allow")
     if lost:
         logger.info("throttle: task %s[%s] arrived after its seat was given to another; "
@@ -418,7 +415,6 @@ def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> 
                                   task_id=str(task.request.id), note_ttl_ms=NOTE_AFTER_MS,
                                   kept=state.kept, held_us=state.held)
     except redis.RedisError as exc:
-        metrics.store_error(["(waiting room)"])
-        store_failed(task, runtime, state, exc)
+        store_failed(task, runtime, state, exc, ["(waiting room)"])
         return 0  # policy "allow"
     return now or None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -24,25 +24,25 @@ import redis
 from celery import Task
 
 from .. import faults, metrics
-from ..core.gate import AnyLimit, Decision
+from ..core.limits import AnyLimit, Decision
 from ..core.logs import logger
 from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import by_lane
-from ..room.envelope import capture, confirmed_producer, ladder_of
-from ..room.header import HEADER, WaitState, spacing_of
+from ..room.envelope import Envelope, capture, confirmed_producer, ladder_of
+from ..room.header import HEADER, WaitState
 from ..room.queues import entry_id
 from ..values import to_us
 from . import admission
-from .admission import CountDown, Drop, Start, TimeOut
+from .admission import CountDown, Drop, Start, StoreFailed, TimeOut, WaitForStore
 from .copies import Verdict, new_copy
 from .notes import wait_note, write_note
 from .runtime import INSTALLED, Runtime
 from .visible import announce
 
-__all__ = ["Left", "count_down", "drop", "end", "entry_of", "gone", "kept_beside_broker",
-           "log_outage", "move_pointer", "park", "refuse_superseded", "republish",
-           "room_open", "seconds_to_expiry", "send_back", "store_failed", "wait_counted_down",
-           "waits_in_line"]
+__all__ = ["Left", "copy_of", "count_down", "drop", "end", "entry_of", "gone",
+           "kept_beside_broker", "log_outage", "move_pointer", "park", "refuse_superseded",
+           "republish", "room_open", "room_write_failed", "seconds_to_expiry", "send_back",
+           "store_failed", "wait_counted_down", "wait_for_store", "waits_in_line"]
 
 
 class Left(Exception):
@@ -138,15 +138,24 @@ def log_outage(runtime: Runtime, exc: redis.RedisError, what: str) -> None:
 
 
 def store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
-                  exc: redis.RedisError) -> None:
-    """The store failed while the task was decided: returns when the store-down policy
-    lets it run unthrottled; otherwise it fails, or waits for the store (a countdown)."""
+                 exc: redis.RedisError, counted: Sequence[str] = ()) -> None:
+    """The store failed while the task was decided (counted as a store error of the
+    limits ``counted`` names): returns when the store-down policy lets it run
+    unthrottled; otherwise it waits for the store or fails (:func:`wait_for_store`)."""
+    if counted:
+        metrics.store_error(list(counted))
     policy = runtime.config.on_error
     log_outage(runtime, exc, f"policy {policy!r}")
     action = admission.store_down(policy, state.deferrals, random.uniform(0.5, 1.0))
-    if isinstance(action, Start):
-        return
-    if isinstance(action, admission.StoreFailed):
+    if not isinstance(action, Start):
+        wait_for_store(task, runtime, state, action, exc)
+
+
+def wait_for_store(task: Task[Any, Any], runtime: Runtime, state: WaitState,
+                   action: WaitForStore | StoreFailed, exc: redis.RedisError) -> NoReturn:
+    """The store is down and the policy does not let the task run: it fails
+    (``on_error="fail"``), or comes back after ``action.seconds`` to ask again."""
+    if isinstance(action, StoreFailed):
         raise ThrottleStoreError(f"throttle store unavailable for task {task.name!r}: "
                                  f"{type(exc).__name__}") from exc
     new = state.unmoved_successor(new_copy())
@@ -214,13 +223,7 @@ def wait_counted_down(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     """The task waits out of the process as a countdown (the room is closed for it, or it
     could not be put in line): re-published to come back for ``action``'s booking, or to
     when a start is within reach."""
-    booking = action.booking
-    new = WaitState(slot=booking.slot if booking else None,
-                    booked=booking.booked if booking else 0,
-                    epoch=booking.epoch if booking else 0,
-                    shift=booking.shift if booking else 0, deferrals=state.deferrals + 1,
-                    since=state.since or decision.now, copy=new_copy(), prev=state.copy_id,
-                    spacing=spacing_of(limits))
+    new = state.successor(new_copy(), limits, state.since or decision.now, action.booking)
     new = count_down(task, runtime, new, action.seconds)
     write_note(task, runtime, wait_note(task, action.limit, decision, new), action.wait)
     if getattr(task, "acks_late", False):
@@ -260,6 +263,30 @@ def count_down(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     return republish(task, state, min(max(countdown, 0.001), config.max_countdown))
 
 
+def copy_of(task: Task[Any, Any], state: WaitState, countdown: float | None = None
+            ) -> Envelope:
+    """A copy of the running task's message carrying ``state`` in our header (its other
+    headers kept), captured, to be stored in the waiting room or published as it is.
+
+    ``signature_from_request`` keeps id, args, queue/routing, priority, links,
+    chain, expires, time limits and ``retries`` (so ``max_retries`` is
+    untouched).  Captured, then published as captured: ``apply_async`` itself
+    would have the result backend subscribe to its result where joins do not
+    block (see ``capture()``), once per copy.
+    """
+    request = task.request
+    headers = {**(request.headers or {}), HEADER: state.to_header()}
+    options: dict[str, Any] = {} if countdown is None else {"countdown": countdown}
+    return capture(task.signature_from_request(request, headers=headers, **options))
+
+
+def room_write_failed(runtime: Runtime, exc: redis.RedisError, instead: str) -> None:
+    """The store failed as the task was put in the waiting room: counted, and reported
+    once in a while (:func:`log_outage`); the caller does ``instead``."""
+    metrics.store_error(["(waiting room)"])
+    log_outage(runtime, exc, instead)
+
+
 def park(task: Task[Any, Any], runtime: Runtime, state: WaitState, delay_us: int) -> bool:
     """Park the task in the waiting room's timer, due ``delay_us`` from now.
 
@@ -272,15 +299,12 @@ def park(task: Task[Any, Any], runtime: Runtime, state: WaitState, delay_us: int
     request = task.request
     entry = entry_of(task, state.prev)
     kept = kept_beside_broker(runtime)
-    headers = {**(request.headers or {}),
-               HEADER: replace(state, entry=entry, kept=kept).to_header()}
-    envelope = capture(task.signature_from_request(request, headers=headers))
+    envelope = copy_of(task, replace(state, entry=entry, kept=kept))
     try:
         at = runtime.room.park(entry, envelope.dumps(), str(request.id), delay_us=delay_us,
                                kept=kept)
     except redis.RedisError as exc:
-        metrics.store_error(["(waiting room)"])
-        log_outage(runtime, exc, "re-published with a countdown instead of parked")
+        room_write_failed(runtime, exc, "re-published with a countdown instead of parked")
         return False
     if not at:
         drop(task, Drop("delivered again"))
@@ -303,7 +327,6 @@ def republish(task: Task[Any, Any], state: WaitState, countdown: float) -> WaitS
     their own both name this copy as their predecessor: whichever arrives first
     takes the pointer and the other is refused.
     """
-    request = task.request
     app = task.app
     sent: list[WaitState] = []
     asked = time.monotonic()
@@ -311,21 +334,14 @@ def republish(task: Task[Any, Any], state: WaitState, countdown: float) -> WaitS
     def attempt(producer: Any) -> None:
         this = replace(state, copy=new_copy()) if sent else state
         sent.append(this)
-        headers = {**(request.headers or {}), HEADER: this.to_header()}
         # Counted from now, not from the publish: a publish that takes long (a new
         # connection, the ladder's declaration, a retry) must not make it late.
         left = max(countdown - (time.monotonic() - asked), 0.001)
-        # signature_from_request keeps id, args, queue/routing, priority, links,
-        # chain, expires, time limits and `retries` (so max_retries is untouched).
-        # Captured, then published as captured: apply_async itself would have the
-        # result backend subscribe to its result where joins do not block (see
-        # capture()), once per re-publish.
         if ladder is None:  # (a Redis broker: an ETA, held by the worker it reaches)
-            envelope = by_lane(capture(task.signature_from_request(
-                request, countdown=left, headers=headers)))
+            envelope = by_lane(copy_of(task, this, countdown=left))
             envelope.publish(producer, queues=app.amqp.queues, retry=False)
         else:  # RabbitMQ: it waits in the broker, on the delay ladder
-            envelope = by_lane(capture(task.signature_from_request(request, headers=headers)))
+            envelope = by_lane(copy_of(task, this))
             ladder.send(producer, envelope, left, app.amqp.queues)
         faults.at("defer.published", task)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from celery import Celery
 
-from ..core.gate import Concurrency, Limit
+from ..core.limits import Concurrency, Limit
 from .declared import known_limits
 from .runtime import runtime_for
 

@@ -34,7 +34,7 @@ from celery.worker import state as worker_state
 from redis.cluster import RedisCluster
 
 from .. import metrics
-from ..core.gate import Limit
+from ..core.limits import Limit
 from ..core.logs import logger
 from ..room.dispatcher import Dispatcher, add_lanes
 from ..room.durability import Verdict

@@ -21,7 +21,8 @@ import time
 import redis
 from celery import current_task
 
-from ..core.gate import Concurrency, Gate, Limit
+from ..core.gate import Gate
+from ..core.limits import Concurrency, Limit
 from ..core.logs import logger
 from ..values import renew_every, units
 from .run import Admitted, Held, run_of

@@ -17,22 +17,22 @@ from typing import Any
 import redis
 from celery import Task
 
-from .. import metrics
-from ..core.gate import AnyLimit, Concurrency, Decision, Limit
+from ..core.limits import AnyLimit, Concurrency, Decision, Limit
 from ..core.logs import logger
-from ..room.envelope import Envelope, capture
-from ..room.header import HEADER, WaitState, spacing_of
+from ..room.envelope import Envelope
+from ..room.header import HEADER, WaitState
 from ..values import from_us, to_us
 from .admission import Drop, JoinLine, Known
 from .copies import new_copy
 from .exits import (
+    copy_of,
     drop,
     entry_of,
     gone,
     kept_beside_broker,
-    log_outage,
     refuse_superseded,
     room_open,
+    room_write_failed,
     seconds_to_expiry,
     waits_in_line,
 )
@@ -62,9 +62,7 @@ def join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             runtime.gate.release(seats, str(request.id))
     new, entry = _next_in_line(task, state, since, limits)
     kept = kept_beside_broker(runtime)
-    headers = {**(request.headers or {}),
-               HEADER: replace(new, entry=entry, kept=kept).to_header()}
-    envelope = capture(task.signature_from_request(request, headers=headers))
+    envelope = copy_of(task, replace(new, entry=entry, kept=kept))
     due = decision.now + to_us(decision.retry_after)
     try:
         waiting = runtime.room.enqueue(
@@ -74,8 +72,7 @@ def join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             due_us=0 if decision.queued or isinstance(blocking, Concurrency) else due,
             kept=kept)
     except redis.RedisError as exc:
-        metrics.store_error(["(waiting room)"])
-        log_outage(runtime, exc, "re-published with a countdown instead of put in line")
+        room_write_failed(runtime, exc, "re-published with a countdown instead of put in line")
         return
     if not waiting:
         drop(task, Drop("delivered again"))
@@ -149,8 +146,7 @@ def _place(task: Task[Any, Any], runtime: Runtime, since: int) -> int:
 def _next_in_line(task: Task[Any, Any], state: WaitState, since: int,
                   limits: list[AnyLimit]) -> tuple[WaitState, str]:
     """The state of the task's copy that waits in line, and its entry there."""
-    new = WaitState(deferrals=state.deferrals + 1, since=since, copy=new_copy(),
-                    prev=state.copy_id, spacing=spacing_of(limits))
+    new = state.successor(new_copy(), limits, since)
     return new, entry_of(task, new.prev)
 
 

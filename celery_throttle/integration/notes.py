@@ -18,8 +18,8 @@ import redis
 from celery import Celery, Task
 from celery.backends.base import DisabledBackend
 
-from ..core.gate import Decision
 from ..core.keys import task_key
+from ..core.limits import Decision
 from ..core.logs import logger
 from ..room.envelope import Envelope
 from ..room.header import HEADER, WaitState

@@ -25,7 +25,7 @@ import redis
 from celery import Task
 
 from .. import metrics
-from ..core.gate import AnyLimit, Concurrency
+from ..core.limits import AnyLimit, Concurrency
 from ..core.logs import logger
 from . import leases
 from .runtime import Runtime

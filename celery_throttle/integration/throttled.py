@@ -22,8 +22,8 @@ from celery.exceptions import Ignore
 from celery.local import PromiseProxy, Proxy
 
 from ..core import credit
-from ..core.gate import DEFAULT_LEASE, AnyLimit, Concurrency, Limit
 from ..core.keys import validate_name
+from ..core.limits import DEFAULT_LEASE, AnyLimit, Concurrency, Limit
 from ..core.logs import logger
 from ..core.rates import Rate, parse_rate
 from ..errors import RateLimited, ThrottleTimeout

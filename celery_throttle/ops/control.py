@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from celery import Celery
 
-from ..core.gate import Concurrency, Limit
 from ..core.keys import operator_key
+from ..core.limits import Concurrency, Limit
 from ..core.logs import logger
 from ..core.rates import Rate, parse_rate
 from ..integration.notes import forget_dropped

@@ -16,8 +16,9 @@ from typing import Any
 
 from celery import Celery
 
-from ..core.gate import BucketState, Concurrency, Gate, LeaseState, Limit
+from ..core.gate import Gate
 from ..core.keys import operator_key
+from ..core.limits import BucketState, Concurrency, LeaseState, Limit
 from ..core.rates import parse_rate
 from ..integration.declared import KnownLimit, known_limits
 from ..integration.history import SPAN, read_counts

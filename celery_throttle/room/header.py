@@ -8,10 +8,11 @@ booked slot, its deferral count, which copy it is) travels in the header
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..core.gate import AnyLimit, Reservation
+from ..core.limits import AnyLimit, Reservation
 
 __all__ = ["HEADER", "WaitState", "spacing_of"]
 
@@ -76,6 +77,17 @@ class WaitState:
                    token=text("token", 40), room=num("room"), charged=text("charged", 1),
                    unmoved=num("unmoved") == 1, kept=num("kept") == 1, held=num("held"))
 
+    def successor(self, copy: str, limits: Sequence[AnyLimit], since: int | None,
+                  booking: Reservation | None = None) -> WaitState:
+        """The copy ``copy`` that goes on waiting after this one (deferred once more), for
+        ``limits``, first waiting at ``since`` (server clock, us), booked for ``booking``'s
+        start if any.  The copy pointer moves to it from this copy."""
+        return WaitState(slot=booking.slot if booking else None,
+                         booked=booking.booked if booking else 0,
+                         epoch=booking.epoch if booking else 0,
+                         shift=booking.shift if booking else 0, deferrals=self.deferrals + 1,
+                         since=since, copy=copy, prev=self.copy_id, spacing=spacing_of(limits))
+
     def unmoved_successor(self, copy: str) -> WaitState:
         """The copy ``copy`` that re-publishes this one while the store is down.
 
@@ -135,6 +147,6 @@ class WaitState:
         return header
 
 
-def spacing_of(limits: list[AnyLimit]) -> tuple[int, ...]:
+def spacing_of(limits: Sequence[AnyLimit]) -> tuple[int, ...]:
     """Each limit's interval (us; 0 for a concurrency limit), carried with a booking."""
     return tuple(lim.interval_us for lim in limits)

@@ -212,6 +212,21 @@ def test_no_module_imports_a_private_name_of_another() -> None:
     assert private == []
 
 
+def test_the_records_are_imported_from_one_module() -> None:
+    """Limits, decisions and reservations live in core/limits.py; the package imports them
+    from there (core.gate re-exports them for users who import them from it)."""
+    records = {"AnyLimit", "BucketState", "Concurrency", "Decision", "LeaseState", "Limit",
+               "Reservation", "DEFAULT_LEASE", "ADMITTED"}
+    through_gate = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level and node.module in ("gate",
+                                                                                 "core.gate"):
+                through_gate += [f"{path.name}: {a.name}" for a in node.names
+                                 if a.name in records]
+    assert through_gate == []
+
+
 # Where key names are built: the core's modules build only the core's keys (core/keys.py:
 # the limits, their lines, the epoch, the freed set and the doorbell).  The waiting room's
 # own keys (room/keys.py: its messages, parked and claimed sets, the lines' ready index,

@@ -31,10 +31,10 @@ from celery import Celery
 from celery_throttle.core.keys import key_digest, task_key
 from celery_throttle.core.limits import Limit
 from celery_throttle.core.rates import parse_rate
+from celery_throttle.room.entries import entry_id
 from celery_throttle.room.envelope import Envelope, capture, split_record
 from celery_throttle.room.keys import room_key
 from celery_throttle.room.parking import WaitingRoom
-from celery_throttle.room.queues import entry_id
 from celery_throttle.testing import RedisServer
 
 T0 = 1_796_000_000_000_000  # a fixed place in line (us): the memory does not depend on it

@@ -19,8 +19,8 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 from ..values import from_us, to_us
 from . import waiting
+from .calls import COMMANDS, Clock, F, GateCalls
 from .connect import connect_async
-from .gate import COMMANDS, Clock, F, GateCalls
 from .limits import (
     DEFAULT_LEASE,
     AnyLimit,

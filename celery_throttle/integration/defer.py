@@ -88,7 +88,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     limits, shadowed = shadow.split(runtime, limits, coded or {})
     state = WaitState.from_request(request)
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
-    charged = state.charged  # ... from a limit's queue: how (queues.Served.flag)
+    charged = state.charged  # ... from a limit's queue: how (entries.Served.flag)
     arrived_at: int | None = 0  # the server's time when it arrived (0: unknown)
     asked = 0.0  # (this process's clock before the arrival is asked: see _turn_kept)
     info: Mapping[str, Any] = request.delivery_info or {}

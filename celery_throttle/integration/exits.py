@@ -28,9 +28,9 @@ from ..core.limits import AnyLimit, Decision
 from ..core.logs import logger
 from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import by_lane
+from ..room.entries import entry_id
 from ..room.envelope import Envelope, capture, confirmed_producer, ladder_of
 from ..room.header import HEADER, WaitState
-from ..room.queues import entry_id
 from ..values import to_us
 from . import admission
 from .admission import CountDown, Drop, Start, StoreFailed, TimeOut, WaitForStore
@@ -87,7 +87,7 @@ def kept_beside_broker(runtime: Runtime) -> bool:
 
 
 def entry_of(task: Task[Any, Any], copy: str) -> str:
-    """The waiting room's entry of the task's message copy ``copy`` (``queues.entry_id``):
+    """The waiting room's entry of the task's message copy ``copy`` (``entries.entry_id``):
     a broker that delivers that copy again (a node's warm shutdown gives back messages
     whose acknowledgement it had not sent yet) finds it waiting already."""
     return entry_id(str(task.request.id), copy)

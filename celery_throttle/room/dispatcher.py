@@ -56,13 +56,13 @@ from kombu.exceptions import ChannelError
 from .. import faults
 from ..core.logs import Every, logger
 from ..values import to_us
+from .entries import Served
 from .envelope import Envelope
 from .header import HEADER
 from .keeper import Keeper
 from .keys import room_key
 from .native import NativeThread
 from .parking import Parked, WaitingRoom
-from .queues import Served
 
 __all__ = ["LANE", "Dispatcher", "add_lanes", "by_lane", "lane_of", "queue_of"]
 

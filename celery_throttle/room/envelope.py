@@ -15,7 +15,7 @@ dictionary).  Measured on a small task's message
 181-184 with the dictionary.
 
 A task waiting in a limit's queue is stored as one record: what the
-dispatch needs of it (``queues.entry_json``), a newline, then its envelope
+dispatch needs of it (``entries.entry_json``), a newline, then its envelope
 (:func:`in_line`), so the waiting room keeps one hash field per waiting
 task.  The record's JSON never holds a raw newline (``json.dumps`` escapes
 it), so the first one ends it.

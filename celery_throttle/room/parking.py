@@ -46,10 +46,11 @@ from ..core.limits import AnyLimit
 from ..core.logs import logger
 from ..core.scripts import script
 from ..values import US_PER_SECOND, from_us, text
+from .entries import Served, Weights, entry_id, queues_of
 from .envelope import Envelope
 from .keeper import Keeper, LinePlace, in_line_kept, read_kept
 from .keys import room_key
-from .queues import MAX_AHEAD_US, Queues, Served, Weights, entry_id, queues_of
+from .queues import MAX_AHEAD_US, Queues
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 

@@ -39,11 +39,9 @@ claimed set, the trip and the wake list are the waiting room's
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -60,14 +58,27 @@ from ..core.keys import (
     sibling_key,
     split_limit_key,
 )
-from ..core.limits import AnyLimit, Concurrency, Limit
+from ..core.limits import AnyLimit, Limit
 from ..core.scripts import script
 from ..values import from_us, text
+from .entries import (
+    InLine,
+    Line,
+    Served,
+    Weights,
+    entry_id,
+    entry_json,
+    fair_of,
+    limits_of,
+    name_of,
+    rows_of,
+    served_of,
+    task_of,
+)
 from .envelope import in_line, split_record
 from .keys import room_key
 
-__all__ = ["MAX_AHEAD_US", "InLine", "Line", "Queues", "Served", "Weights", "entry_id",
-           "entry_json", "fair_of", "queues_of"]
+__all__ = ["MAX_AHEAD_US", "Queues"]
 
 #: The most queues looked at per round, and the waiting tasks read per queue.
 LOOK_QUEUES, LOOK_HEADS = 64, 8
@@ -78,98 +89,6 @@ AHEAD_FOR_S = 1.0
 #: sleeps that long at most in a worker process, until the start it was
 #: charged for.  (A long trip estimate, a node starting up, must not fill it.)
 MAX_AHEAD_US = 500_000
-
-
-@dataclass(frozen=True, slots=True)
-class Served:
-    """A task dispatched from a queue: publish ``message`` with ``token``, ``epoch``,
-    ``flag`` ("c" charged for ``start``, server clock us: start then; "x" dispatched
-    uncharged: revoked or expired, the worker drops it; "t": its ``max_wait`` passed)
-    in its header."""
-
-    entry: str
-    token: str
-    epoch: int
-    flag: str
-    start: int
-    message: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class InLine:
-    """A task waiting in line: its ``place`` in its queue (0: next), and its stored message."""
-
-    entry: str
-    limit: str
-    key_digest: str  # the queue's key value ("-": a shared limit's one queue)
-    place: int
-    message: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Line:
-    """The tasks waiting in line for one limit: every key value of a per-key limit together.
-
-    ``top``: the key values with the most tasks waiting, as (key digest, tasks);
-    a shared limit's one line is "-" (key values themselves are never stored).
-    ``drains_in``: seconds until the line is empty at ``interval_us`` per task,
-    for the longest line of a key value (key values are served side by side);
-    an estimate: costs above one unit and other limits of the tasks lengthen it.
-    """
-
-    name: str
-    waiting: int
-    top: tuple[tuple[str, int], ...]
-    drains_in: float | None
-
-
-def entry_id(task_id: str, copy: str = "") -> str:
-    """The waiting room's entry of ``task_id``'s message copy ``copy`` ("": the user's own
-    message).  Named by the copy that waits, not by the one it becomes: a broker that
-    delivers that copy again finds it waiting already."""
-    return f"{key_digest(task_id)}:{copy or '-'}"
-
-
-#: Fair-share weights: limit name -> fair key value digest -> weight (default 1).
-Weights = Mapping[str, Mapping[str, int]]
-
-
-def fair_of(limit: AnyLimit, weights: Weights) -> tuple[str, float]:
-    """A limit's fair key value digest ("" for none) and the turn one task of it takes
-    (its cost / its value's weight).  (A concurrency limit's line is not fair.)"""
-    if not isinstance(limit, Limit) or limit.fair is None:
-        return "", 0.0
-    digest = key_digest(limit.fair)
-    return digest, limit.cost / weights.get(limit.name, {}).get(digest, 1)
-
-
-def entry_json(task_id: str, limits: Sequence[AnyLimit], prefix: str, *, place_us: int = 0,
-               expires_us: int = 0, deadline_us: int = 0, weights: Weights | None = None
-               ) -> str:
-    """What the dispatch needs of a waiting task: its id, its expiry and ``max_wait``
-    deadlines (server clock, us; 0: none), each limit's bucket (its name is in it), rate,
-    cost and fair key value (digest and turn), and its place when a limit is fair (a fair
-    queue orders by turn; any other keeps the place as the task's score)."""
-    rows: list[list[str | int | float]] = []
-    for lim in limits:
-        if isinstance(lim, Concurrency):  # (interval 0: a seat, for its lease)
-            rows.append([lim.key_in(prefix).decode(), 0, lim.seats, lim.lease_us])
-            continue
-        fair, units = fair_of(lim, weights or {})
-        row: list[str | int | float] = [lim.key_in(prefix).decode(), lim.rate.interval_us,
-                                        lim.burst, lim.cost]
-        if fair:  # (serve.lua reads a missing fair key value as none, and units as 1)
-            row += [fair, units]
-        rows.append(row)
-    # One per waiting task: what the dispatch can do without is left out.
-    task: dict[str, object] = {"t": task_id, "l": rows}
-    if any(isinstance(lim, Limit) and lim.fair is not None for lim in limits):
-        task["p"] = place_us
-    if expires_us:
-        task["e"] = expires_us
-    if deadline_us:
-        task["w"] = deadline_us
-    return json.dumps(task, separators=(",", ":"))
 
 
 class Queues:
@@ -285,12 +204,12 @@ class Queues:
             for _ in range(count):
                 entry, raw = text(heads[i]), heads[i + 1]
                 i += 2
-                task = _task(raw)
+                task = task_of(raw)
                 if task is None:
                     continue
                 if revoked(str(task.get("t", ""))):
                     uncharged.append(entry)
-                for lim in _limits_of(task):
+                for lim in limits_of(task):
                     others[lim] = None
         own = [limit_of(q) for q in queues]
         for bucket in own:
@@ -301,7 +220,7 @@ class Queues:
                   self.wake, self.specs, self.live, *quads],
             args=[batch, timeout_us, " ".join(uncharged), len(own), MAX_AHEAD_US, lead_us])
         wait = int(reply[0])
-        return (None if wait < 0 else from_us(wait)), _served(int(reply[1]), reply[2:])
+        return (None if wait < 0 else from_us(wait)), served_of(int(reply[1]), reply[2:])
 
     def cancel(self, in_line: Mapping[str, Sequence[str]], parked: Sequence[str],
                parked_key: str, timeout_us: int) -> tuple[list[Served], int]:
@@ -312,7 +231,7 @@ class Queues:
         reply = self._withdraw(
             keys=[self.messages, self.claimed, self.epoch, parked_key, self.wake, *queues],
             args=[timeout_us, " ".join(in_line), " ".join(parked)])
-        return _served(int(reply[1]), reply[2:]), int(reply[0])
+        return served_of(int(reply[1]), reply[2:]), int(reply[0])
 
     def lines(self, intervals: Mapping[str, int], *, most: int = 10_000,
               top: int = 5) -> list[Line]:
@@ -348,7 +267,7 @@ class Queues:
         """The ``count`` tasks nearest the head of their queues (of limit ``name``, or of
         every limit), in the first ``most`` queues of the ready index: places 0 first."""
         queues = [q for q in map(text, cast(list[bytes], self.client.zrange(
-            self.ready, 0, most - 1))) if name is None or _name_of(q) == name]
+            self.ready, 0, most - 1))) if name is None or name_of(q) == name]
         if not queues:
             return []
         pipe = self.client.pipeline(transaction=False)
@@ -376,10 +295,10 @@ class Queues:
         if stored is None:
             return None
         record, message = split_record(stored)
-        task = _task(record or b"")
+        task = task_of(record or b"")
         if task is None:
             return None
-        rows = _rows_of(task)
+        rows = rows_of(task)
         queues = [line_of(bucket)[0] for bucket, _, _ in rows]
         # One more round trip: its place in each of its limits' queues (it is in
         # one), each limit's live and declared rates, and a concurrency limit's
@@ -412,7 +331,7 @@ class Queues:
         """Look at every queue of limit ``name`` now, not when its old rate or pause said
         (``throttle set`` or ``resume``); returns how many queues it has."""
         queues = [q for q in cast(list[bytes], self.client.zrange(self.ready, 0, -1))
-                  if _name_of(text(q)) == name]
+                  if name_of(text(q)) == name]
         if queues:
             self.client.zadd(self.ready, dict.fromkeys(queues, 0))
             # A dispatcher asleep until the old time wakes (one token, as park.lua).
@@ -442,53 +361,3 @@ class Queues:
             self.client.delete(key)
 
 
-def _served(epoch: int, items: Sequence[Any]) -> list[Served]:
-    """serve.lua's dispatched tasks: entry, token, flag, start, message, one after another."""
-    return [Served(text(items[k]), text(items[k + 1]), epoch, text(items[k + 2]),
-                   int(items[k + 3]), items[k + 4]) for k in range(0, len(items), 5)]
-
-
-def queues_of(record: bytes | str) -> list[str]:
-    """The queues of a waiting task's limits, from its record (one of them holds it)."""
-    task = _task(record)
-    return [line_of(bucket)[0] for bucket in _limits_of(task)] if task else []
-
-
-def _task(raw: bytes | str) -> dict[str, Any] | None:
-    try:
-        task = json.loads(raw or b"null")
-    except ValueError:
-        return None
-    return task if isinstance(task, dict) else None
-
-
-def _name_of(queue: str) -> str | None:
-    try:
-        return split_limit_key(queue)[2]
-    except ValueError:
-        return None
-
-
-def _rows_of(task: dict[str, Any]) -> list[tuple[str, int, int]]:
-    """A waiting task's limits, the readable ones: (bucket key, interval when enqueued, us,
-    burst: a concurrency limit's seats).""
-
-    A row is [bucket, interval, burst, cost, ...]; a concurrency limit's is
-    [leases, 0, seats, lease]: interval 0."""
-    limits = task.get("l")
-    if not isinstance(limits, list):
-        return []
-    out = []
-    for row in limits:
-        if not (isinstance(row, list) and len(row) >= 4 and isinstance(row[0], str)
-                and (":b:" in row[0] or ":l:" in row[0])):
-            continue
-        interval, burst = row[1], row[2]
-        if isinstance(interval, int):
-            out.append((row[0], interval, burst if isinstance(burst, int) else 1))
-    return out
-
-
-def _limits_of(task: dict[str, Any]) -> list[str]:
-    """The bucket keys of a waiting task's limits (none of an unreadable record)."""
-    return [bucket for bucket, _, _ in _rows_of(task)]

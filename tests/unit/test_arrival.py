@@ -24,8 +24,9 @@ from celery_throttle import HEADER, Limit, parse_rate, throttled
 from celery_throttle.integration.arrival import HANDOFF_S, _Arrivals, lines_up, strategy
 from celery_throttle.integration.runtime import runtime_for
 from celery_throttle.integration.throttled import ORIGINAL_STRATEGY
+from celery_throttle.room.entries import entry_id
 from celery_throttle.room.envelope import Envelope
-from celery_throttle.room.queues import MAX_AHEAD_US, entry_id
+from celery_throttle.room.queues import MAX_AHEAD_US
 
 from .. import databases
 from ..conftest import installed_app

@@ -9,7 +9,8 @@ import redis
 
 from celery_throttle import Concurrency, Gate, Limit, parse_rate
 from celery_throttle.core.live import LiveLimits
-from celery_throttle.room.queues import Queues, Served
+from celery_throttle.room.entries import Served
+from celery_throttle.room.queues import Queues
 
 from ..clock import StepClock
 

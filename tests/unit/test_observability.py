@@ -25,9 +25,9 @@ from celery_throttle import Concurrency, Gate, Limit, metrics, parse_rate, throt
 from celery_throttle.core.keys import key_digest
 from celery_throttle.integration.notes import read_wait
 from celery_throttle.integration.runtime import forget, runtime_for
+from celery_throttle.room.entries import entry_id
 from celery_throttle.room.envelope import capture
 from celery_throttle.room.header import HEADER, WaitState
-from celery_throttle.room.queues import entry_id
 from celery_throttle.testing import free_port
 
 from .. import databases

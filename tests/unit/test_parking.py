@@ -12,8 +12,8 @@ from redis.cluster import RedisCluster
 from celery_throttle.core.keys import epoch_key, key_digest
 from celery_throttle.core.limits import Limit
 from celery_throttle.core.rates import parse_rate
+from celery_throttle.room.entries import entry_id
 from celery_throttle.room.parking import Parked, WaitingRoom
-from celery_throttle.room.queues import entry_id
 
 from .. import databases
 

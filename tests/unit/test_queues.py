@@ -10,9 +10,10 @@ import redis
 
 from celery_throttle import Concurrency, Gate, Limit, parse_rate
 from celery_throttle.core.keys import key_digest
+from celery_throttle.room.entries import entry_id
 from celery_throttle.room.envelope import Envelope, split_record
 from celery_throttle.room.parking import WaitingRoom
-from celery_throttle.room.queues import MAX_AHEAD_US, Queues, entry_id
+from celery_throttle.room.queues import MAX_AHEAD_US, Queues
 
 TIMEOUT_US = 60_000_000
 

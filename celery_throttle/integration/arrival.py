@@ -181,7 +181,7 @@ class _Arrivals:
         routing_key = info.get("routing_key")
         call = call_of(self.task, runtime, args, kwargs,
                        queue_of(str(routing_key)) if routing_key else None)
-        limits, shadowed = shadow.split(runtime, runtime.live.apply(call.limits), call.coded)
+        limits, shadowed = shadow.split(runtime, call.limits, call.coded)
         if shadowed or not limits or not all(isinstance(lim, Limit) for lim in limits):
             return False
         properties = message.properties or {}

@@ -73,6 +73,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     """Return when ``task`` may start now; otherwise it waits elsewhere and its copy leaves
     (:class:`~.exits.Left`).
 
+    ``limits``: the call's, at the rates in force (``throttled.call_of``).
     Raises :class:`ThrottleTimeout` past ``max_wait`` and
     :class:`ThrottleStoreError` when the store fails under ``on_error="fail"``.
     Concurrency limits are held under the task's id until its run ends
@@ -84,7 +85,6 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     request = task.request
     run = start_run(request, runtime)
     runtime.counts.start()  # (once per process) the per-second history the dashboard reads
-    limits = runtime.live.apply(limits)  # the rates set at run time (core/live.py)
     limits, shadowed = shadow.split(runtime, limits, coded or {})
     state = WaitState.from_request(request)
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)

@@ -269,7 +269,7 @@ def specs_of(task: Task[Any, Any]) -> list[Throttle]:
 class Call:
     """What one call of a throttled task is held to."""
 
-    limits: list[AnyLimit]
+    limits: list[AnyLimit]  # at the rates in force
     max_wait: float | None
     estimated: set[str]  # the limits whose cost the task may settle
     coded: dict[str, bool]  # limit name -> the decorator's enforce (shadow.py)
@@ -277,15 +277,15 @@ class Call:
 
 def call_of(task: Task[Any, Any], runtime: Runtime, args: tuple[Any, ...],
             kwargs: dict[str, Any], queue: str | None) -> Call:
-    """The limits of one call of ``task`` (its ``@throttled`` ones and its queue's), as the
-    pool process gating the run and the main process lining it up on arrival
-    (``arrival.py``) both see them."""
+    """The limits of one call of ``task`` (its ``@throttled`` ones and its queue's), at the
+    rates in force (set at run time: ``core/live.py``), as the pool process gating the
+    run and the main process lining it up on arrival (``arrival.py``) both see them."""
     specs = task.__dict__.get(_SPECS_ATTR, ())
     limits = [lim for spec in specs for lim in spec.limits(task.name, args, kwargs)]
     queue_limit = runtime.config.queue_limit(queue)
     if queue_limit is not None:
         limits.append(queue_limit)
-    return Call(limits,
+    return Call(runtime.live.apply(limits),
                 next((s.max_wait for s in specs if s.max_wait is not None),
                      runtime.config.max_wait),
                 {(s.name or task.name) for s in specs if s.estimated},
@@ -338,7 +338,7 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         # task let go late in its slot's grace has spent part of that already.
         now = time.monotonic() - admitted_late(task)
         unspent = credit.grant({runtime.gate.key_of(lim): credit.Admission(lim, now)
-                                for lim in runtime.live.apply(limits) if isinstance(lim, Limit)})
+                                for lim in limits if isinstance(lim, Limit)})
         try:
             try:
                 return run(*args, **kwargs)

@@ -25,6 +25,7 @@ from .limits import (
     LeaseState,
     Limit,
     Reservation,
+    rates_of,
 )
 from .packed import AsyncPackedPath, Call, PackedPath, Plain
 from .rates import Rate, parse_rate
@@ -178,8 +179,8 @@ class GateCalls:
         """
         left = units("remaining", remaining)
         reset_us = to_us(seconds("reset", reset))
-        bound = [lim for lim in limits if isinstance(lim, Limit)
-                 and (left + 1 - lim.burst) * lim.rate.interval_us < reset_us]
+        bound = [lim for lim in rates_of(limits)
+                 if (left + 1 - lim.burst) * lim.rate.interval_us < reset_us]
         if not bound:
             return None
         args = [str(self._now_us()).encode(), str(reset_us).encode()]

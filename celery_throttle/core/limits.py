@@ -8,7 +8,7 @@ may use them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -27,7 +27,7 @@ from .keys import (
 from .rates import Rate, parse_rate
 
 __all__ = ["DEFAULT_LEASE", "AnyLimit", "BucketState", "Concurrency", "Decision", "LeaseState",
-           "Limit", "Reservation"]
+           "Limit", "Reservation", "rates_of", "seats_of"]
 
 #: A lease a heartbeat does not extend ends this long after it was taken.
 DEFAULT_LEASE = 30.0
@@ -150,6 +150,16 @@ class Concurrency:
 
 #: Either kind of limit; :meth:`Gate.acquire_many` decides them together.
 AnyLimit = Limit | Concurrency
+
+
+def rates_of(limits: Iterable[AnyLimit]) -> list[Limit]:
+    """The rate limits among ``limits``, in their order."""
+    return [lim for lim in limits if isinstance(lim, Limit)]
+
+
+def seats_of(limits: Iterable[AnyLimit]) -> list[Concurrency]:
+    """The concurrency limits among ``limits`` (each a number of seats), in their order."""
+    return [lim for lim in limits if isinstance(lim, Concurrency)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..errors import ThrottleTimeout
 from ..values import LONGEST_WAIT, from_us, renew_every
-from .limits import AnyLimit, Concurrency, Decision, Reservation
+from .limits import AnyLimit, Decision, Reservation, seats_of
 
 __all__ = ["NEAR", "Ask", "Outcome", "Sleep", "adrive", "ahold", "await_slot", "drive", "hold",
            "late_by", "limited", "plan", "wait"]
@@ -318,10 +318,6 @@ async def _agive_back(gate: AsyncGate, limits: Sequence[AnyLimit],
             await gate.release(limits, holder)
 
 
-def _leases(limits: Sequence[AnyLimit]) -> list[Concurrency]:
-    return [lim for lim in limits if isinstance(lim, Concurrency)]
-
-
 @contextlib.contextmanager
 def hold(gate: Gate, limits: Sequence[AnyLimit], *, timeout: float | None = None,
          holder: str | None = None, grace: float = DEFAULT_GRACE) -> Iterator[Decision]:
@@ -333,7 +329,7 @@ def hold(gate: Gate, limits: Sequence[AnyLimit], *, timeout: float | None = None
     """
     holder = holder or uuid.uuid4().hex
     decision = wait(gate, limits, timeout=timeout, holder=holder, grace=grace)
-    leases = _leases(limits)
+    leases = seats_of(limits)
     if not leases:
         yield decision
         return
@@ -363,7 +359,7 @@ async def ahold(gate: AsyncGate, limits: Sequence[AnyLimit], *, timeout: float |
     """:func:`hold` for asyncio: the leases are renewed by a task while the block runs."""
     holder = holder or uuid.uuid4().hex
     decision = await await_slot(gate, limits, timeout=timeout, holder=holder, grace=grace)
-    leases = _leases(limits)
+    leases = seats_of(limits)
     if not leases:
         yield decision
         return

@@ -47,7 +47,7 @@ from celery.utils.imports import instantiate
 from celery.worker import state as worker_state
 
 from ..core.keys import key_digest
-from ..core.limits import Limit
+from ..core.limits import Limit, rates_of
 from ..core.logs import logger
 from ..room.dispatcher import queue_of
 from ..room.header import HEADER
@@ -202,7 +202,7 @@ class _Arrivals:
         self.task.request_stack.push(context)
         try:
             lined = join_line_on_arrival(self.task, runtime,
-                                         [lim for lim in limits if isinstance(lim, Limit)],
+                                         rates_of(limits),
                                          call.max_wait, message, self._now_us(runtime))
         finally:
             self.task.request_stack.pop()

@@ -27,7 +27,7 @@ from celery import Task
 
 from .. import faults, metrics
 from ..core import waiting
-from ..core.limits import AnyLimit, Concurrency, Decision, Limit, Reservation
+from ..core.limits import AnyLimit, Concurrency, Decision, Reservation, rates_of, seats_of
 from ..core.logs import logger
 from ..room.dispatcher import queue_of
 from ..room.header import WaitState
@@ -110,7 +110,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             end(task, ended)
         # The entry is taken: a copy made from here on is a new one.
         state = replace(state, entry="", token="", room=0, charged="", kept=False)
-    concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
+    concurrent = seats_of(limits)
     holder = str(request.id) if concurrent else ""
     latest = 0  # the latest it may start, server clock (us; 0: any time)
     if not limits:
@@ -349,7 +349,7 @@ def _turn_kept(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
     sleep: the server's clock now is at most its time at the arrival plus
     what this process's clock counted since it asked (``asked``, monotonic).
     """
-    if not state.slot or not arrived_at or not any(isinstance(lim, Limit) for lim in limits):
+    if not state.slot or not arrived_at or not rates_of(limits):
         return True  # (a seat alone: its lease is taken already, lateness spends nothing)
     late = _slept_to_start(task, asked, min(from_us(state.slot - arrived_at),
                                             from_us(MAX_AHEAD_US)))
@@ -371,7 +371,7 @@ def _latest_start(runtime: Runtime, limits: list[AnyLimit], state: WaitState) ->
     """The latest a task admitted for its turn may start (server clock, us; 0: any time):
     its start plus the grace ``_turn_kept`` allowed it (the same start, rechecked in the
     last store call before it starts)."""
-    if not state.slot or not any(isinstance(lim, Limit) for lim in limits):
+    if not state.slot or not rates_of(limits):
         return 0
     return state.slot + to_us(_turn_grace(runtime, limits))
 

@@ -22,7 +22,7 @@ import redis
 from celery import current_task
 
 from ..core.gate import Gate
-from ..core.limits import Concurrency, Limit
+from ..core.limits import Concurrency, rates_of
 from ..core.logs import logger
 from ..values import renew_every, units
 from .run import Admitted, Held, run_of
@@ -140,7 +140,7 @@ def settle(actual: int, limit: str | None = None) -> bool:
     admitted = run.admitted if run is not None else None
     if admitted is None:
         return False
-    rates = [lim for lim in admitted.limits if isinstance(lim, Limit)]
+    rates = rates_of(admitted.limits)
     if limit is None:
         chosen = [lim for lim in rates if lim.name in admitted.estimated]
         if len(chosen) != 1:

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from celery import Task
 
-from ..core.limits import AnyLimit, Concurrency, Decision, Limit
+from ..core.limits import AnyLimit, Concurrency, Decision, Limit, seats_of
 from ..core.logs import logger
 from ..room.envelope import Envelope
 from ..room.header import HEADER, WaitState
@@ -54,7 +54,7 @@ def join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         refuse_superseded(task, runtime, state)
     blocking = line.limit
     since = state.since or decision.now
-    seats = [lim for lim in limits if isinstance(lim, Concurrency)]
+    seats = seats_of(limits)
     if seats:
         # A seat it may hold (taken for a turn it came too late for) is not kept
         # idle while it waits: the next in line for one gets it.

@@ -25,7 +25,7 @@ import redis
 from celery import Task
 
 from .. import metrics
-from ..core.limits import AnyLimit, Concurrency
+from ..core.limits import AnyLimit, seats_of
 from ..core.logs import logger
 from . import leases
 from .runtime import Runtime
@@ -60,7 +60,7 @@ def decide(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit]
     have happened.  Returns the shadow leases to give back when the run ends (a
     concurrency limit that had a seat).  Never raises for the store: a shadow
     decision the store cannot make is counted as a store error and skipped."""
-    concurrent = [lim for lim in limits if isinstance(lim, Concurrency)]
+    concurrent = seats_of(limits)
     holder = str(task.request.id) if concurrent else ""
     gate = runtime.shadow
     try:

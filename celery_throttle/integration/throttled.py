@@ -23,7 +23,7 @@ from celery.local import PromiseProxy, Proxy
 
 from ..core import credit
 from ..core.keys import validate_name
-from ..core.limits import DEFAULT_LEASE, AnyLimit, Concurrency, Limit
+from ..core.limits import DEFAULT_LEASE, AnyLimit, Concurrency, Limit, rates_of
 from ..core.logs import logger
 from ..core.rates import Rate, parse_rate
 from ..errors import RateLimited, ThrottleTimeout
@@ -338,7 +338,7 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         # task let go late in its slot's grace has spent part of that already.
         now = time.monotonic() - admitted_late(task)
         unspent = credit.grant({runtime.gate.key_of(lim): credit.Admission(lim, now)
-                                for lim in limits if isinstance(lim, Limit)})
+                                for lim in rates_of(limits)})
         try:
             try:
                 return run(*args, **kwargs)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.keys import key_digest, line_of, split_limit_key
-from ..core.limits import AnyLimit, Concurrency, Limit
+from ..core.limits import AnyLimit, Concurrency, Limit, rates_of
 from ..values import text
 
 __all__ = ["InLine", "Line", "Served", "Weights", "entry_id", "entry_json", "fair_of",
@@ -106,7 +106,7 @@ def entry_json(task_id: str, limits: Sequence[AnyLimit], prefix: str, *, place_u
         rows.append(row)
     # One per waiting task: what the dispatch can do without is left out.
     task: dict[str, object] = {"t": task_id, "l": rows}
-    if any(isinstance(lim, Limit) and lim.fair is not None for lim in limits):
+    if any(lim.fair is not None for lim in rates_of(limits)):
         task["p"] = place_us
     if expires_us:
         task["e"] = expires_us

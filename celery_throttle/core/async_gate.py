@@ -30,6 +30,7 @@ from .limits import (
     LeaseState,
     Limit,
     Reservation,
+    declared,
 )
 from .packed import AsyncPackedPath
 from .rates import Rate, parse_rate
@@ -102,8 +103,8 @@ class AsyncGate(GateCalls):
               lease: float = DEFAULT_LEASE,
               timeout: float | None = None) -> Callable[[F], F]:
         """Decorate a coroutine function: every call awaits a start (see :meth:`Gate.limit`)."""
-        declared = self._declared(rate, name, burst, cost, key, concurrency, lease)
-        return waiting.limited(self, declared, timeout)
+        return waiting.limited(
+            self, declared(name, rate, burst, key, cost, concurrency, lease), timeout)
 
     async def release(self, limits: Sequence[AnyLimit], holder: str,
                       ran_for: float = 0.0) -> int:

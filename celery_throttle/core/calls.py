@@ -28,7 +28,6 @@ from .limits import (
     rates_of,
 )
 from .packed import AsyncPackedPath, Call, PackedPath, Plain
-from .rates import Rate, parse_rate
 from .scripts import script
 
 __all__ = ["COMMANDS", "Clock", "F", "GateCalls"]
@@ -75,19 +74,6 @@ class GateCalls:
     def key_of(self, limit: AnyLimit) -> str:
         """The Redis key of ``limit``'s bucket (a concurrency limit's: its leases)."""
         return limit.key_in(self.prefix).decode()
-
-    @staticmethod
-    def _declared(rate: str | Rate | None, name: str, burst: int, cost: int, key: object,
-                  concurrency: int | None, lease: float) -> list[AnyLimit]:
-        """The limits ``limit()`` declares: a rate, a concurrency, or both, of one name."""
-        if rate is None and concurrency is None:
-            raise ValueError("give a rate, a concurrency, or both")
-        limits: list[AnyLimit] = []
-        if rate is not None:
-            limits.append(Limit(name, parse_rate(rate), burst, key, cost))
-        if concurrency is not None:
-            limits.append(Concurrency(name, concurrency, key, lease))
-        return limits
 
     def _plain(self, limits: Sequence[AnyLimit], reserve: float | None, grace: float,
                claim: Reservation | None, holder: str, in_line: bool = False,

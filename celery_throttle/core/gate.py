@@ -28,6 +28,7 @@ from .limits import (
     LeaseState,
     Limit,
     Reservation,
+    declared,
 )
 from .packed import PackedPath
 from .rates import Rate, parse_rate
@@ -151,8 +152,8 @@ class Gate(GateCalls):
         ``name`` in the workers' ``@throttled`` shares the same bucket.
         Coroutine functions take :meth:`AsyncGate.limit` instead.
         """
-        declared = self._declared(rate, name, burst, cost, key, concurrency, lease)
-        return waiting.limited(self, declared, timeout)
+        return waiting.limited(
+            self, declared(name, rate, burst, key, cost, concurrency, lease), timeout)
 
     def release(self, limits: Sequence[AnyLimit], holder: str, ran_for: float = 0.0) -> int:
         """Give back ``holder``'s leases in the concurrency limits among ``limits``.

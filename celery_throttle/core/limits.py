@@ -27,7 +27,7 @@ from .keys import (
 from .rates import Rate, parse_rate
 
 __all__ = ["DEFAULT_LEASE", "AnyLimit", "BucketState", "Concurrency", "Decision", "LeaseState",
-           "Limit", "Reservation", "rates_of", "seats_of"]
+           "Limit", "Reservation", "declared", "rates_of", "seats_of"]
 
 #: A lease a heartbeat does not extend ends this long after it was taken.
 DEFAULT_LEASE = 30.0
@@ -150,6 +150,22 @@ class Concurrency:
 
 #: Either kind of limit; :meth:`Gate.acquire_many` decides them together.
 AnyLimit = Limit | Concurrency
+
+
+def declared(name: str, rate: str | Rate | None, burst: int = 1, key: object = None,
+             cost: int = 1, concurrency: int | None = None, lease: float = DEFAULT_LEASE,
+             fair: object = None) -> list[AnyLimit]:
+    """The limits one declaration makes under ``name``: a rate limit (``rate``, with its
+    ``burst``, ``cost`` and ``fair`` key value), a concurrency limit (``concurrency``
+    seats, each for a ``lease``), or both, in that order, for key value ``key``."""
+    if rate is None and concurrency is None:
+        raise ValueError("give a rate, a concurrency, or both")
+    limits: list[AnyLimit] = []
+    if rate is not None:
+        limits.append(Limit(name, parse_rate(rate), burst, key, cost, fair))
+    if concurrency is not None:
+        limits.append(Concurrency(name, concurrency, key, lease))
+    return limits
 
 
 def rates_of(limits: Iterable[AnyLimit]) -> list[Limit]:

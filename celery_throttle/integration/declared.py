@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from celery import Celery
 
-from ..core.limits import Concurrency, Limit
+from ..core.limits import Concurrency, Limit, declared
 from ..core.rates import Rate
 from .config import read_config
 from .throttled import specs_of
@@ -42,12 +42,9 @@ def known_limits(app: Celery) -> list[KnownLimit]:
         for spec in specs_of(task):
             name = spec.name or task_name
             cost = spec.cost if isinstance(spec.cost, int) else 1
-            kinds: list[tuple[dict[str, KnownLimit], Limit | Concurrency]] = []
-            if spec.rate is not None:
-                kinds.append((found, Limit(name, spec.rate, spec.burst, None, cost)))
-            if spec.concurrency is not None:
-                kinds.append((leases, Concurrency(name, spec.concurrency, None, spec.lease)))
-            for table, lim in kinds:
+            for lim in declared(name, spec.rate, spec.burst, None, cost, spec.concurrency,
+                                spec.lease):
+                table = leases if lim.leased else found
                 old = table.get(name)
                 table[name] = (KnownLimit(old.limit, old.keyed, (*old.used_by, task_name),
                                           enforce=old.enforce if old.enforce is not None

@@ -23,7 +23,7 @@ from celery.local import PromiseProxy, Proxy
 
 from ..core import credit
 from ..core.keys import validate_name
-from ..core.limits import DEFAULT_LEASE, AnyLimit, Concurrency, Limit, rates_of
+from ..core.limits import DEFAULT_LEASE, AnyLimit, Concurrency, declared, rates_of
 from ..core.logs import logger
 from ..core.rates import Rate, parse_rate
 from ..errors import RateLimited, ThrottleTimeout
@@ -77,16 +77,17 @@ class Throttle:
         """The limits for one call: its rate limit and/or concurrency limit."""
         name = self.name or task_name
         key = self._arg_value(task_name, "key", self.key, args, kwargs)
-        found: list[AnyLimit] = []
-        if self.rate is not None:
+        cost, fair = 1, None
+        if self.rate is not None:  # (the cost and fair value of a rate limit alone)
             fair = self._arg_value(task_name, "fair", self.fair, args, kwargs)
-            found.append(self._rate_limit(task_name, name, key, fair, args, kwargs))
-        if self.concurrency is not None:
-            try:
-                found.append(Concurrency(name, self.concurrency, key, self.lease))
-            except TypeError as exc:  # a key value of an unsupported type
-                raise TypeError(f"task {task_name!r}, limit {name!r}: {exc}") from None
-        return found
+            cost = self.cost(*args, **kwargs) if callable(self.cost) else self.cost
+        try:
+            return declared(name, self.rate, self.burst, key, cost, self.concurrency,
+                            self.lease, fair)  # checks the cost
+        except ValueError as exc:
+            raise ValueError(f"task {task_name!r}: {exc}") from None
+        except TypeError as exc:  # a key value of an unsupported type
+            raise TypeError(f"task {task_name!r}, limit {name!r}: {exc}") from None
 
     def _arg_value(self, task_name: str, what: str, spec: str | ArgFn | None,
                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
@@ -107,17 +108,6 @@ class Throttle:
         if value is None and spec is not None:
             raise ValueError(f"task {task_name!r}: {what} argument {spec!r} is None")
         return value
-
-    def _rate_limit(self, task_name: str, name: str, key: object, fair: object,
-                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Limit:
-        assert self.rate is not None
-        cost = self.cost(*args, **kwargs) if callable(self.cost) else self.cost
-        try:
-            return Limit(name, self.rate, self.burst, key, cost, fair)  # checks the cost
-        except ValueError as exc:
-            raise ValueError(f"task {task_name!r}: {exc}") from None
-        except TypeError as exc:  # a key value of an unsupported type
-            raise TypeError(f"task {task_name!r}, limit {name!r}: {exc}") from None
 
 
 def throttled(

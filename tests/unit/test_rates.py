@@ -103,3 +103,21 @@ def test_any_burst_and_cost_are_valid_or_named(burst: object, cost: object) -> N
     assert isinstance(lim.burst, int)
     assert isinstance(lim.cost, int)
     assert 1 <= lim.cost <= lim.burst
+
+
+def test_one_declaration_makes_a_rate_a_seat_limit_or_both_in_that_order() -> None:
+    """Gate.limit, @throttled and the worker's listing of known limits make their limits
+    by one rule (core.limits.declared)."""
+    from celery_throttle.core.limits import Concurrency, Limit, declared
+
+    both = declared("api", "5/s", 3, "tenant-1", 2, concurrency=4, lease=30.0, fair="t")
+    assert [type(lim) for lim in both] == [Limit, Concurrency]
+    rate, seats = both
+    assert isinstance(rate, Limit)
+    assert (rate.name, rate.burst, rate.key, rate.cost, rate.fair) == ("api", 3, "tenant-1", 2,
+                                                                       "t")
+    assert isinstance(seats, Concurrency)
+    assert (seats.name, seats.seats, seats.key, seats.lease) == ("api", 4, "tenant-1", 30.0)
+    assert [type(lim) for lim in declared("api", None, concurrency=1)] == [Concurrency]
+    with pytest.raises(ValueError, match="give a rate, a concurrency, or both"):
+        declared("api", None)

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import functools
 import inspect
-import threading
 import time
 import uuid
 from collections.abc import (
@@ -42,6 +41,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..errors import ThrottleTimeout
 from ..values import LONGEST_WAIT, from_us, renew_every
+from . import heartbeat
 from .limits import AnyLimit, Decision, Reservation, seats_of
 
 __all__ = ["NEAR", "Ask", "Outcome", "Sleep", "adrive", "ahold", "await_slot", "drive", "hold",
@@ -323,7 +323,7 @@ def hold(gate: Gate, limits: Sequence[AnyLimit], *, timeout: float | None = None
          holder: str | None = None, grace: float = DEFAULT_GRACE) -> Iterator[Decision]:
     """Wait for a start, then run the block holding its concurrency seats.
 
-    The leases are renewed every third of the shortest lease by a thread
+    The leases are renewed by the process's heartbeat (``heartbeat.py``)
     while the block runs (so it may outlast the lease) and given back when
     it exits, however it exits.
     """
@@ -333,23 +333,12 @@ def hold(gate: Gate, limits: Sequence[AnyLimit], *, timeout: float | None = None
     if not leases:
         yield decision
         return
-    stop = threading.Event()
-
-    def renew() -> None:
-        every = renew_every([lim.lease for lim in leases])
-        while not stop.wait(every):
-            with contextlib.suppress(Exception):  # a missed beat is retried at the next
-                gate.extend(leases, holder)
-
-    beat = threading.Thread(target=renew, name="celery_throttle-lease", daemon=True)
-    beat.start()
-    started = time.monotonic()
+    held = heartbeat.hold(gate, leases, holder)  # the process's heartbeat renews them
     try:
         yield decision
     finally:
-        stop.set()
-        beat.join()
-        gate.release(leases, holder, ran_for=time.monotonic() - started)
+        heartbeat.stop(held)  # (a renewal under way ends first, none begins after)
+        gate.release(leases, holder, ran_for=time.monotonic() - held.since)
 
 
 @contextlib.asynccontextmanager

@@ -10,13 +10,12 @@ two rewrites of :func:`rewrite`, which copies made later must see.
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.gate import Gate
-from ..core.limits import AnyLimit, Concurrency
+from ..core.heartbeat import Held
+from ..core.limits import AnyLimit
 from ..room.header import HEADER
 
 if TYPE_CHECKING:
@@ -26,21 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["Admitted", "Held", "Run", "rewrite", "run_of", "start_run"]
 
 _RUN = "_celery_throttle_run"  # the request attribute holding the run's Run
-
-
-@dataclass(eq=False)
-class Held:
-    """The leases one run holds."""
-
-    gate: Gate
-    limits: list[Concurrency]
-    holder: str
-    since: float = field(default_factory=time.monotonic)
-    lost: bool = False
-    released: bool = False
-    # Taken by a renewal and by the release: a renewal that overtook the release would
-    # take the freed seat again, held by nobody for a lease.
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 @dataclass

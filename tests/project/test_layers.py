@@ -163,7 +163,7 @@ PROCESS_STATE = {
     "room.envelope._brokers": "each app's connection for confirmed re-publishes on "
                               "RabbitMQ and its delay ladder, made once per broker URL "
                               "(kombu pools by it)",
-    "integration.leases._heartbeat": "one thread per process renews the leases its runs hold",
+    "core.heartbeat._heartbeat": "one thread per process renews the leases held there",
     "integration.memory._frozen": "this pool process froze what it inherited",
     "integration.memory._pending": "a deferral left garbage for the next run to collect",
     "metrics._lock": "the counts below are updated from the threads pool's threads",

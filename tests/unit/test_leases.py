@@ -367,11 +367,25 @@ def test_a_report_rejects_bad_values(cgate: Gate, remaining: object, reset: obje
 def test_a_renewal_after_the_release_takes_no_seat(gate: Gate) -> None:
     """The heartbeat renews a run's seats just as the run gives them back: the freed seat
     stays free (a renewal that came second would hold it for nobody a whole lease)."""
-    from celery_throttle.integration import leases
+    from celery_throttle.core import heartbeat
 
     one = Concurrency("solo", 1)
     assert gate.acquire_many([one], holder="t1").allowed
-    held = leases.hold(gate, [one], "t1")
-    leases.release(held)
-    leases._heartbeat._renew(held)  # the beat had read the run's seats before the release
+    held = heartbeat.hold(gate, [one], "t1")
+    heartbeat.release(held)
+    heartbeat._heartbeat._renew(held)  # the beat had read the run's seats before the release
+    assert gate.inspect_leases(one).held == 0
+
+
+def test_a_renewal_after_a_holder_stops_its_beat_takes_no_seat(gate: Gate) -> None:
+    """A caller waiting in place stops the beat, then gives its seat back itself: a
+    renewal that came after the stop takes nothing."""
+    from celery_throttle.core import heartbeat
+
+    one = Concurrency("solo", 1)
+    assert gate.acquire_many([one], holder="t1").allowed
+    held = heartbeat.hold(gate, [one], "t1")
+    heartbeat.stop(held)
+    assert gate.release([one], "t1") == 1
+    heartbeat._heartbeat._renew(held)
     assert gate.inspect_leases(one).held == 0

@@ -14,6 +14,7 @@ raises it (the message is acknowledged, no result is stored).
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -41,8 +42,8 @@ from .visible import announce
 
 __all__ = ["Left", "copy_of", "count_down", "drop", "end", "entry_of", "gone",
            "kept_beside_broker", "log_outage", "move_pointer", "park", "refuse_superseded",
-           "republish", "room_open", "room_write_failed", "seconds_to_expiry", "send_back",
-           "store_failed", "wait_counted_down", "wait_for_store", "waits_in_line"]
+           "republish", "room_open", "room_write_failed", "say_dropped", "seconds_to_expiry",
+           "send_back", "store_failed", "wait_counted_down", "wait_for_store", "waits_in_line"]
 
 
 class Left(Exception):
@@ -64,6 +65,7 @@ _REPUBLISH_RETRY: dict[str, Any] = {"max_retries": 20, "interval_start": 0.5,
 
 
 def seconds_to_expiry(request: Any) -> float | None:
+    """Seconds until the task's ``expires`` (negative: past); None when it has none."""
     expires = getattr(request, "expires", None)
     if not expires:
         return None
@@ -93,22 +95,26 @@ def entry_of(task: Task[Any, Any], copy: str) -> str:
     return entry_id(str(task.request.id), copy)
 
 
-def drop(task: Task[Any, Any], drop: Drop) -> NoReturn:
+def drop(task: Task[Any, Any], why: Drop) -> NoReturn:
     """The task's copy ends here, never run.  A copy the pointer refused keeps the seats
     held under the task's id (while the task runs or waits they are its running or newer
     copy's); an expired task is marked revoked, as Celery marks one."""
     request = task.request
-    if drop.reason == "expired":
+    if why.reason == "expired":
         logger.info("throttle: task %s[%s] expires before its slot (%.3fs away); not run",
-                    task.name, request.id, drop.away)
+                    task.name, request.id, why.away)
         task.backend.mark_as_revoked(str(request.id), "expired", request=request)
-    elif drop.reason in ("ended", "stale"):
-        logger.warning("throttle: task %s[%s] dropped: %s", task.name, request.id,
-                       _DROPPED[drop.reason])
     else:
-        logger.info("throttle: task %s[%s] dropped: %s", task.name, request.id,
-                    _DROPPED[drop.reason])
+        say_dropped(task, why)
     gone()
+
+
+def say_dropped(task: Task[Any, Any], why: Drop) -> None:
+    """Log that the task's copy was dropped, and why (a WARNING where a node's death or a
+    redelivery of a run that ended made the copy, else INFO)."""
+    level = logging.WARNING if why.reason in ("ended", "stale") else logging.INFO
+    logger.log(level, "throttle: task %s[%s] dropped: %s", task.name, task.request.id,
+               _DROPPED[why.reason])
 
 
 _DROPPED = {

@@ -18,7 +18,6 @@ import redis
 from celery import Task
 
 from ..core.limits import AnyLimit, Concurrency, Decision, Limit, seats_of
-from ..core.logs import logger
 from ..room.envelope import Envelope
 from ..room.header import HEADER, WaitState
 from ..values import from_us, to_us
@@ -33,6 +32,7 @@ from .exits import (
     refuse_superseded,
     room_open,
     room_write_failed,
+    say_dropped,
     seconds_to_expiry,
     waits_in_line,
 )
@@ -107,9 +107,8 @@ def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[Li
         behind=True, kept=kept)
     if ahead < 0:
         return False
-    if ahead == 0:
-        logger.info("throttle: task %s[%s] dropped: its message was delivered again while it "
-                    "waits (the copy waiting goes on)", task.name, request.id)
+    if ahead == 0:  # (nothing to end here: the main process acknowledges the message)
+        say_dropped(task, Drop("delivered again"))
         return True
     waits_in_line(task, runtime, state, new, blocking,
                    from_us(ahead * blocking.cost * blocking.rate.interval_us))

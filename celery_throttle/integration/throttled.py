@@ -350,12 +350,12 @@ def ensure_gated(task: Task[Any, Any]) -> None:
 def _end_run() -> NoReturn:
     """End this copy's run (it waits outside the worker): Celery's ``Ignore``, raised shallow.
 
-    The only place that raises it: the admission's ways out raise
-    :class:`~.exits.Left`, which the gated run catches.
-    Raised here, outside any handler, so that its traceback holds three
-    small frames and Celery's tracer, not the whole admission: Celery copies
-    every frame of it, with its code's positions, into two ``ExceptionInfo``
-    objects and sends one to the pool's parent (see ``memory.py``).
+    The only place that raises it (the admission's ways out raise
+    :class:`~.exits.Left`, which the gated run catches).  Raised here, outside
+    any handler, so that its traceback holds three small frames and Celery's
+    tracer, not the whole admission: Celery copies every frame of it, with its
+    code's positions, into two ``ExceptionInfo`` objects and sends one to the
+    pool's parent (see ``memory.py``).
     """
     memory.deferred()
     raise Ignore()

@@ -101,10 +101,14 @@ class Keeper:
         self.kept, self.seen = room_key(prefix, "kept"), room_key(prefix, "kept:seen")
         self._take = client.register_script(script(__package__, "keep.lua"))
 
-    def put(self, entry: str, message: bytes) -> None:
+    def put(self, entry: str, message: bytes) -> bool:
         """Keep ``entry``'s message, or :func:`in_line_kept`'s value (before the store has
-        it)."""
-        self.client.hset(self.kept, entry, message)
+        it), unless the entry is kept already; True when this call kept it.
+
+        An entry kept already is the same message copy delivered again: its first
+        kept value is the one the store holds (the store refuses the second), and a
+        restore must write back what the copy pointer expects, not the second's."""
+        return bool(self.client.hsetnx(self.kept, entry, message))
 
     def drop(self, entry: str) -> None:
         """Forget ``entry``'s kept copy (the store refused it: it waits elsewhere)."""

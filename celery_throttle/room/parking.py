@@ -159,22 +159,24 @@ class WaitingRoom:
                 waits: Callable[[Any], bool] = lambda reply: True) -> Any:
         """``write()``'s reply: a store write of a waiting task.  With ``kept``, ``message``
         (what a restore writes back) is kept beside the broker's queues first (so no moment
-        finds it in the store alone,
-        which a dispatch could take before the copy is there), and that copy is dropped
-        again when the write fails or ``waits(reply)`` is False (nothing was written: the
-        task does not wait here).  An entry that waits already keeps its copy."""
+        finds it in the store alone, which a dispatch could take before the copy is
+        there), and that copy is dropped again when the write fails or ``waits(reply)``
+        is False (nothing was written: the task does not wait here).  An entry kept
+        already (its message delivered again) keeps its first copy, whatever this write
+        does: it may be all that is left of the task if the store lost it."""
         if not kept:
             return write()
         if self.keeper is None:
             raise RuntimeError("a kept waiting task needs the room's keeper")
-        self.keeper.put(entry, message)
+        fresh = self.keeper.put(entry, message)
         try:
             reply = write()
         except BaseException:
-            with contextlib.suppress(redis.RedisError):
-                self.keeper.drop(entry)
+            if fresh:
+                with contextlib.suppress(redis.RedisError):
+                    self.keeper.drop(entry)
             raise
-        if not waits(reply):
+        if fresh and not waits(reply):
             self.keeper.drop(entry)
         return reply
 

@@ -143,6 +143,29 @@ def test_a_write_the_store_refuses_leaves_no_kept_copy(
     assert _kept(room) == 1
 
 
+def test_a_copy_delivered_again_leaves_the_first_kept_copy(
+    store: redis.Redis, broker: redis.Redis
+) -> None:
+    """The same copy of a task delivered again while it waits (its successor's id is new
+    each time): the store refuses the second, and the kept copy stays the first's, the
+    one the copy pointer names.  Delivered again after its turn was served (its line is
+    empty, nothing is written), the kept copy stays too: a restore brings back the
+    first, not the second, and not nothing."""
+    room = _room(store, broker)
+    limit = Limit("kept", parse_rate("1/h"))
+    line = {"limits": [limit], "blocking": limit, "place_us": 1, "kept": True}
+    assert room.enqueue("e", b"first", "t", **line) > 0  # type: ignore[arg-type]
+    assert room.enqueue("e", b"second", "t", **line) == 0  # type: ignore[arg-type]
+    _, served = room.queues.serve_due(10, TIMEOUT_US)
+    assert [s.entry for s in served] == ["e"]
+    assert room.enqueue("e", b"third", "t", behind=True, **line) == -1  # type: ignore[arg-type]
+    assert _kept(room) == 1
+    _restart(store)
+    room.claim_due(10, TIMEOUT_US)
+    assert room.restore_kept(room.last_epoch) == 1
+    assert [(t.entry, t.message) for t in room.queues.next_in_line(10)] == [("e", b"first")]
+
+
 def test_purge_forgets_the_kept_copies(store: redis.Redis, broker: redis.Redis) -> None:
     """A purged task is not brought back by a later restore."""
     room = _room(store, broker)

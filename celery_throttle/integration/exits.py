@@ -228,7 +228,11 @@ def wait_counted_down(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
                        state: WaitState, decision: Decision, action: CountDown) -> NoReturn:
     """The task waits out of the process as a countdown (the room is closed for it, or it
     could not be put in line): re-published to come back for ``action``'s booking, or to
-    when a start is within reach."""
+    when a start is within reach.  A copy the pointer no longer names is dropped first,
+    as ``join_line`` drops it: re-published, its successor would be refused on arrival,
+    after a publish and a wait for nothing."""
+    if getattr(task, "acks_late", False):
+        refuse_superseded(task, runtime, state)
     new = state.successor(new_copy(), limits, state.since or decision.now, action.booking)
     new = count_down(task, runtime, new, action.seconds)
     write_note(task, runtime, wait_note(task, action.limit, decision, new), action.wait)

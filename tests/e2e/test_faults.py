@@ -451,3 +451,29 @@ def test_a_stale_copy_dropped_at_its_start_leaves_no_seat_held(
     assert states == ["SUCCESS"]
     assert Counter(r["id"] for r in read_records(records, expect=2, timeout=0)) == Counter(
         {first.id: 1, after.id: 1})
+
+
+def test_a_stale_copy_that_must_wait_is_dropped_before_it_is_re_published(
+    capp: ModuleType, records: redis.Redis, redis_base: str
+) -> None:
+    """acks_late, no waiting room: a message whose task was re-published already (the
+    pointer names a newer copy) comes again while its limit is busy.  It is dropped where
+    it is, not re-published with a countdown to be refused when it comes back; the tasks
+    around it run once each."""
+    from celery_throttle.core.keys import copy_key
+
+    store = redis.Redis.from_url(f"{redis_base}/{databases.STORE}", decode_responses=True)
+    stale = "stale-copy-of-a-re-published-task"
+    store.set(copy_key("throttle", stale, 0), "0123456789abcdef", px=120_000)
+    with worker_nodes(redis_base, ("w1",), conf={**ACKS_LATE, **COUNTDOWNS}) as nodes:
+        ahead = [capp.patient.delay(i) for i in range(4)]  # 1/s: the limit is busy for 4 s
+        capp.patient.apply_async((9,), task_id=stale)
+        states = wait_results(ahead, timeout=30)
+        until("the stale copy is dropped",
+              lambda: f"[{stale}] dropped: a stale copy" in logs(nodes), timeout=30)
+        text = logs(nodes)
+    assert states == ["SUCCESS"] * 4
+    lines = [line for line in text.splitlines() if stale in line]
+    assert not [line for line in lines if " waits " in line], lines
+    runs = Counter(r["id"] for r in read_records(records, expect=4, timeout=5))
+    assert runs == Counter(r.id for r in ahead)

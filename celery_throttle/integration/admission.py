@@ -107,7 +107,7 @@ class Drop:
     """End here, never run: ``reason`` says why (the logs and the result say it);
     ``away``: how far its start was when it expired (seconds)."""
 
-    reason: Literal["expired", "second copy", "delivered again", "ended", "stale"]
+    reason: Literal["expired", "second copy", "delivered again", "ended", "stale", "running"]
     away: float = 0.0
 
 
@@ -280,14 +280,16 @@ def turn(late: float, turn_grace: float) -> Start | None:
 
 
 def verdict(pointer: str) -> Drop | None:
-    """An ``acks_late`` copy asked the copy pointer whether it may go on (``copies.py``):
-    ``"go"`` lets it on (None); ``"ended"`` (the task's run has ended) drops it; any
-    refusal else (``"stale"``: a newer copy goes on; ``"running"``: another copy runs; a
-    second ``"late"``) drops it as a stale copy.  (A first ``"late"`` is the caller's:
-    it asks the gate again.)"""
+    """A copy asked the copy pointer whether it may go on (``copies.py``): ``"go"`` lets it
+    on (None); ``"ended"`` (the task's run has ended) and ``"running"`` (another copy of
+    it has started) drop it, saying so; any refusal else (``"stale"``: a newer copy goes
+    on; a second ``"late"``) drops it as a stale copy.  (A first ``"late"`` is the
+    caller's: it asks the gate again.)"""
     if pointer == "go":
         return None
-    return Drop("ended" if pointer == "ended" else "stale")
+    if pointer == "ended":
+        return Drop("ended")
+    return Drop("running" if pointer == "running" else "stale")
 
 
 def backoff(deferrals: int, jitter: float) -> float:

@@ -1,13 +1,19 @@
-"""The copy pointer: which copy of an acks_late task's message may go on (``lua/copies.lua``).
+"""The copy pointer: which copy of a task's message may go on (``lua/copies.lua``).
 
 With ``acks_late`` the old message is acknowledged only after the new one is
 published: a node that dies in between leaves both, and the broker redelivers
-the old one.  So every re-published message carries a fresh copy id and the
-id of the copy that published it, and a pointer in Redis names the one copy
+the old one.  And any copy the throttle publishes may be delivered twice: a
+broker's at-least-once (a Redis broker's ETA message held past its visibility
+timeout, RabbitMQ's dead-lettering between the delay ladder's rungs, a
+connection lost before an acknowledgement reached the broker).  So every
+re-published message carries a fresh copy id and the id of the copy that
+published it, and a pointer in Redis names the one copy
 that may go on: moved to the successor after each re-publish, and to
 "ran:"/"done:" when a copy starts and ends.  A copy the pointer does not name
 is dropped, so exactly one of the two runs.  The copy that started may still
-run again if its node dies mid-run: that is ``acks_late``'s at-least-once.
+run again if its node dies mid-run: that is ``acks_late``'s at-least-once; a
+task acknowledged early starts each copy once (:func:`pointed` says which copies
+the pointer decides).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from ..core.keys import copy_key
 from ..core.scripts import script
 from ..room.header import WaitState
 
-__all__ = ["CopyPointer", "Verdict", "new_copy"]
+__all__ = ["CopyPointer", "Verdict", "new_copy", "pointed"]
 
 #: May a copy go on: "go"; refused while another copy of the task runs ("running": the
 #: seats held under the task's id are that copy's); refused after the task's run ended
@@ -45,11 +51,13 @@ class CopyPointer:
         self._script = client.register_script(script(__package__, "copies.lua"))
 
     def move(self, task_id: str, retries: int, state: WaitState, then: str, *,
-             latest_us: int = 0) -> Verdict:
+             latest_us: int = 0, once: bool = False) -> Verdict:
         """May this copy go on ("go")?  If so, point the task at ``then``.
 
         ``latest_us`` (server clock; 0: any time): the latest this copy may start;
-        past it the answer is "late" and nothing moves.
+        past it the answer is "late" and nothing moves.  ``once``: a start of a
+        task acknowledged early, whose message no crash redelivers: this copy
+        started already means this is a second delivery of it ("running").
 
         ``then`` is a successor's copy id, or "ran:"/"done:" (this copy's id is
         appended).  One script call per start, end and re-publish of an
@@ -61,7 +69,8 @@ class CopyPointer:
         then_value = then + mine if then.endswith(":") else then
         key = copy_key(self.prefix, task_id, retries)
         return _VERDICTS[int(self._script(
-            keys=[key], args=[mine, state.prev, then_value, self.ttl_ms, latest_us]))]
+            keys=[key], args=[mine, state.prev, then_value, self.ttl_ms, latest_us,
+                              "1" if once else ""]))]
 
 
     def check(self, task_id: str, retries: int, state: WaitState) -> Verdict:
@@ -69,6 +78,15 @@ class CopyPointer:
         key = copy_key(self.prefix, task_id, retries)
         return _VERDICTS[int(self._script(
             keys=[key], args=[state.copy_id, state.prev, "", self.ttl_ms, 0]))]
+
+
+def pointed(acks_late: bool, state: WaitState) -> bool:
+    """Does the pointer decide whether this copy goes on?  Every copy of an acks_late
+    task (the broker redelivers the message of a run a crash cut off); of a task
+    acknowledged early, every copy the throttle published (``state.copy``), which the
+    broker may deliver twice.  The user's own message of such a task is Celery's
+    (acknowledged as it starts): asking the store for it would cost every start a call."""
+    return acks_late or bool(state.copy)
 
 
 def new_copy() -> str:

@@ -11,7 +11,8 @@ copy dispatched from its line comes back charged for its turn: it checks its
 seats and its start are still its own.  :func:`defer_after_start` sends a
 running task back after the provider refused it (429).  What a copy needs on
 its next arrival travels in one header (``room/header.py``); an ``acks_late``
-task's copies are told apart by the copy pointer (``copies.py``).
+task's copies, and the copies the throttle published of any task, are told
+apart by the copy pointer (``copies.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .exits import (
     end,
     gone,
     move_pointer,
+    pointed_copy,
     room_open,
     seconds_to_expiry,
     send_back,
@@ -121,7 +123,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         latest = _latest_start(runtime, limits, state)
     else:
         admitted = _wait_for_slot(task, run, limits, max_wait, state, holder, arrived)
-    if getattr(task, "acks_late", False):
+    if pointed_copy(task, state):
         # Before the seats are held: a copy refused here must not keep them renewed.
         verdict = move_pointer(task, runtime, state, "ran:", latest_us=latest)
         if verdict == "late":
@@ -156,7 +158,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
 
 
 def run_ended(task: Task[Any, Any]) -> None:
-    """acks_late: this copy's run ended and its outcome is stored; no copy may run it again.
+    """A pointed copy's run ended (its outcome is stored): no copy may run it again.
 
     Called from ``task_postrun`` by the receiver ``install(app)`` connects for
     its app: Celery sends it after the result is stored and callbacks are
@@ -219,7 +221,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     release_leases_of(task)
     new = state.successor(new_copy(), limits, state.since)
     new = send_back(task, runtime, new, seconds)
-    if getattr(task, "acks_late", False):
+    if pointed_copy(task, state):
         move_pointer(task, runtime, state, new.copy)
     metrics.deferred(limits[0].name if limits else "(provider)", seconds)
     if store_up:  # (as in the store-down path, a backend beside it may be down too)

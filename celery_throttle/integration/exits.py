@@ -35,13 +35,14 @@ from ..room.header import HEADER, WaitState
 from ..values import to_us
 from . import admission
 from .admission import CountDown, Drop, Start, StoreFailed, TimeOut, WaitForStore
-from .copies import Verdict, new_copy
+from .copies import Verdict, new_copy, pointed
 from .notes import wait_note, write_note
 from .runtime import INSTALLED, Runtime
 from .visible import announce
 
 __all__ = ["Left", "copy_of", "count_down", "drop", "end", "entry_of", "gone",
-           "kept_beside_broker", "log_outage", "move_pointer", "park", "refuse_superseded",
+           "kept_beside_broker", "log_outage", "move_pointer", "park", "pointed_copy",
+           "refuse_superseded",
            "republish", "room_open", "room_write_failed", "say_dropped", "seconds_to_expiry",
            "send_back", "store_failed", "wait_counted_down", "wait_for_store", "waits_in_line"]
 
@@ -112,7 +113,7 @@ def drop(task: Task[Any, Any], why: Drop) -> NoReturn:
 def say_dropped(task: Task[Any, Any], why: Drop) -> None:
     """Log that the task's copy was dropped, and why (a WARNING where a node's death or a
     redelivery of a run that ended made the copy, else INFO)."""
-    level = logging.WARNING if why.reason in ("ended", "stale") else logging.INFO
+    level = logging.WARNING if why.reason in ("ended", "stale", "running") else logging.INFO
     logger.log(level, "throttle: task %s[%s] dropped: %s", task.name, task.request.id,
                _DROPPED[why.reason])
 
@@ -123,6 +124,7 @@ _DROPPED = {
                        "goes on)",
     "ended": "its run has ended (its message was delivered again)",
     "stale": "a stale copy (a node died while re-scheduling it; its newer copy goes on)",
+    "running": "another copy of it has started (its message was delivered again)",
 }
 
 
@@ -175,9 +177,16 @@ def wait_for_store(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     gone()
 
 
+def pointed_copy(task: Task[Any, Any], state: WaitState) -> bool:
+    """Does the copy pointer decide whether this copy of ``task`` goes on
+    (``copies.pointed``)?"""
+    return pointed(bool(getattr(task, "acks_late", False)), state)
+
+
 def move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState,
                   then: str, *, latest_us: int = 0) -> Verdict:
-    """acks_late: may this copy go on (``CopyPointer.move``)?  Store down: yes.
+    """A pointed copy (:func:`pointed_copy`): may it go on (``CopyPointer.move``)?  Store
+    down: yes.  A start ("ran:") of a task acknowledged early is its copy's only one.
 
     With the store down a copy re-published meanwhile names this one as its
     predecessor, so the pointer still lets exactly one through; a start with
@@ -185,8 +194,9 @@ def move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     """
     request = task.request
     try:
-        return runtime.copies.move(str(request.id), request.retries, state, then,
-                                   latest_us=latest_us)
+        return runtime.copies.move(
+            str(request.id), request.retries, state, then, latest_us=latest_us,
+            once=then == "ran:" and not getattr(task, "acks_late", False))
     except redis.RedisError as exc:
         if then == "ran:":
             store_failed(task, runtime, state, exc)
@@ -194,7 +204,7 @@ def move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState,
 
 
 def refuse_superseded(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> None:
-    """acks_late: is this copy still the task's, before it gives back the seats held under
+    """A pointed copy: is it still the task's, before it gives back the seats held under
     the task's id and puts the task in line?  A copy delivered again after it was
     re-published is not: those seats may be its newer copy's, and a second copy of the
     task in line would be refused when served, with its kept copy left behind.
@@ -216,7 +226,7 @@ def refuse_superseded(task: Task[Any, Any], runtime: Runtime, state: WaitState) 
 def waits_in_line(task: Task[Any, Any], runtime: Runtime, state: WaitState, new: WaitState,
                    blocking: AnyLimit, wait: float) -> None:
     """The task waits in ``blocking``'s line as ``new`` (about ``wait`` seconds): say so."""
-    if getattr(task, "acks_late", False):
+    if pointed_copy(task, state):
         move_pointer(task, runtime, state, new.copy)
     metrics.deferred(blocking.name, wait)
     announce(task, limit=blocking.name, wait=wait, deferrals=new.deferrals, reason="limit")
@@ -231,12 +241,12 @@ def wait_counted_down(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     when a start is within reach.  A copy the pointer no longer names is dropped first,
     as ``join_line`` drops it: re-published, its successor would be refused on arrival,
     after a publish and a wait for nothing."""
-    if getattr(task, "acks_late", False):
+    if pointed_copy(task, state):
         refuse_superseded(task, runtime, state)
     new = state.successor(new_copy(), limits, state.since or decision.now, action.booking)
     new = count_down(task, runtime, new, action.seconds)
     write_note(task, runtime, wait_note(task, action.limit, decision, new), action.wait)
-    if getattr(task, "acks_late", False):
+    if pointed_copy(task, state):
         move_pointer(task, runtime, state, new.copy)
     metrics.deferred(action.limit, action.wait)
     announce(task, limit=action.limit, wait=action.wait, deferrals=new.deferrals,

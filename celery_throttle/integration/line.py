@@ -29,6 +29,7 @@ from .exits import (
     entry_of,
     gone,
     kept_beside_broker,
+    pointed_copy,
     refuse_superseded,
     room_open,
     room_write_failed,
@@ -50,7 +51,7 @@ def join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     store failed.  Its place: its first wait plus its rank's ageing steps.
     """
     request = task.request
-    if getattr(task, "acks_late", False):
+    if pointed_copy(task, state):
         refuse_superseded(task, runtime, state)
     blocking = line.limit
     since = state.since or decision.now

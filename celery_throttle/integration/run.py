@@ -44,8 +44,9 @@ class Run:
     runtime: Runtime
     #: How long after the start it was admitted for it was let go (seconds).
     late: float = 0.0
-    #: acks_late: the copy whose pointer this run moved to "ran:" (``run_ended`` moves it
-    #: to "done:"); None before, and once the run ended or went back to wait.
+    #: A pointed copy (``exits.pointed_copy``): the copy whose pointer this run moved to
+    #: "ran:" (``run_ended`` moves it to "done:"); None before, and once the run ended or
+    #: went back to wait.
     started: WaitState | None = None
     #: The concurrency leases the run holds, and its shadow leases (``shadow.py``).
     leased: Held | None = None

@@ -149,7 +149,7 @@ def test_an_arrival_goes_on_or_ends(case: str, call: object, expected: object) -
     ("go", None),
     ("ended", Drop("ended")),
     ("stale", Drop("stale")),
-    ("running", Drop("stale")),
+    ("running", Drop("running")),
     ("late", Drop("stale")),  # (a second "late": the first one asks the gate again)
 ])
 def test_the_copy_pointer_s_verdict(pointer: str, expected: object) -> None:

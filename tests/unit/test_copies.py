@@ -224,3 +224,55 @@ def test_a_stale_copy_finding_the_seats_full_puts_nothing_in_line(
     assert gate.inspect_leases(seat).held == 1
     assert client.get(copy_key(prefix, "t-1", 0)) == b"c2"
     assert starts == []
+
+
+def test_a_start_of_a_task_acknowledged_early_is_its_copys_only_one(
+        client: redis.Redis, prefix: str) -> None:
+    """Without acks_late no crash redelivers a started copy: a second start of it is the
+    same message delivered twice, refused as "running" (then "ended" once its run ended).
+    The move to a successor (the provider refused the running copy) still goes on."""
+    from celery_throttle.integration.copies import CopyPointer
+
+    pointer = CopyPointer(client, prefix, 60)
+    c1 = WaitState(copy="c1", prev="-")
+    assert pointer.move("t", 0, c1, "ran:", once=True) == "go"
+    assert pointer.move("t", 0, c1, "ran:", once=True) == "running"
+    assert pointer.move("t", 0, c1, "c2") == "go"  # re-published by its run (a 429)
+    c2 = WaitState(copy="c2", prev="c1")
+    assert pointer.move("t", 0, c2, "ran:", once=True) == "go"
+    assert pointer.move("t", 0, c2, "done:") == "go"
+    assert pointer.move("t", 0, c2, "ran:", once=True) == "ended"
+
+
+def test_a_copy_of_a_task_acknowledged_early_delivered_twice_runs_once(
+    redis_url: str, prefix: str, client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A copy the throttle published of a task without acks_late, delivered twice (the
+    broker's at-least-once: RabbitMQ's dead-lettering between the delay ladder's rungs, a
+    Redis broker's ETA message held past its visibility timeout): the first delivery runs,
+    the second is dropped.  The task's own message asks no pointer."""
+    from celery_throttle import throttled
+
+    from ..conftest import installed_app
+
+    starts: list[str] = []
+    with installed_app("early", redis_url, prefix) as app:
+        @throttled("100/s", name="early-ack")
+        @app.task(name="copies.early", bind=True, shared=False)
+        def early(self: Task[Any, Any]) -> str:
+            starts.append(str(self.request.id))
+            return "ran"
+
+        copy = WaitState(copy="c1", prev="-")
+        assert _run(early, copy) == "ran"
+        with caplog.at_level(logging.INFO, logger="celery_throttle"), pytest.raises(Ignore):
+            _run(early, copy)  # the same copy, delivered again
+        assert "dropped: another copy of it has started" in caplog.text
+        assert starts == ["t-1"]
+        early.push_request(id="t-2", called_directly=False, delivery_info={}, retries=0,
+                           headers={})
+        try:
+            assert early.run() == "ran"  # the user's message
+        finally:
+            early.pop_request()
+        assert client.get(copy_key(prefix, "t-2", 0)) is None

@@ -16,9 +16,14 @@
 --          time): a copy admitted for a start it was charged for is checked
 --          here, in the last store call before it starts, so that a store
 --          slow to answer cannot let it start later than its grace
+-- ARGV[6]  "1": this copy's message is never redelivered after it starts (the
+--          task acknowledges early): a start the pointer already records for
+--          this copy is another delivery of the same message (the broker's or
+--          the delay ladder's at-least-once), refused as "running"
 --
 -- A copy may go on if the pointer names it, or names it as started (its own
--- redelivery after a crash mid-run: acks_late's at-least-once), or names the
+-- redelivery after a crash mid-run: acks_late's at-least-once; not with
+-- ARGV[6]), or names the
 -- copy that published it, plain or started but not done (the pointer could
 -- not be moved: store down, or a crash between the publish and the move).
 -- Whichever of two such copies starts or moves on first takes the pointer,
@@ -42,7 +47,8 @@ if latest > 0 then
 end
 local current = redis.call('GET', KEYS[1])
 local mine, prev = ARGV[1], ARGV[2]
-if not current or current == mine or current == 'ran:' .. mine
+local rerun = current == 'ran:' .. mine and ARGV[6] ~= '1'
+if not current or current == mine or rerun
     or (prev ~= '' and (current == prev or current == 'ran:' .. prev)) then
   if ARGV[3] ~= '' then
     redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])

@@ -13,7 +13,7 @@ No workers.  Three tables, each measured side by side in this run:
   store);
 * per dashboard refresh: ``/api/status`` (``report.status``) and
   ``/api/history`` with one per-key limit whose waiting tasks are spread over
-  0, 1,000 and ``--keys`` key values (``Queues.enqueue``, as a worker puts
+  0, 1,000 and ``--keys`` key values (``Lines.enqueue``, as a worker puts
   them), each refresh timed as the dashboard's sampler and page ask for it.
 """
 
@@ -35,7 +35,7 @@ from celery_throttle.integration.history import CountsWriter
 from celery_throttle.integration.runtime import forget
 from celery_throttle.ops import report
 from celery_throttle.ops.charts import Charts
-from celery_throttle.room.queues import Queues
+from celery_throttle.room.lines import Lines
 from celery_throttle.testing import RedisServer
 
 ROUNDS = 5
@@ -108,7 +108,7 @@ def per_refresh(url: str, key_values: list[int]
         @app.task(shared=False, name="bench.tenant")
         def tenant(tenant: str) -> None: ...
 
-        queues = Queues(client, "throttle")
+        queues = Lines(client, "throttle")
         rate = parse_rate("5/s")
         for i in range(values):
             limit = Limit("tenants", rate, key=f"tenant-{i}")

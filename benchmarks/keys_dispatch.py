@@ -3,8 +3,8 @@
     python -m benchmarks.keys_dispatch [--tasks 200000] [--values 100000] [--rate 5000]
 
 No workers: the store alone, as the dispatchers drive it.  ``--tasks``
-tasks are put in line (``Queues.enqueue``, as a worker puts them), then
-served by ``Queues.serve_due`` in the dispatchers' batches until every one
+tasks are put in line (``Lines.enqueue``, as a worker puts them), then
+served by ``Lines.serve_due`` in the dispatchers' batches until every one
 is dispatched, sleeping between calls as a dispatcher does (until the next
 queue is due); the trip estimate is set to 20 ms (a typical measured trip),
 so each call serves what is due within it.  Four cases on fresh servers:
@@ -35,7 +35,7 @@ from celery_throttle.core.limits import Limit
 from celery_throttle.core.rates import parse_rate
 from celery_throttle.room.dispatcher import BATCH
 from celery_throttle.room.keys import room_key
-from celery_throttle.room.queues import Queues
+from celery_throttle.room.lines import Lines
 from celery_throttle.testing import RedisServer
 
 PREFIX = "throttle"
@@ -69,7 +69,7 @@ def run(case: str, tasks: int, values: int, rate: str, fair: bool) -> Result:
     """Put ``tasks`` in line over ``values`` values, dispatch them all, measure."""
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)
-        queues = Queues(client, PREFIX)
+        queues = Lines(client, PREFIX)
         parsed = parse_rate(rate)
         sec, usec = client.time()
         now = int(sec) * 1_000_000 + int(usec)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         run(f"fair limit, {args.values:,} values", args.tasks, args.values, args.rate,
             fair=True),
     ]
-    print(f"{args.tasks:,} tasks in line, dispatched by `Queues.serve_due` in batches of "
+    print(f"{args.tasks:,} tasks in line, dispatched by `Lines.serve_due` in batches of "
           f"{BATCH} with a 20 ms trip estimate; each limit {args.rate} "
           f"(`python -m benchmarks.keys_dispatch --tasks {args.tasks} --values {args.values} "
           f"--rate {args.rate}`).\n")

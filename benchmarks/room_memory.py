@@ -80,7 +80,7 @@ def run(n: int, layout: str) -> dict[str, float]:
             envelope = _message(app, task_id)
             note: dict[str, Any] = {"task": summarize.name, "limit": limit.name, "due": T0 + i,
                                     "deferrals": 1, "since": T0,
-                                    "queue": limit.queue_in("throttle").decode(), "entry": entry}
+                                    "queue": limit.line_in("throttle").decode(), "entry": entry}
             if layout != "first":
                 room.enqueue(entry, envelope.dumps(), task_id, limits=[limit], blocking=limit,
                              place_us=T0 + i, due_us=T0 + 10**12)
@@ -111,7 +111,7 @@ def run(n: int, layout: str) -> dict[str, float]:
                             json.dumps(earlier, separators=(",", ":")))
         total = int(client.info("memory")["used_memory"]) - base
         parts = {"messages": room.messages, "entries": ENTRIES,
-                 "queue": limit.queue_in("throttle").decode(), "notes hash": room.notes}
+                 "queue": limit.line_in("throttle").decode(), "notes hash": room.notes}
         out = {"total": total / n}
         for name, key in parts.items():
             out[name] = (client.memory_usage(key, samples=0) or 0) / n

@@ -23,7 +23,7 @@ POINTS = {
     "defer.after_republish": "a deferred task was re-published with a countdown "
                              "(argument: the task) and the running copy is not yet acknowledged",
     "defer.start_slept": "a task slept until the start it was admitted for (a booked slot "
-                         "just ahead) or charged for (dispatched from its limit's queue) "
+                         "just ahead) or charged for (dispatched from its limit's line) "
                          "(argument: the task) and has not checked it is in time",
 }
 

@@ -177,7 +177,7 @@ def rabbitmq_url() -> Iterator[str]:
         yield server.url
 
 
-#: Queues the test app consumes (and the waiting room's lanes of them).
+#: Lines the test app consumes (and the waiting room's lanes of them).
 _TEST_QUEUES = ("celery", "ext", "bursty", "q1", "q2")
 
 

@@ -99,7 +99,7 @@ class GateCalls:
             raise ValueError("a Concurrency limit needs a holder (the lease owner's id)")
         keys = self._keys(limits)
         if in_line:
-            keys += [lim.queue_in(self.prefix) for lim in limits]
+            keys += [lim.line_in(self.prefix) for lim in limits]
         args = list(_decide_head(now=self._now_us(),
                                  horizon=_NEVER if reserve is None else to_us(reserve),
                                  claim=claim, grace=to_us(grace), holder=holder,
@@ -132,7 +132,7 @@ class GateCalls:
     def _release_call(self, limits: Sequence[AnyLimit], holder: str, ran_us: int) -> Call:
         keys, args = self._call(limits, holder, ran_us)
         # A seat given back: the tasks in line for one are due at once.
-        keys += [lim.queue_in(self.prefix) for lim in limits if lim.leased]
+        keys += [lim.line_in(self.prefix) for lim in limits if lim.leased]
         keys += [freed_key(self.prefix).encode(), bell_key(self.prefix).encode()]
         return keys, args
 

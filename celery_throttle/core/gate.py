@@ -102,8 +102,8 @@ class Gate(GateCalls):
         asking again keeps its one lease).  A full concurrency limit books
         nothing: with ``reserve`` the decision is ``reserved`` with nothing
         booked (``Reservation.booked == 0``) at the holder's paced return time.
-        ``in_line`` (no claim): while a limit has tasks waiting in its queue
-        (``room/queues.py``; a concurrency limit's queue for a seat, unless
+        ``in_line`` (no claim): while a limit has tasks waiting in its line
+        (``room/lines.py``; a concurrency limit's line for a seat, unless
         ``holder`` holds one already), do not start ahead of them; the
         decision is ``queued``, naming that limit, with the estimated wait.
         ``near`` (with ``reserve``): a slot booked at most this many seconds

@@ -1,11 +1,11 @@
 """Where the core's state lives: every key name the core uses is built here.
 
 A limit's keys: ``{<prefix>}:<kind>:<digest>:<name>``, where ``kind`` is
-``b`` (a rate bucket), ``q`` (its queue of waiting tasks), ``t`` (the
-turns of a fair queue), ``h`` (why a provider's report holds it back),
+``b`` (a rate bucket), ``q`` (its line of waiting tasks), ``t`` (the
+turns of a fair line), ``h`` (why a provider's report holds it back),
 ``o`` (an operator paused it),
 ``l`` (a concurrency limit's leases), ``m`` (its meta
-hash), ``k`` (its queue of tasks waiting for a seat; never fair, it has no
+hash), ``k`` (its line of tasks waiting for a seat; never fair, it has no
 turns), and ``digest`` is the hashed key
 value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
 one.  The name comes last, after two parts of fixed form, so a limit name
@@ -40,11 +40,31 @@ import base64
 import hashlib
 import uuid
 
-__all__ = ["bell_key", "bucket_key", "copy_key", "counts_key", "enforce_key", "epoch_key",
-           "freed_key", "held_key", "key_digest", "leases_key", "limit_of", "line_of",
-           "live_key", "meta_key", "operator_key", "queue_key", "seat_queue_key",
-           "sibling_key", "split_limit_key", "task_key", "turns_key",
-           "validate_name", "validate_prefix"]
+__all__ = [
+    "bell_key",
+    "bucket_key",
+    "copy_key",
+    "counts_key",
+    "enforce_key",
+    "epoch_key",
+    "freed_key",
+    "held_key",
+    "key_digest",
+    "leases_key",
+    "limit_of",
+    "line_key",
+    "line_of",
+    "live_key",
+    "meta_key",
+    "operator_key",
+    "seat_line_key",
+    "sibling_key",
+    "split_limit_key",
+    "task_key",
+    "turns_key",
+    "validate_name",
+    "validate_prefix",
+]
 
 _MAX_NAME = 200
 
@@ -100,33 +120,33 @@ def bucket_key(prefix: str, name: str, key: object = None) -> str:
     return _limit_key("b", prefix, name, key)
 
 
-def queue_key(prefix: str, name: str, key: object = None) -> str:
-    """The queue of tasks waiting for rate limit ``name`` (and ``key``): a sorted set."""
+def line_key(prefix: str, name: str, key: object = None) -> str:
+    """The line of tasks waiting for rate limit ``name`` (and ``key``): a sorted set."""
     return _limit_key("q", prefix, name, key)
 
 
-def seat_queue_key(prefix: str, name: str, key: object = None) -> str:
-    """The queue of tasks waiting for a seat of concurrency limit ``name``: a sorted set."""
+def seat_line_key(prefix: str, name: str, key: object = None) -> str:
+    """The line of tasks waiting for a seat of concurrency limit ``name``: a sorted set."""
     return _limit_key("k", prefix, name, key)
 
 
-#: A limit key's kind -> the kinds of its queue and of that queue's turns: a rate
+#: A limit key's kind -> the kinds of its line and of that line's turns: a rate
 #: bucket's line (``q``, ``t``) and a concurrency limit's line for a seat (``k``).  A
-#: seat's line is never fair, so it has no turns: its queue stands in their place among
+#: seat's line is never fair, so it has no turns: its line stands in their place among
 #: a script's keys, where nothing reads or writes turns for it.
 LINES = {"b": ("q", "t"), "l": ("k", "k")}
 
 
 def line_of(key: str) -> tuple[str, str]:
-    """The queue and turns keys of the limit whose bucket or leases key is ``key``."""
-    queue, turns = LINES[split_limit_key(key)[0]]
-    return sibling_key(key, queue), sibling_key(key, turns)
+    """The line and turns keys of the limit whose bucket or leases key is ``key``."""
+    line, turns = LINES[split_limit_key(key)[0]]
+    return sibling_key(key, line), sibling_key(key, turns)
 
 
-def limit_of(queue: str) -> str:
-    """The bucket or leases key of the limit whose queue is ``queue`` (:func:`line_of`)."""
-    kind = split_limit_key(queue)[0]
-    return sibling_key(queue, next(k for k, (q, _) in LINES.items() if q == kind))
+def limit_of(line: str) -> str:
+    """The bucket or leases key of the limit whose line is ``line`` (:func:`line_of`)."""
+    kind = split_limit_key(line)[0]
+    return sibling_key(line, next(k for k, (q, _) in LINES.items() if q == kind))
 
 
 def split_limit_key(key: str) -> tuple[str, str, str]:
@@ -141,7 +161,7 @@ def split_limit_key(key: str) -> tuple[str, str, str]:
 
 def sibling_key(key: str, kind: str) -> str:
     """The key of kind ``kind`` of the limit (name and key value) whose key is ``key``:
-    a bucket's queue (``q``) or turns (``t``), a queue's bucket (``b``)."""
+    a bucket's line (``q``) or turns (``t``), a line's bucket (``b``)."""
     split_limit_key(key)  # (raises for any other key)
     tag = key.find("}") + 1
     return f"{key[:tag + 1]}{kind}{key[tag + 2:]}"
@@ -160,7 +180,7 @@ def operator_key(prefix: str, name: str, key: object = None) -> str:
 
 
 def turns_key(prefix: str, name: str, key: object = None) -> str:
-    """The turns of a fair queue (``room/queues.py``): a hash, key value digest -> last turn."""
+    """The turns of a fair line (``room/lines.py``): a hash, key value digest -> last turn."""
     return _limit_key("t", prefix, name, key)
 
 

@@ -18,9 +18,9 @@ from .keys import (
     held_key,
     key_digest,
     leases_key,
+    line_key,
     meta_key,
-    queue_key,
-    seat_queue_key,
+    seat_line_key,
     turns_key,
     validate_name,
 )
@@ -47,7 +47,7 @@ class Limit:
     key: object = field(default=None, repr=False)  # may be a secret: never shown
     cost: int = 1
     # Fair share: tasks waiting in line for this limit are served by this
-    # value in turn (room/queues.py).  Not part of the limit's identity: the
+    # value in turn (room/lines.py).  Not part of the limit's identity: the
     # bucket, and every decision on it, are the same whatever it is.
     fair: object = field(default=None, repr=False, compare=False)
 
@@ -80,16 +80,16 @@ class Limit:
         """Keys besides :meth:`key_in` that a call on this limit touches: none."""
         return ()
 
-    def queue_in(self, prefix: str) -> bytes:
-        """The queue of tasks waiting for this limit (``room/queues.py``)."""
-        return _key_bytes(queue_key, prefix, self.name, self.key)
+    def line_in(self, prefix: str) -> bytes:
+        """The line of tasks waiting for this limit (``room/lines.py``)."""
+        return _key_bytes(line_key, prefix, self.name, self.key)
 
     def held_in(self, prefix: str) -> bytes:
         """Why a provider's report holds this limit back, while it does (``Gate.follow``)."""
         return _key_bytes(held_key, prefix, self.name, self.key)
 
     def turns_in(self, prefix: str) -> bytes:
-        """The turns of its fair queue (``room/queues.py``)."""
+        """The turns of its fair line (``room/lines.py``)."""
         return _key_bytes(turns_key, prefix, self.name, self.key)
 
 
@@ -138,14 +138,14 @@ class Concurrency:
         """The meta hash: average run, holders' starts, pacing cursor, pause."""
         return (_key_bytes(meta_key, prefix, self.name, self.key),)
 
-    def queue_in(self, prefix: str) -> bytes:
-        """The queue of tasks waiting in line for a seat (``room/queues.py``)."""
-        return _key_bytes(seat_queue_key, prefix, self.name, self.key)
+    def line_in(self, prefix: str) -> bytes:
+        """The line of tasks waiting in line for a seat (``room/lines.py``)."""
+        return _key_bytes(seat_line_key, prefix, self.name, self.key)
 
     def turns_in(self, prefix: str) -> bytes:
-        """A seat's line is never fair and has no turns: its queue stands in their place
+        """A seat's line is never fair and has no turns: its line stands in their place
         among a script's keys (``keys.LINES``), where nothing reads or writes turns."""
-        return self.queue_in(prefix)
+        return self.line_in(prefix)
 
 
 #: Either kind of limit; :meth:`Gate.acquire_many` decides them together.
@@ -218,7 +218,7 @@ class Decision:
     reservation: Reservation | None = None
     now: int = 0
     early: bool = False
-    queued: bool = False  # in line: ``limit`` has waiting tasks; join its queue
+    queued: bool = False  # in line: ``limit`` has waiting tasks; join its line
 
     @property
     def reserved(self) -> bool:

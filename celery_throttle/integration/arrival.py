@@ -51,7 +51,7 @@ from ..core.limits import Limit, rates_of
 from ..core.logs import logger
 from ..room.dispatcher import queue_of
 from ..room.header import HEADER
-from ..room.queues import MAX_AHEAD_US
+from ..room.lines import MAX_AHEAD_US
 from ..values import from_us, to_us
 from . import shadow
 from .line import join_line_on_arrival

@@ -32,7 +32,7 @@ from ..core.limits import AnyLimit, Concurrency, Decision, Reservation, rates_of
 from ..core.logs import logger
 from ..room.dispatcher import queue_of
 from ..room.header import WaitState
-from ..room.queues import MAX_AHEAD_US
+from ..room.lines import MAX_AHEAD_US
 from ..values import from_us, to_us
 from . import admission, leases, shadow
 from .admission import Drop, JoinLine, Known, Start, TimeOut
@@ -90,7 +90,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     limits, shadowed = shadow.split(runtime, limits, coded or {})
     state = WaitState.from_request(request)
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
-    charged = state.charged  # ... from a limit's queue: how (entries.Served.flag)
+    charged = state.charged  # ... from a limit's line: how (entries.Served.flag)
     arrived_at: int | None = 0  # the server's time when it arrived (0: unknown)
     asked = 0.0  # (this process's clock before the arrival is asked: see _turn_kept)
     info: Mapping[str, Any] = request.delivery_info or {}
@@ -119,7 +119,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         admitted = True  # (every limit is in shadow mode)
     elif charged == "c" and arrived and _seats_kept(task, runtime, concurrent, holder, state) \
             and _turn_kept(task, run, limits, state, arrived_at, asked):
-        admitted = True  # its turn came in its queue: every limit was charged for it
+        admitted = True  # its turn came in its line: every limit was charged for it
         latest = _latest_start(runtime, limits, state)
     else:
         admitted = _wait_for_slot(task, run, limits, max_wait, state, holder, arrived)
@@ -339,10 +339,10 @@ def _seats_kept(task: Task[Any, Any], runtime: Runtime, concurrent: list[Concurr
 
 def _turn_kept(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
                state: WaitState, arrived_at: int | None, asked: float) -> bool:
-    """A task dispatched from its queue: wait for the start it was charged for; in time?
+    """A task dispatched from its line: wait for the start it was charged for; in time?
 
     It arrives ahead of that moment by at most the dispatch's lead
-    (``queues.MAX_AHEAD_US``) and sleeps until then.  Later than the grace
+    (``lines.MAX_AHEAD_US``) and sleeps until then.  Later than the grace
     (``_grace``), arriving late or woken late (a loaded machine, a container
     out of its CPU quota, can run a sleeping process 100 ms after its
     timer), starting would put two starts closer than an interval (the next

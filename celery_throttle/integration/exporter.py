@@ -61,7 +61,7 @@ class FillCollector:
                                    "current rate", labels=["limit"])
         known_all = known_limits(self.app)
         rates = runtime.live.apply([k.limit for k in known_all if isinstance(k.limit, Limit)])
-        for line in runtime.room.queues.lines(
+        for line in runtime.room.lines.busiest(
                 {lim.name: lim.interval_us for lim in rates}):
             in_line.add_metric([line.name], line.waiting)
             if line.drains_in is not None:

@@ -118,7 +118,7 @@ def install(app: Celery) -> Celery:
                 _report_durability(runtime_for(app).durability.verdict())
                 try:
                     # The tasks already waiting in line follow the rates of this code.
-                    runtime_for(app).room.queues.declare(
+                    runtime_for(app).room.lines.declare(
                         [k.limit for k in known_limits(app) if isinstance(k.limit, Limit)])
                 except redis.RedisError as exc:
                     logger.warning("celery_throttle: could not record the limits' rates: %s",

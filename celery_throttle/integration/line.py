@@ -1,4 +1,4 @@
-"""A task waits in its limit's line (``room/queues.py``): where it stands and how it gets there.
+"""A task waits in its limit's line (``room/lines.py``): where it stands and how it gets there.
 
 Two ways in: a running copy the gate refuses for longer than it may sleep
 (:func:`join_line`, from ``defer.py``), and a fresh message whose limit has
@@ -117,9 +117,9 @@ def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[Li
 
 
 def handed_out_within(runtime: Runtime) -> float:
-    """How far ahead of its start the line hands a task out (seconds; ``queues.ahead``)."""
+    """How far ahead of its start the line hands a task out (seconds; ``lines.ahead``)."""
     try:
-        return runtime.room.queues.ahead(to_us(runtime.config.dispatch_lead))
+        return runtime.room.lines.ahead(to_us(runtime.config.dispatch_lead))
     except redis.RedisError:
         return runtime.config.max_sleep  # (the decision meets the store's failure next)
 
@@ -137,7 +137,7 @@ def _rank(task: Task[Any, Any], runtime: Runtime) -> int:
 
 
 def _place(task: Task[Any, Any], runtime: Runtime, since: int) -> int:
-    """A waiting task's place (us) in a limit's queue: when it first waited (``since``,
+    """A waiting task's place (us) in a limit's line: when it first waited (``since``,
     server clock) plus its priority's rank times the ageing step, so rank 0 goes first and
     the others age toward it."""
     return since + _rank(task, runtime) * to_us(runtime.config.priority_ageing)

@@ -89,7 +89,7 @@ def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
 
 def _note_in_line(runtime: Runtime, entry: str, now: int) -> dict[str, Any] | None:
     """The note of a task waiting in line as ``entry``, from the entry and its message."""
-    found = runtime.room.queues.find(entry)
+    found = runtime.room.lines.find(entry)
     if found is None:
         return None
     line, interval = found

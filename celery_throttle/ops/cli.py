@@ -236,7 +236,7 @@ def reset(ctx: click.Context, name: str, key: str | None, int_key: str | None) -
 @click.pass_context
 def parked(ctx: click.Context, limit_name: str | None, count: int, as_json: bool) -> None:
     """The tasks waiting in the waiting room that go next: parked (soonest dispatch first),
-    and in line (the heads of the limits' queues)."""
+    and in line (the heads of the limits' lines)."""
     if count < 1:
         raise click.BadParameter(f"{count}: expected at least 1", param_hint="-n")
     room = runtime_for(_app(ctx)).room
@@ -254,7 +254,7 @@ def parked(ctx: click.Context, limit_name: str | None, count: int, as_json: bool
             break
     line = [{"task": (h := _headers(t.message)).get("task", "?"), "id": h.get("id", "?"),
              "limit": t.limit, "key_digest": t.key_digest, "place": t.place}
-            for t in room.queues.next_in_line(count, limit_name)]
+            for t in room.lines.next_in_line(count, limit_name)]
     if as_json:
         click.echo(json.dumps({"parked": rows, "in_line": line, "at": time.time()}, indent=2))
         return

@@ -70,7 +70,7 @@ def resume(app: Celery, name: str, value: object = None) -> bool:
     limits = _limits_of(app, name, value)
     ended = runtime.gate.resume(limits)
     runtime.gate.client.delete(operator_key(runtime.gate.prefix, name, limits[0].key))
-    runtime.room.queues.look_now(name)  # its line was due when the pause would end
+    runtime.room.lines.look_now(name)  # its line was due when the pause would end
     return bool(ended)
 
 
@@ -96,7 +96,7 @@ def set_rate(app: Celery, name: str, rate: str, burst: int | None = None
         raise BadValue(f"{burst!r}: expected a whole number of at least 1", "--burst")
     runtime = runtime_for(app)
     runtime.live.set(name, parsed, burst)
-    runtime.room.queues.look_now(name)  # its waiting tasks: at the new rate, now
+    runtime.room.lines.look_now(name)  # its waiting tasks: at the new rate, now
     return parsed, burst, limit
 
 
@@ -105,7 +105,7 @@ def unset_rate(app: Celery, name: str) -> tuple[bool, Limit]:
     limit = rate_limit(app, name)
     runtime = runtime_for(app)
     had = runtime.live.unset(name)
-    runtime.room.queues.look_now(name)
+    runtime.room.lines.look_now(name)
     return had, limit
 
 
@@ -129,7 +129,7 @@ def waiting(app: Celery) -> int:
     """Tasks waiting in the store: parked, on their way, and in line."""
     runtime = runtime_for(app)
     state = runtime.room.state()
-    return state.parked + state.dispatching + runtime.room.queues.waiting()
+    return state.parked + state.dispatching + runtime.room.lines.waiting()
 
 
 def purge(app: Celery) -> Purged:
@@ -163,7 +163,7 @@ def revoke_waiting(app: Celery, name: str, *, most: int = MOST_REVOKED) -> int:
     select(app, (name,))
     runtime = runtime_for(app)
     ids = [Envelope.task_id_in(t.message)
-           for t in runtime.room.queues.next_in_line(most, name, most=most)]
+           for t in runtime.room.lines.next_in_line(most, name, most=most)]
     for parked in runtime.room.next_parked(most):
         note = json.loads(parked.note) if parked.note else {}
         if note.get("limit") == name:
@@ -171,7 +171,7 @@ def revoke_waiting(app: Celery, name: str, *, most: int = MOST_REVOKED) -> int:
     ids = sorted({i for i in ids if i})
     for at in range(0, len(ids), 1000):  # (one broadcast message per thousand)
         app.control.revoke(ids[at:at + 1000])
-    runtime.room.queues.look_now(name)  # the dispatchers pass them on now
+    runtime.room.lines.look_now(name)  # the dispatchers pass them on now
     return len(ids)
 
 

@@ -78,7 +78,7 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
             lim = Limit(lim.name, lim.rate, lim.burst, value, lim.cost)
         rows.append(_row(known, gate.inspect(lim), value is not None))
     intervals = {r["limit"]: parse_rate(r["rate"]).interval_us for r in rows if "rate" in r}
-    lines = {line.name: line for line in runtime.room.queues.lines(intervals)}
+    lines = {line.name: line for line in runtime.room.lines.busiest(intervals)}
     for r in rows:
         line = lines.get(r["limit"])
         if line is not None and "rate" in r:
@@ -89,7 +89,7 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
     _shadow(app, rows, {(k.limit.name, isinstance(k.limit, Limit)): k for k in selected},
             value)
     room = runtime.room.state()
-    in_line = runtime.room.queues.waiting()
+    in_line = runtime.room.lines.waiting()
     # Whether waiting tasks may wait in the store now (room/durability.py).
     verdict = runtime.durability.verdict() if runtime.config.waiting_room else None
     keeper = runtime.room.keeper

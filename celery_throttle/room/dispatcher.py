@@ -2,7 +2,7 @@
 
 Started by ``install(app)`` when the worker is ready (in the node's main
 process, never in producers or pool children).  It serves the limits'
-queues (``queues.py``: each task when its limits admit it) and claims the
+lines (``lines.py``: each task when its limits admit it) and claims the
 due parked entries
 in batches (``lua/dispatch.lua``: atomic, so two nodes never claim one
 entry), publishes each message as captured, without an ETA, and sleeps
@@ -129,9 +129,9 @@ class Dispatcher:
                  keeper: Callable[[], Keeper | None] = lambda: None) -> None:
         """``connect(**options)`` makes a client of the store (the app's ``Config.connect``);
         ``timeout``: seconds after which a dispatched task that never arrived is due again;
-        ``lead``: a task of a limit's queue is dispatched this much before its start, besides
+        ``lead``: a task of a limit's line is dispatched this much before its start, besides
         the measured trip (``throttle_dispatch_lead``; a parked task's dispatch time has it);
-        ``revoked(task_id)``: is that task revoked (a task waiting in a limit's queue is then
+        ``revoked(task_id)``: is that task revoked (a task waiting in a limit's line is then
         dispatched without taking the limit, and its worker drops it); ``keeper()``: a
         keeper of the tasks kept beside the broker's queues, on a client of its own (None:
         none are kept), which the dispatcher restores when the store comes back empty."""
@@ -191,7 +191,7 @@ class Dispatcher:
             pass  # the store is down: the pop fails on its own, or wakes within IDLE
 
     def dispatch_due(self) -> float | None:
-        """Claim and publish one batch of parked tasks, and one of the limits' queues; return
+        """Claim and publish one batch of parked tasks, and one of the limits' lines; return
         seconds until the next is due (0: more now; None: nothing waits)."""
         self._cancel_revoked()
         wait, parked = self.room.claim_due(BATCH, self.timeout_us)
@@ -201,7 +201,7 @@ class Dispatcher:
         self._restore_kept()
         if self._backed_up():
             return min(wait, _HOLD) if wait is not None else _HOLD
-        turn, served = self.room.queues.serve_due(BATCH, self.timeout_us, self.revoked,
+        turn, served = self.room.lines.serve_due(BATCH, self.timeout_us, self.revoked,
                                                   lead_us=self.lead_us)
         if served:
             faults.at("dispatch.before_publish", served)

@@ -1,6 +1,6 @@
 """May waiting tasks wait in this store?  Only where they are kept as well as in the broker.
 
-A task parked in the waiting room, or waiting in a limit's queue, exists
+A task parked in the waiting room, or waiting in a limit's line, exists
 only in the store until it is dispatched: its message has left the broker.
 So the room is used only where a restart of the store cannot lose what a
 restart of the broker would have kept:

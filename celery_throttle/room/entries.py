@@ -1,5 +1,5 @@
 """A waiting task's entry in a limit's line: its id, the record the dispatch reads, and
-what a look at the lines reports (``queues.py`` keeps the lines themselves).
+what a look at the lines reports (``lines.py`` keeps the lines themselves).
 
 The record (``entry_json``) is one JSON object per waiting task: its task
 id, its expiry and ``max_wait`` deadlines, one row per limit ([bucket,
@@ -19,13 +19,26 @@ from ..core.keys import key_digest, line_of, split_limit_key
 from ..core.limits import AnyLimit, Concurrency, Limit, rates_of
 from ..values import text
 
-__all__ = ["InLine", "Line", "Served", "Weights", "entry_id", "entry_json", "fair_of",
-           "limits_of", "name_of", "queues_of", "rows_of", "served_of", "task_of"]
+__all__ = [
+    "InLine",
+    "Line",
+    "Served",
+    "Weights",
+    "entry_id",
+    "entry_json",
+    "fair_of",
+    "limits_of",
+    "lines_of",
+    "name_of",
+    "rows_of",
+    "served_of",
+    "task_of",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """A task dispatched from a queue: publish ``message`` with ``token``, ``epoch``,
+    """A task dispatched from a line: publish ``message`` with ``token``, ``epoch``,
     ``flag`` ("c" charged for ``start``, server clock us: start then; "x" dispatched
     uncharged: revoked or expired, the worker drops it; "t": its ``max_wait`` passed)
     in its header."""
@@ -40,11 +53,11 @@ class Served:
 
 @dataclass(frozen=True, slots=True)
 class InLine:
-    """A task waiting in line: its ``place`` in its queue (0: next), and its stored message."""
+    """A task waiting in line: its ``place`` in its line (0: next), and its stored message."""
 
     entry: str
     limit: str
-    key_digest: str  # the queue's key value ("-": a shared limit's one queue)
+    key_digest: str  # the line's key value ("-": a shared limit's one line)
     place: int
     message: bytes
 
@@ -92,7 +105,7 @@ def entry_json(task_id: str, limits: Sequence[AnyLimit], prefix: str, *, place_u
     """What the dispatch needs of a waiting task: its id, its expiry and ``max_wait``
     deadlines (server clock, us; 0: none), each limit's bucket (its name is in it), rate,
     cost and fair key value (digest and turn), and its place when a limit is fair (a fair
-    queue orders by turn; any other keeps the place as the task's score)."""
+    line orders by turn; any other keeps the place as the task's score)."""
     rows: list[list[str | int | float]] = []
     for lim in limits:
         if isinstance(lim, Concurrency):  # (interval 0: a seat, for its lease)
@@ -121,8 +134,8 @@ def served_of(epoch: int, items: Sequence[Any]) -> list[Served]:
                    int(items[k + 3]), items[k + 4]) for k in range(0, len(items), 5)]
 
 
-def queues_of(record: bytes | str) -> list[str]:
-    """The queues of a waiting task's limits, from its record (one of them holds it)."""
+def lines_of(record: bytes | str) -> list[str]:
+    """The lines of a waiting task's limits, from its record (one of them holds it)."""
     task = task_of(record)
     return [line_of(bucket)[0] for bucket in limits_of(task)] if task else []
 
@@ -135,9 +148,9 @@ def task_of(raw: bytes | str) -> dict[str, Any] | None:
     return task if isinstance(task, dict) else None
 
 
-def name_of(queue: str) -> str | None:
+def name_of(line: str) -> str | None:
     try:
-        return split_limit_key(queue)[2]
+        return split_limit_key(line)[2]
     except ValueError:
         return None
 

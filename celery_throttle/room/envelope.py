@@ -14,7 +14,7 @@ dictionary).  Measured on a small task's message
 (``tests/unit/test_envelope.py``): 906 bytes as JSON, 518 deflated alone,
 181-184 with the dictionary.
 
-A task waiting in a limit's queue is stored as one record: what the
+A task waiting in a limit's line is stored as one record: what the
 dispatch needs of it (``entries.entry_json``), a newline, then its envelope
 (:func:`in_line`), so the waiting room keeps one hash field per waiting
 task.  The record's JSON never holds a raw newline (``json.dumps`` escapes
@@ -219,7 +219,7 @@ def _broker(app: Any) -> _Broker:
 
 
 def in_line(record: str, stored: bytes) -> bytes:
-    """What a task waiting in a limit's queue stores: its dispatch ``record`` (JSON) and its
+    """What a task waiting in a limit's line stores: its dispatch ``record`` (JSON) and its
     ``stored`` envelope (:meth:`Envelope.dumps`), in one value (``lua/record.lua`` splits
     it on the server)."""
     return _RECORD + record.encode() + b"\n" + stored

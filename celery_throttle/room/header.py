@@ -36,7 +36,7 @@ class WaitState:
     entry: str = ""  # the waiting-room entry this copy was dispatched from (parking.py)
     token: str = ""  # the dispatch that published this copy (set by the dispatcher)
     room: int = 0  # the store's epoch when it was dispatched (set by the dispatcher)
-    # Dispatched from a limit's queue (queues.py): "c" its limits were charged
+    # Dispatched from a limit's line (lines.py): "c" its limits were charged
     # for it, "t" its max_wait passed, "x" uncharged (revoked or expired).
     charged: str = ""
     # Re-published while the store was down: the copy pointer (copies.py) was

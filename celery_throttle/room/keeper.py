@@ -57,10 +57,10 @@ _IN_LINE = b"\x10"
 
 @dataclass(frozen=True, slots=True)
 class LinePlace:
-    """Where a kept task waits in line: its limit's queue and turns keys, its place, its
+    """Where a kept task waits in line: its limit's line and turns keys, its place, its
     wait note's digest, its fair key value and units (``lua/enqueue.lua``'s own)."""
 
-    queue: str
+    line: str
     turns: str
     place_us: int
     note: str
@@ -71,7 +71,7 @@ class LinePlace:
 def in_line_kept(where: LinePlace, record: bytes) -> bytes:
     """What is kept of a task in line: ``where`` it waits and the ``record`` its line
     stores, so that a restore puts it straight back in line."""
-    spec = [where.queue, where.turns, where.place_us, where.note, where.fair, where.units]
+    spec = [where.line, where.turns, where.place_us, where.note, where.fair, where.units]
     return _IN_LINE + json.dumps(spec, separators=(",", ":")).encode() + b"\n" + record
 
 
@@ -80,8 +80,8 @@ def read_kept(raw: bytes) -> tuple[LinePlace | None, bytes]:
     if raw[:1] != _IN_LINE:
         return None, raw
     spec, _, record = raw[1:].partition(b"\n")
-    queue, turns, place_us, note, fair, units = json.loads(spec)
-    return LinePlace(queue, turns, int(place_us), note, fair, units), record
+    line, turns, place_us, note, fair, units = json.loads(spec)
+    return LinePlace(line, turns, int(place_us), note, fair, units), record
 
 #: The most kept messages read and parked again per round trip.
 RESTORE_BATCH = 500

@@ -3,7 +3,7 @@
 A task that must wait longer than a sleep in the worker is not re-published
 with a countdown (a Celery ETA message held in some worker's memory until
 its slot, on that worker's clock).  It waits in its limit's line
-(``queues.py``); one due again at a known time without a charge (a
+(``lines.py``); one due again at a known time without a charge (a
 provider's pause, or its kept copy restored) waits in the room's timer, the
 parked set, scored by when it is due on the Redis server's clock.  A
 dispatcher in every worker node (``dispatcher.py``) moves due messages back
@@ -25,7 +25,7 @@ most one token), ``trip`` (the measured trip from dispatch to arrival, which
 dispatches run ahead by) and ``notes`` (hash: task digest -> the wait note
 of a task waiting here; its arrival moves it to a key of its own, with a
 TTL, for ``celery throttle why`` after the start; a task waiting in line
-notes only its entry, ``queues.py``).
+notes only its entry, ``lines.py``).
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from ..core.limits import AnyLimit
 from ..core.logs import logger
 from ..core.scripts import script
 from ..values import US_PER_SECOND, from_us, text
-from .entries import Served, Weights, entry_id, queues_of
+from .entries import Served, Weights, entry_id, lines_of
 from .envelope import Envelope
 from .keeper import Keeper, LinePlace, in_line_kept, read_kept
 from .keys import room_key
-from .queues import MAX_AHEAD_US, Queues
+from .lines import MAX_AHEAD_US, Lines
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 
@@ -117,7 +117,7 @@ class WaitingRoom:
         self._note = client.register_script(script(__package__, "note.lua"))
         self._where = client.register_script(script(__package__, "where.lua"))
         self._purge = client.register_script(script(__package__, "purge.lua"))
-        self.queues = Queues(client, prefix)  # the limits' queues share the messages
+        self.lines = Lines(client, prefix)  # the limits' lines share the messages
 
     def park(self, entry: str, message: bytes, task_id: str, *, at_us: int = 0,
              delay_us: int = 0, note: str = "", kept: bool = False) -> int:
@@ -140,19 +140,19 @@ class WaitingRoom:
                 limits: Sequence[AnyLimit], blocking: AnyLimit, place_us: int, due_us: int = 0,
                 expires_us: int = 0, deadline_us: int = 0, weights: Weights | None = None,
                 behind: bool = False, kept: bool = False) -> int:
-        """``Queues.enqueue`` (the same arguments and reply), acknowledged as a park is: once
+        """``Lines.enqueue`` (the same arguments and reply), acknowledged as a park is: once
         ``throttle_park_replicas`` replicas have it.  ``behind``: only behind the tasks in
         ``blocking``'s line; the reply is then how many were there, 0 when ``entry`` waits
         already, -1 when the line is empty (in both cases nothing was written).  ``kept``:
         as :meth:`park`'s."""
-        keys, args = self.queues.enqueue_call(
+        keys, args = self.lines.enqueue_call(
             entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
             due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights,
             behind=behind)
         where = LinePlace(text(keys[1]), text(keys[5]), place_us, text(args[4]), text(args[5]),
                        text(args[6]))
         return int(self._stored(entry, in_line_kept(where, cast(bytes, args[1])), kept,
-                                lambda: int(self._replicated(self.queues.script, keys, args)),
+                                lambda: int(self._replicated(self.lines.script, keys, args)),
                                 waits=lambda reply: reply >= 0))
 
     def _stored(self, entry: str, message: bytes, kept: bool, write: Callable[[], Any],
@@ -281,8 +281,8 @@ class WaitingRoom:
                     self._park(keys=keys, args=[entry, value, 0, 0, "", ""], client=client)
                     continue
                 # Its line admits it from now on (due 0); its old place keeps its order.
-                self.queues.script(
-                    keys=[self.messages, where.queue, self.queues.ready, self.wake, self.notes,
+                self.lines.script(
+                    keys=[self.messages, where.line, self.lines.ready, self.wake, self.notes,
                           where.turns],
                     args=[entry, value, where.place_us, 0, where.note, where.fair,
                           where.units, ""], client=client)
@@ -309,10 +309,10 @@ class WaitingRoom:
             if where == "p":
                 parked.append(entry)
             elif where == "q":
-                in_line[entry] = queues_of(reply[i + 2])
+                in_line[entry] = lines_of(reply[i + 2])
         if not in_line and not parked:
             return [], 0
-        return self.queues.cancel(in_line, parked, self.parked, timeout_us)
+        return self.lines.cancel(in_line, parked, self.parked, timeout_us)
 
     def sleep(self, seconds: float, bell: str | None = None) -> bool:
         """Wait up to ``seconds`` for a wake token (a new earliest entry), or for anything
@@ -342,7 +342,7 @@ class WaitingRoom:
         arrives later is refused); return their task ids ("" for an unreadable message)."""
         messages = self._purge(keys=[self.parked, self.messages, self.claimed, self.wake,
                                      self.notes])
-        self.queues.clear()
+        self.lines.clear()
         if self.keeper is not None:
             self.keeper.clear()
         return [Envelope.task_id_in(m) for m in messages]
@@ -359,7 +359,7 @@ class WaitingRoom:
         the node that holds the prefix.  A note has a key of its own (a task that
         started, or waits as a countdown: ``integration/notes.py``) or, while the
         task waits here, a field of the notes hash; a task in line is noted as "@" and
-        its entry (``Queues.find`` reads it)."""
+        its entry (``Lines.find`` reads it)."""
         sec, usec, raw = self._note(
             keys=[task_key(self.prefix, "wait", task_id), self.notes, self.messages],
             args=[key_digest(task_id), entry_id(task_id)])

@@ -55,7 +55,7 @@ def test_a_warm_shutdown_with_tasks_parked_loses_none(capp: ModuleType, records:
     with worker_nodes(redis_base, ("w1", "w2"), conf=SHORT_SLEEPS) as nodes:
         results = [capp.steady.delay(i) for i in range(60)]  # 3 s at 20/s
         read_records(records, expect=10, timeout=30)
-        waiting = room.state().parked + room.queues.waiting()  # parked or in line
+        waiting = room.state().parked + room.lines.waiting()  # parked or in line
         # Celery's warm shutdown: SIGTERM to the node's main process, which lets its pool
         # finish the tasks it runs (a signal to the whole group kills them mid-run).
         os.kill(nodes[0].proc.pid, signal.SIGTERM)

@@ -55,7 +55,7 @@ def test_flower_shows_waiting_tasks_throttled_and_purged_ones_dropped(
     node's main process did as they arrived (the rest, which sends Celery's
     task-received event itself)."""
     conf: dict[str, object] = {"worker_send_task_events": True}
-    line = runtime_for(capp.app).room.queues
+    line = runtime_for(capp.app).room.lines
     with _flower(redis_base) as url, worker_nodes(redis_base, ("w1",), conf=conf) as nodes:
         # Two first (one runs, one waits in line), the rest once the line is there: a
         # node lines a task up as it arrives only behind a line (arrival.py), and eight

@@ -56,7 +56,7 @@ def test_recycled_processes_keep_the_bound_and_tasks_wait_in_line_without_a_pool
     (``throttle_pool_check_interval``'s default)."""
     from celery_throttle.integration.runtime import runtime_for
 
-    line = runtime_for(capp.app).room.queues
+    line = runtime_for(capp.app).room.lines
     with worker_nodes(redis_base, ("w1", "w2"), conf={"worker_max_tasks_per_child": 3},
                       env={"CT_LINE_RATE": "10/s"}) as nodes:
         first = [capp.in_line.delay(i) for i in range(20)]

@@ -96,7 +96,7 @@ def test_dropped_waiting_tasks_show_dropped_in_the_event_state(
             time.sleep(0.1)
         throttled = states(waiting)
         app.control.revoke(waiting[0])
-        runtime_for(app).room.queues.look_now("hops")  # passed on now
+        runtime_for(app).room.lines.look_now("hops")  # passed on now
         while time.monotonic() < deadline and states(waiting[:1]) != ["DROPPED"]:
             time.sleep(0.1)
         purged = control.purge(app)

@@ -26,7 +26,7 @@ from celery_throttle.integration.runtime import runtime_for
 from celery_throttle.integration.throttled import ORIGINAL_STRATEGY
 from celery_throttle.room.entries import entry_id
 from celery_throttle.room.envelope import Envelope
-from celery_throttle.room.queues import MAX_AHEAD_US
+from celery_throttle.room.lines import MAX_AHEAD_US
 
 from .. import databases
 from ..conftest import installed_app
@@ -108,7 +108,7 @@ def test_a_task_arriving_behind_tasks_in_line_joins_them_as_it_was_sent(app: Cel
     task_id = message.headers["id"]
     assert _Arrivals(task, _consumer()).lined_up(message)
     room = runtime_for(app).room
-    first, second = room.queues.next_in_line(2, "arrive")
+    first, second = room.lines.next_in_line(2, "arrive")
     assert (first.entry, second.entry) == ("before:-", entry_id(task_id))
     stored = Envelope.loads(second.message)
     assert stored.body == cast(bytes, message.body)
@@ -123,7 +123,7 @@ def test_a_task_arriving_behind_tasks_in_line_joins_them_as_it_was_sent(app: Cel
     assert app.AsyncResult(task_id).info["limit"] == "arrive"
     # Delivered again (a connection lost before the acknowledgement): it waits once.
     assert _Arrivals(task, _consumer()).lined_up(message)
-    assert len(room.queues.next_in_line(10, "arrive")) == 2
+    assert len(room.lines.next_in_line(10, "arrive")) == 2
 
 
 def test_a_task_whose_line_is_empty_goes_on_to_the_pool_and_nothing_is_written(
@@ -133,12 +133,12 @@ def test_a_task_whose_line_is_empty_goes_on_to_the_pool_and_nothing_is_written(
     task = _task(app)
     arrivals = _Arrivals(task, _consumer())
     assert not arrivals.lined_up(_received(app, task, 1))
-    assert client.hlen(runtime_for(app).room.queues.messages) == 0
+    assert client.hlen(runtime_for(app).room.lines.messages) == 0
     _someone_in_line(app)
     dispatched = _received(app, task, 2, headers={HEADER: {"entry": "x:-", "deferrals": 1}})
     assert not arrivals.lined_up(dispatched)
     assert not arrivals.lined_up(_received(app, task, 3, countdown=30))
-    assert len(runtime_for(app).room.queues.next_in_line(10, "arrive")) == 1
+    assert len(runtime_for(app).room.lines.next_in_line(10, "arrive")) == 1
 
 
 def test_a_store_that_fails_sends_arrivals_to_the_pool_for_a_while(
@@ -164,7 +164,7 @@ def test_the_stored_message_runs_the_task_it_was(app: Celery) -> None:
     _someone_in_line(app)
     message = _received(app, task, 42)
     assert _Arrivals(task, _consumer()).lined_up(message)
-    (_, mine) = runtime_for(app).room.queues.next_in_line(2, "arrive")
+    (_, mine) = runtime_for(app).room.lines.next_in_line(2, "arrive")
     stored = Envelope.loads(mine.message)
     args, kwargs, _ = json.loads(stored.body)
     assert (args, kwargs) == ([42], {})
@@ -255,7 +255,7 @@ def test_a_line_found_empty_is_not_asked_again_for_a_moment(app: Celery) -> None
     arrivals.empty[("arrive", "")] = time.monotonic() + 60  # (the moment, made long)
     _someone_in_line(app)
     assert not arrivals.lined_up(_received(app, task, 2))
-    queues = runtime_for(app).room.queues
+    queues = runtime_for(app).room.lines
     assert len(queues.next_in_line(10, "arrive")) == 1
     arrivals.empty[("arrive", "")] = 0.0  # (the moment passed)
     assert arrivals.lined_up(_received(app, task, 3))

@@ -220,7 +220,7 @@ def test_a_stale_copy_finding_the_seats_full_puts_nothing_in_line(
         _run(job, WaitState(copy="c1", prev="-"))
     assert "dropped: a stale copy" in caplog.text
     assert "waits in line" not in caplog.text
-    assert room.queues.next_in_line(5, "one-seat") == []
+    assert room.lines.next_in_line(5, "one-seat") == []
     assert gate.inspect_leases(seat).held == 1
     assert client.get(copy_key(prefix, "t-1", 0)) == b"c2"
     assert starts == []

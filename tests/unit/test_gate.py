@@ -121,8 +121,8 @@ def test_in_line_decision_sees_the_queues_in_the_same_call(gate: Gate,
     tenant = Limit("tenant", parse_rate("10/s"), burst=5, key="acme")
     shared = Limit("provider", parse_rate("2/s"), burst=5)
     assert gate.acquire_many([tenant, shared], in_line=True).allowed
-    client.zadd(shared.queue_in(gate.prefix), {"a": 1, "b": 2, "c": 3})
-    client.zadd(tenant.queue_in(gate.prefix), {"d": 1})
+    client.zadd(shared.line_in(gate.prefix), {"a": 1, "b": 2, "c": 3})
+    client.zadd(tenant.line_in(gate.prefix), {"d": 1})
     stored = [client.get(gate.key_of(lim)) for lim in (tenant, shared)]
     queued = gate.acquire_many([tenant, shared], in_line=True)
     assert queued.queued
@@ -131,13 +131,13 @@ def test_in_line_decision_sees_the_queues_in_the_same_call(gate: Gate,
     assert queued.retry_after == 1.5
     assert [client.get(gate.key_of(lim)) for lim in (tenant, shared)] == stored
     assert gate.acquire_many([tenant, shared]).allowed  # not in line: not held back
-    client.delete(shared.queue_in(gate.prefix), tenant.queue_in(gate.prefix))
+    client.delete(shared.line_in(gate.prefix), tenant.line_in(gate.prefix))
     assert gate.acquire_many([tenant, shared], in_line=True).allowed
     # A concurrency limit's line for a seat holds a fresh start back too, not one that
     # holds a seat already; with a free seat and no line it admits.
     seats = Concurrency("seats", 2)
     assert gate.acquire_many([shared, seats], holder="h1", in_line=True).allowed
-    client.zadd(seats.queue_in(gate.prefix), {"e": 1})
+    client.zadd(seats.line_in(gate.prefix), {"e": 1})
     queued = gate.acquire_many([shared, seats], holder="h2", in_line=True)
     assert queued.queued
     assert queued.limit == seats

@@ -128,7 +128,7 @@ def test_tasks_in_line_survive_a_reshard_mid_dispatch(redis_cluster: Cluster,
     def dispatch_until(count: int) -> None:  # as a dispatcher does, bounded
         deadline = time.monotonic() + 20
         while len(served) < count and time.monotonic() < deadline:
-            wait, batch = room.queues.serve_due(50, 60_000_000)
+            wait, batch = room.lines.serve_due(50, 60_000_000)
             served.extend(item.entry for item in batch)
             if wait is None:
                 return
@@ -136,14 +136,14 @@ def test_tasks_in_line_survive_a_reshard_mid_dispatch(redis_cluster: Cluster,
 
     dispatch_until(100)
     with contextlib.closing(redis_cluster.client(0)) as cli:
-        slot = key_slot(cli, line.queue_in(prefix).decode())
+        slot = key_slot(cli, line.line_in(prefix).decode())
     before = redis_cluster.owner(slot)
     assert redis_cluster.move_slot(slot, (before + 1) % 3) >= 4  # queue, messages, claimed ...
     assert redis_cluster.owner(slot) != before
     dispatch_until(300)
     assert len(served) == 300
     assert sorted(served) == sorted(f"e{i}" for i in range(300))  # each once
-    assert room.queues.waiting() == 0
+    assert room.lines.waiting() == 0
     room.client.close()
 
 
@@ -162,7 +162,7 @@ def test_a_park_returns_once_a_replica_has_it(prefix: str, caplog: pytest.LogCap
         line = Limit("line", parse_rate("1/s"))
         for i in range(20):  # ... and so is a task put in line
             room.enqueue(f"q{i}", b"{}", f"u{i}", limits=[line], blocking=line, place_us=i)
-            assert replica.zscore(line.queue_in(prefix), f"q{i}") is not None
+            assert replica.zscore(line.line_in(prefix), f"q{i}") is not None
         replica.close()
         master.close()
 

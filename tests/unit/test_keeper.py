@@ -84,10 +84,10 @@ def test_a_kept_task_is_restored_once_after_the_store_comes_back_empty(
     assert room.restore_kept(room.last_epoch) is None
     _, due = room.claim_due(10, TIMEOUT_US)
     assert [(p.entry, p.message) for p in due] == [("p", b"parked")]
-    assert [(t.entry, t.limit, t.message) for t in room.queues.next_in_line(10)] == [
+    assert [(t.entry, t.limit, t.message) for t in room.lines.next_in_line(10)] == [
         ("q0", "kept", b"line 0"), ("q1", "kept", b"line 1")]
     # Served from its line as before the loss: the first now (the bucket starts full).
-    _, served = room.queues.serve_due(10, TIMEOUT_US)
+    _, served = room.lines.serve_due(10, TIMEOUT_US)
     assert [s.entry for s in served] == ["q0"]
     # The task without a kept copy is gone with the store: it was never kept.
     assert _kept(room) == 3  # until each arrives
@@ -156,14 +156,14 @@ def test_a_copy_delivered_again_leaves_the_first_kept_copy(
     line = {"limits": [limit], "blocking": limit, "place_us": 1, "kept": True}
     assert room.enqueue("e", b"first", "t", **line) > 0  # type: ignore[arg-type]
     assert room.enqueue("e", b"second", "t", **line) == 0  # type: ignore[arg-type]
-    _, served = room.queues.serve_due(10, TIMEOUT_US)
+    _, served = room.lines.serve_due(10, TIMEOUT_US)
     assert [s.entry for s in served] == ["e"]
     assert room.enqueue("e", b"third", "t", behind=True, **line) == -1  # type: ignore[arg-type]
     assert _kept(room) == 1
     _restart(store)
     room.claim_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 1
-    assert [(t.entry, t.message) for t in room.queues.next_in_line(10)] == [("e", b"first")]
+    assert [(t.entry, t.message) for t in room.lines.next_in_line(10)] == [("e", b"first")]
 
 
 def test_purge_forgets_the_kept_copies(store: redis.Redis, broker: redis.Redis) -> None:

@@ -15,9 +15,9 @@ from celery_throttle.core.keys import (
     freed_key,
     key_digest,
     leases_key,
+    line_key,
     meta_key,
-    queue_key,
-    seat_queue_key,
+    seat_line_key,
     task_key,
 )
 from celery_throttle.room.keys import room_key
@@ -28,7 +28,7 @@ LOOKALIKES = ["epoch", "bell", "freed", "room:parked", "room:messages", "room:cl
               "room:ready", "room:trip",
               "wait:x", "copy:x:0", "arrived:x", "trip", "api:leases", "api:meta",
               "api:waiters", f"api:k:{key_digest('acme')}", "b:-:api", "-:api"]
-LIMIT_KEYS = [bucket_key, leases_key, meta_key, queue_key, seat_queue_key]
+LIMIT_KEYS = [bucket_key, leases_key, meta_key, line_key, seat_line_key]
 names = st.text(min_size=1, max_size=12).filter(str.strip)
 key_values = st.one_of(st.none(), st.text(max_size=6), st.integers())
 

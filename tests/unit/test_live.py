@@ -10,7 +10,7 @@ import redis
 from celery_throttle import Concurrency, Gate, Limit, parse_rate
 from celery_throttle.core.live import LiveLimits
 from celery_throttle.room.entries import Served
-from celery_throttle.room.queues import Queues
+from celery_throttle.room.lines import Lines
 
 from ..clock import StepClock
 
@@ -62,7 +62,7 @@ def test_bad_input_is_refused_naming_it(client: redis.Redis, prefix: str) -> Non
 def test_waiting_tasks_are_dispatched_at_the_live_rate(client: redis.Redis,
                                                       prefix: str) -> None:
     """Ten tasks in line at 1/s leave at 20/s once the limit is set to 20/s."""
-    queues = Queues(client, prefix)
+    queues = Lines(client, prefix)
     limit = Limit("api", parse_rate("1/s"))
     sec, usec = client.time()
     now = int(sec) * 1_000_000 + int(usec)

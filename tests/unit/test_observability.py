@@ -134,7 +134,7 @@ def test_why_reads_a_task_in_line_from_its_entry(app: Celery) -> None:
     note = read_wait(runtime, "t2")
     assert note is not None
     assert 0.1 < note["due_in_s"] <= 0.15
-    room.queues.clear()  # (as a dispatch takes it out of its line)
+    room.lines.clear()  # (as a dispatch takes it out of its line)
     assert read_wait(runtime, "t2") is None
     assert read_wait(runtime, "t1") is None
 
@@ -318,7 +318,7 @@ def test_the_grafana_dashboard_reads_only_metrics_the_exporter_serves(app: Celer
     metrics.would_defer("dash-rate", 2.5)  # (as a limit in shadow mode counts)
     limit = Limit("dash-rate", parse_rate("5/s"))  # one task in its line
     runtime = runtime_for(app)
-    runtime.room.queues.enqueue(entry_id("t-dash"), b"\x01m", "t-dash", limits=[limit],
+    runtime.room.lines.enqueue(entry_id("t-dash"), b"\x01m", "t-dash", limits=[limit],
                                 blocking=limit, place_us=1)
     runtime.gate.pause([limit], 30.0)  # as a provider's 429 does
     own = CollectorRegistry()

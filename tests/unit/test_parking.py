@@ -168,7 +168,7 @@ def test_a_task_in_line_notes_its_entry_and_the_arrival_drops_it(
     assert client.hkeys(room.notes) == [key_digest("task-1").encode()]
     assert room.read_note("task-0")[1] == b"@" + own.encode()
     assert room.read_note("task-1")[1] == b"@e"
-    _, served = room.queues.serve_due(10, 60_000_000)
+    _, served = room.lines.serve_due(10, 60_000_000)
     assert [s.entry for s in served] == [own, "e"]
     assert [s.message for s in served] == [b"\x01m"] * 2
     assert client.hmget(room.messages, [own, "e"]) == [b"\x01m"] * 2  # claimed as parked
@@ -257,7 +257,7 @@ def test_a_trip_longer_than_any_dispatch_ahead_is_not_counted(
     """A copy that took longer than the most a task is dispatched ahead waited in a queue
     (a lane backed up, a copy restored after its node died): the estimate keeps its
     value, so the copies after it are not dispatched further ahead."""
-    from celery_throttle.room.queues import MAX_AHEAD_US
+    from celery_throttle.room.lines import MAX_AHEAD_US
 
     room = WaitingRoom(client, prefix)
     for entry, ago in (("quick", 20_000), ("queued", MAX_AHEAD_US + 1_000_000)):
@@ -283,7 +283,7 @@ def test_prometheus_collector_reports_each_limits_line(redis_url: str, prefix: s
     limit = Limit("queue:slow", parse_rate("1/s"))
     now = _now_us(runtime.room.client)
     for i in range(4):
-        runtime.room.queues.enqueue(f"e{i}", b"m", f"t{i}", limits=[limit], blocking=limit,
+        runtime.room.lines.enqueue(f"e{i}", b"m", f"t{i}", limits=[limit], blocking=limit,
                                     place_us=now + i)
     runtime.live.set("queue:slow", "2/s")
     runtime.live.refresh = 0.0

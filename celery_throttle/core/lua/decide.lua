@@ -9,7 +9,7 @@ if not, exactly when?  One atomic decision over rate buckets (bucket.lua)
 and concurrency limits (lease.lua), all or nothing.
 
 KEYS and the limits' ARGV: limits.lua.  The command's own:
-KEYS[c+i-1] limit i's line of waiting tasks (room/queues.py), i = 1..n, given
+KEYS[c+i-1] limit i's line of waiting tasks (room/lines.py), i = 1..n, given
           when the decision is in line: while a limit has tasks in its line, a
           fresh start (no claim) is not admitted ahead of them but told to
           join it (status 4); absent otherwise (c: limits.lua's first own key)
@@ -78,7 +78,7 @@ local epoch_key = KEYS[n + 1]
 local in_line = #KEYS >= own
 if in_line then
   for i = 1, n do
-    L[i].queue = KEYS[own + i - 1]
+    L[i].line = KEYS[own + i - 1]
   end
 end
 -- A waiter's return is paced by the expected run: at least this long.
@@ -95,7 +95,7 @@ if claim == 0 and m == 0 then
     local tat, paused, shift = read_rate(L[i].key)
     tat = math.max(tat, now)
     if rate_wait(L[i], tat, paused) > 0
-        or (in_line and redis.call('EXISTS', L[i].queue) == 1) then
+        or (in_line and redis.call('EXISTS', L[i].line) == 1) then
       tats = nil
       break
     end
@@ -157,14 +157,14 @@ for i = 1, n do
   end
 end
 
--- In line: a fresh start does not pass tasks waiting in a limit's queue.
+-- In line: a fresh start does not pass tasks waiting in a limit's line.
 -- It joins the longest wait among them (estimated: the limit's own wait,
 -- then one start per task ahead).
 if in_line and claim == 0 then
   local behind, at = 0, 0
   for i = 1, n do
     local lim = L[i]
-    local ahead = redis.call('ZCARD', lim.queue)
+    local ahead = redis.call('ZCARD', lim.line)
     if lim.concurrent and redis.call('ZSCORE', lim.key, holder) then
       ahead = 0 -- its seat is taken already (its turn came in that line)
     end

@@ -23,7 +23,7 @@ ARGV[3]  marker TTL, milliseconds; 0 = no marker (not acks_late: its message
 ARGV[4]  the epoch the entry was parked in
 ARGV[5]  the task's field in KEYS[6] (its id's digest), "" for none
 ARGV[6]  how long the moved note is kept, milliseconds
-ARGV[7]  the longest trip that counts, us (queues.MAX_AHEAD_US)
+ARGV[7]  the longest trip that counts, us (lines.MAX_AHEAD_US)
 ARGV[8]  how long the worker's consumer held this copy before its pool got it,
          us (integration/arrival.py): not part of the way there
 

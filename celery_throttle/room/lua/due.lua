@@ -1,7 +1,7 @@
 --- @include "room/lines.lua"
 --[[
 celery_throttle due.lua: which of the limits' lines are due (see
-room/queues.py).  The lines a seat was given back in (core/lua/release.lua)
+room/lines.py).  The lines a seat was given back in (core/lua/release.lua)
 are due now: they move from the freed set into the ready index first.
 
 KEYS[1]  the ready index (line key -> when its limit admits a start, us)
@@ -9,7 +9,7 @@ KEYS[2]  the trip estimate (parking.py): a line is due this much ahead
          (lines.lua)
 KEYS[3]  the freed set (core/keys.py freed_key): line keys, emptied here
 ARGV[1]  the most lines returned
-ARGV[2]  the most ahead, us (queues.MAX_AHEAD_US)
+ARGV[2]  the most ahead, us (lines.MAX_AHEAD_US)
 ARGV[3]  the dispatch lead, us (throttle_dispatch_lead)
 
 Reply: { now, ahead, next, line 1, line 2, ... }: next is how long until the

@@ -2,20 +2,20 @@
 --- @include "core/bell.lua"
 --- @include "room/turns.lua"
 --[[
-Put a waiting task in line: the queue of the rate limit that blocks it
-(see room/queues.py).  Nothing is booked: the dispatch (serve.lua) charges its limits when its
+Put a waiting task in line: the line of the rate limit that blocks it
+(see room/lines.py).  Nothing is booked: the dispatch (serve.lua) charges its limits when its
 turn comes.
 
 KEYS[1]  the messages hash: entry id -> the task's record (record.lua: what
          the dispatch needs of it, JSON, and its message; one field per task)
-KEYS[2]  the queue: a sorted set, entry id -> place in line (lower first)
-KEYS[3]  the ready index: a sorted set, queue key -> when its limit admits its
+KEYS[2]  the line: a sorted set, entry id -> place in line (lower first)
+KEYS[3]  the ready index: a sorted set, line key -> when its limit admits its
          next start (us, server clock)
 KEYS[4]  the wake list (one token: a dispatcher sleeping past the new earliest
-         queue wakes)
+         line wakes)
 KEYS[5]  the waiting tasks' notes (a hash: task digest -> wait note, as in
          park.lua)
-KEYS[6]  the queue's turns (turns.lua), used when ARGV[6] is not ""
+KEYS[6]  the line's turns (turns.lua), used when ARGV[6] is not ""
 ARGV[1]  entry id
 ARGV[2]  the record
 ARGV[3]  place in line: its first wait (us, server clock) + its priority's
@@ -25,15 +25,15 @@ ARGV[5]  the note's field in KEYS[5] (the task id's digest), or "": the
          task's record is its note (`celery throttle why` reads it).  An
          entry of the task's own message ("<digest>:-") is found from its id;
          another (a copy in line again) is pointed to there: "@" and its id
-ARGV[6]  its fair key value's digest for a fair queue (ordered by turn, not
+ARGV[6]  its fair key value's digest for a fair line (ordered by turn, not
          by place), or ""
 ARGV[7]  its cost / its value's weight: how far its turn moves the value on
-ARGV[8]  "1": only behind tasks already in the queue (a task lined up as it
+ARGV[8]  "1": only behind tasks already in the line (a task lined up as it
          arrives, integration/arrival.py); "": in any case
 
 Reply: now (us); 0 when the entry waits already (nothing written): the
 broker delivered the same message again.  With ARGV[8] "1": how many tasks
-were in the queue before it, -1 when none (nothing written), or that 0
+were in the line before it, -1 when none (nothing written), or that 0
 ]]
 now = server_us()
 local entry = ARGV[1]

@@ -1,7 +1,7 @@
 --- @include "room/lines.lua"
 --[[
 celery_throttle heads.lua: the first waiting tasks of the given lines (read
-only; see room/queues.py).  A task's record is in the messages hash, before
+only; see room/lines.py).  A task's record is in the messages hash, before
 its message (record.lua).
 
 KEYS[1]   the messages hash

@@ -2,7 +2,7 @@
 --- @include "room/record.lua"
 --[[
 celery_throttle lines.lua: what the scripts serving the limits' lines share
-(due.lua, heads.lua, serve.lua, withdraw.lua; see room/queues.py).
+(due.lua, heads.lua, serve.lua, withdraw.lua; see room/lines.py).
 
 Ahead: a line is served ahead of its limit's next start by the dispatch
 lead plus the trip from dispatch to arrival (parking.py's estimate), as a

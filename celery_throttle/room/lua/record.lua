@@ -3,7 +3,7 @@ celery_throttle record.lua: what the messages hash holds for an entry, one
 copy for the scripts that read it, which include it.
 
 A parked task's value is its envelope (envelope.py).  A task waiting in a
-limit's queue stores one record instead (envelope.py's in_line): the byte 2,
+limit's line stores one record instead (envelope.py's in_line): the byte 2,
 what the dispatch needs of it (JSON, which never holds a raw newline), a
 newline, its envelope.
 ]]

@@ -5,7 +5,7 @@
 --- @include "room/lines.lua"
 --[[
 celery_throttle serve.lua: serve the limits' lines: dispatch each line's best
-waiting task when its limits admit it (see room/queues.py).  The charge here
+waiting task when its limits admit it (see room/lines.py).  The charge here
 is the gate's own (bucket.lua, lease.lua).
 
 KEYS[1] messages hash   KEYS[2] ready index    KEYS[3] claimed set
@@ -53,11 +53,11 @@ for e in string.gmatch(ARGV[3], '%S+') do
   uncharged_list[#uncharged_list + 1] = e
 end
 local nq = tonumber(ARGV[4])
-local queue_of, turns_of, buckets = {}, {}, {}
+local line_for, turns_of, buckets = {}, {}, {}
 local meta_of = {}
 for j = 1, (#KEYS - 8) / 4 do
   local b, q = KEYS[5 + 4 * j], KEYS[6 + 4 * j]
-  queue_of[b], turns_of[q], meta_of[b], buckets[j] = q, KEYS[7 + 4 * j], KEYS[8 + 4 * j], b
+  line_for[b], turns_of[q], meta_of[b], buckets[j] = q, KEYS[7 + 4 * j], KEYS[8 + 4 * j], b
 end
 local ahead = ahead_of(KEYS[5], ARGV[5], ARGV[6])
 local out = { 0, tonumber(epoch_of(KEYS[4], now)) }
@@ -65,7 +65,7 @@ local served = 0
 -- Tasks looked at in this call, dispatched or not (moved, dropped): bounded.
 local steps = 4 * batch
 
--- The queue's limit admits its next start at `at`: look at it then (an
+-- The line's limit admits its next start at `at`: look at it then (an
 -- earlier look stays: another task may be due there sooner).
 local function due_at(q, at, exact)
   local current = tonumber(redis.call('ZSCORE', ready, q))
@@ -76,7 +76,7 @@ end
 
 local function dispatch(q, entry, flag, at, place, fair)
   if fair then
-    -- The fair queue's time moves to this task's turn.
+    -- The fair line's time moves to this task's turn.
     redis.call('HSET', turns_of[q], '~', place)
   end
   redis.call('ZREM', q, entry)
@@ -93,12 +93,12 @@ local function row_of(l)
 end
 
 -- The task's limits as they are now; nil when one of its buckets was not
--- passed (the caller looks at the queue again and brings it).
+-- passed (the caller looks at the line again and brings it).
 local function task_limits(task)
   local lims = {}
   for i, l in ipairs(task.l) do
     local key, name, interval, burst, cost, fair, units = row_of(l)
-    if not queue_of[key] then
+    if not line_for[key] then
       return nil
     end
     if interval == 0 then -- a seat (no live rate applies)
@@ -118,7 +118,7 @@ local function task_limits(task)
   return lims
 end
 
--- One queue: dispatch its best tasks while their limits admit them.
+-- One line: dispatch its best tasks while their limits admit them.
 local function serve(q)
   -- Revoked tasks leave at once, wherever they wait in line (uncharged: the
   -- worker drops them and marks them REVOKED), not when their turn comes.
@@ -133,7 +133,7 @@ local function serve(q)
     local head = redis.call('ZRANGE', q, 0, 0, 'WITHSCORES')
     if not head[1] then
       redis.call('ZREM', ready, q)
-      redis.call('DEL', turns_of[q]) -- a fair queue's turns start again
+      redis.call('DEL', turns_of[q]) -- a fair line's turns start again
       return
     end
     local entry, place = head[1], head[2]
@@ -153,7 +153,7 @@ local function serve(q)
       end
       local wait, blocking, state, own = 0, 1, {}, nil
       for i, lim in ipairs(lims) do
-        if queue_of[lim.key] == q then
+        if line_for[lim.key] == q then
           own = lim
         end
         local w
@@ -183,7 +183,7 @@ local function serve(q)
         end
         dispatch(q, entry, 'c', at, place, own ~= nil and own.fair ~= '')
       else
-        local other = queue_of[lims[blocking].key]
+        local other = line_for[lims[blocking].key]
         if other == q then
           due_at(q, now + wait, true)
           return
@@ -204,7 +204,7 @@ local function serve(q)
 end
 
 for j = 1, nq do
-  local q = queue_of[buckets[j]]
+  local q = line_for[buckets[j]]
   -- Served already by an earlier call, or not due after all: look again later.
   local score = tonumber(redis.call('ZSCORE', ready, q))
   if score and score <= now + ahead then

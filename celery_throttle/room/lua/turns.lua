@@ -1,12 +1,12 @@
 --[[
-celery_throttle turns.lua: the turns of a fair queue, one copy for the
+celery_throttle turns.lua: the turns of a fair line, one copy for the
 scripts that put a task in one (enqueue.lua, and serve.lua when a task moves
-to another of its limits' queues), which include it.
+to another of its limits' lines), which include it.
 
-A fair queue serves the values of its tasks' fair key in turn (weighted
+A fair line serves the values of its tasks' fair key in turn (weighted
 fair queuing by finish tags): a task of value g gets the tag
 max(V, last tag of g) + cost / weight of g, where V is the tag of the task
-served last; the queue is ordered by tag.  So a value that floods the queue
+served last; the line is ordered by tag.  So a value that floods the line
 takes its turns one after another far ahead, and a value that arrives later
 starts at V: its tasks alternate with the flood's from the next turn.
 The turns hash: '~' -> V, g -> the last tag given to value g.

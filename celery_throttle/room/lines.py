@@ -1,8 +1,8 @@
-"""The limits' queues: tasks waiting in line for a rate limit, dispatched when their turn comes.
+"""The limits' lines: tasks waiting in line for a rate limit, dispatched when their turn comes.
 
 A task whose wait is long is not given a slot when it arrives (a slot
 booked hours ahead freezes the order of a backlog, and its pace): it waits
-in the queue of the limit that blocks it, ordered by its *place*, and the
+in the line of the limit that blocks it, ordered by its *place*, and the
 dispatcher (``dispatcher.py``) charges its limits at the moment they admit
 it, then publishes it.  So the order is decided when each slot comes: an
 urgent task sent behind a backlog goes first, a cancelled backlog frees the
@@ -13,20 +13,20 @@ limit at once, and a limit's new rate applies to the tasks already waiting.
   first, and a task of rank r sent now goes behind tasks of rank 0 that
   have waited r steps already, so a stream of urgent work never starves the
   rest for ever.
-* A fresh task of a limit with a queue joins the line (``Gate.acquire_many``
-  with ``in_line``: the decision sees the queue in the same script call).
-* A task with several limits waits in the queue of the one that blocks it;
-  when another blocks it at its turn, it moves to that one's queue, keeping
+* A fresh task of a limit with a line joins the line (``Gate.acquire_many``
+  with ``in_line``: the decision sees the line in the same script call).
+* A task with several limits waits in the line of the one that blocks it;
+  when another blocks it at its turn, it moves to that one's line, keeping
   its place.
 * Fair share: a limit whose tasks carry a fair key value (``@throttled(...,
-  fair=...)``) orders its queue by turns instead (``lua/turns.lua``): the
+  fair=...)``) orders its line by turns instead (``lua/turns.lua``): the
   values are served in turn, each as often as its weight says, whatever
   their numbers of waiting tasks.
 
-Keys: each limit's queue (``keys.queue_key``: entry -> place), the
+Keys: each limit's line (``keys.line_key``: entry -> place), the
 waiting room's ``messages`` hash (entry -> one record per waiting task: its
 task id, deadlines and limits as JSON, then its message; ``envelope.in_line``),
-the ``ready`` index (queue -> when its limit admits a start: the dispatcher
+the ``ready`` index (line -> when its limit admits a start: the dispatcher
 looks only at the due ones, so its work grows with the limits that have
 waiting tasks, not with the tasks) and the ``specs`` hash (limit name ->
 its interval and burst as the code of the worker started last declares
@@ -34,7 +34,7 @@ them).  A waiting task is charged at its limits' rates as they are when
 its turn comes: an override set at run time (``core/live.py``), else the
 declared rate, else the one it was enqueued with.  Messages, the
 claimed set, the trip and the wake list are the waiting room's
-(``parking.py``): a task dispatched from a queue arrives as a parked one does.
+(``parking.py``): a task dispatched from a line arrives as a parked one does.
 """
 
 from __future__ import annotations
@@ -78,21 +78,21 @@ from .entries import (
 from .envelope import in_line, split_record
 from .keys import room_key
 
-__all__ = ["MAX_AHEAD_US", "Queues"]
+__all__ = ["MAX_AHEAD_US", "Lines"]
 
-#: The most queues looked at per round, and the waiting tasks read per queue.
-LOOK_QUEUES, LOOK_HEADS = 64, 8
+#: The most lines looked at per round, and the waiting tasks read per line.
+LOOK_LINES, LOOK_HEADS = 64, 8
 #: How long a process uses the dispatch's ahead it read (seconds): the trip
 #: estimate it follows moves slowly.
 AHEAD_FOR_S = 1.0
-#: The most a queue is served ahead of its limit's next start (us): the task
+#: The most a line is served ahead of its limit's next start (us): the task
 #: sleeps that long at most in a worker process, until the start it was
 #: charged for.  (A long trip estimate, a node starting up, must not fill it.)
 MAX_AHEAD_US = 500_000
 
 
-class Queues:
-    """The limits' queues of one key prefix, on one Redis client."""
+class Lines:
+    """The limits' lines of one key prefix, on one Redis client."""
 
     def __init__(self, client: redis.Redis | RedisCluster, prefix: str) -> None:
         self.client = client
@@ -157,7 +157,7 @@ class Queues:
         """The keys and arguments of :meth:`enqueue`'s script (``script``), to run it on
         another connection (a pipeline that also waits for replicas)."""
         keys: list[str | bytes] = [
-            self.messages, blocking.queue_in(self.prefix), self.ready, self.wake, self.notes,
+            self.messages, blocking.line_in(self.prefix), self.ready, self.wake, self.notes,
             blocking.turns_in(self.prefix)]
         fair, units = fair_of(blocking, weights or {})
         record = entry_json(task_id, limits, self.prefix, place_us=place_us,
@@ -185,21 +185,21 @@ class Queues:
     def serve_due(self, batch: int, timeout_us: int,
                   revoked: Callable[[str], bool] = lambda task_id: False, *,
                   lead_us: int = 0) -> tuple[float | None, list[Served]]:
-        """Dispatch the due queues' tasks, up to ``batch``; also seconds until the next due
-        queue (0: more are due now; None: no task waits).  ``revoked(task_id)``: such
+        """Dispatch the due lines' tasks, up to ``batch``; also seconds until the next due
+        line (0: more are due now; None: no task waits).  ``revoked(task_id)``: such
         tasks are dispatched uncharged (the worker drops them).  ``lead_us``: served
         this much ahead of their start, besides the measured trip (as parked tasks are)."""
         reply = self._due(keys=[self.ready, self.trip, self.freed],
-                          args=[LOOK_QUEUES, MAX_AHEAD_US, lead_us])
-        queues = [text(q) for q in reply[3:]]
-        if not queues:
+                          args=[LOOK_LINES, MAX_AHEAD_US, lead_us])
+        lines = [text(q) for q in reply[3:]]
+        if not lines:
             wait = int(reply[2])
             return (None if wait < 0 else from_us(wait)), []
-        heads = self._heads(keys=[self.messages, *queues], args=[LOOK_HEADS])
+        heads = self._heads(keys=[self.messages, *lines], args=[LOOK_HEADS])
         others: dict[str, None] = {}  # buckets of the tasks' other limits, in order
         uncharged = []
         i = 0
-        for _ in queues:
+        for _ in lines:
             count, i = int(heads[i]), i + 1
             for _ in range(count):
                 entry, raw = text(heads[i]), heads[i + 1]
@@ -211,7 +211,7 @@ class Queues:
                     uncharged.append(entry)
                 for lim in limits_of(task):
                     others[lim] = None
-        own = [limit_of(q) for q in queues]
+        own = [limit_of(q) for q in lines]
         for bucket in own:
             others.pop(bucket, None)
         quads = [k for b in [*own, *others] for k in (b, *line_of(b), sibling_key(b, "m"))]
@@ -224,28 +224,28 @@ class Queues:
 
     def cancel(self, in_line: Mapping[str, Sequence[str]], parked: Sequence[str],
                parked_key: str, timeout_us: int) -> tuple[list[Served], int]:
-        """Take the ``in_line`` entries (entry -> the queues it may wait in) out of their
-        queues, to be dispatched without a charge, and make the ``parked`` ones due now
+        """Take the ``in_line`` entries (entry -> the lines it may wait in) out of their
+        lines, to be dispatched without a charge, and make the ``parked`` ones due now
         (``parked_key``: the waiting room's parked set); ``WaitingRoom.cancel`` finds them."""
-        queues = list(dict.fromkeys(q for found in in_line.values() for q in found))
+        lines = list(dict.fromkeys(q for found in in_line.values() for q in found))
         reply = self._withdraw(
-            keys=[self.messages, self.claimed, self.epoch, parked_key, self.wake, *queues],
+            keys=[self.messages, self.claimed, self.epoch, parked_key, self.wake, *lines],
             args=[timeout_us, " ".join(in_line), " ".join(parked)])
         return served_of(int(reply[1]), reply[2:]), int(reply[0])
 
-    def lines(self, intervals: Mapping[str, int], *, most: int = 10_000,
+    def busiest(self, intervals: Mapping[str, int], *, most: int = 10_000,
               top: int = 5) -> list[Line]:
-        """The lines of every limit with waiting tasks (of the first ``most`` queues in the
+        """The lines of every limit with waiting tasks (of the first ``most`` lines in the
         ready index), busiest first; ``intervals``: limit name -> interval (us) now."""
-        queues = [text(q) for q in cast(list[bytes], self.client.zrange(self.ready, 0,
+        lines = [text(q) for q in cast(list[bytes], self.client.zrange(self.ready, 0,
                                                                           most - 1))]
         pipe = self.client.pipeline(transaction=False)
-        for q in queues:
+        for q in lines:
             pipe.zcard(q)
-        counts = [int(c) for c in pipe.execute()] if queues else []
+        counts = [int(c) for c in pipe.execute()] if lines else []
         by_name: dict[str, list[tuple[str, int]]] = {}
         seats: set[str] = set()  # names with a line for a seat: no drain estimate
-        for q, count in zip(queues, counts, strict=True):
+        for q, count in zip(lines, counts, strict=True):
             try:
                 kind, digest, name = split_limit_key(q)
             except ValueError:
@@ -264,17 +264,17 @@ class Queues:
 
     def next_in_line(self, count: int, name: str | None = None, *,
                      most: int = 1000) -> list[InLine]:
-        """The ``count`` tasks nearest the head of their queues (of limit ``name``, or of
-        every limit), in the first ``most`` queues of the ready index: places 0 first."""
-        queues = [q for q in map(text, cast(list[bytes], self.client.zrange(
+        """The ``count`` tasks nearest the head of their lines (of limit ``name``, or of
+        every limit), in the first ``most`` lines of the ready index: places 0 first."""
+        lines = [q for q in map(text, cast(list[bytes], self.client.zrange(
             self.ready, 0, most - 1))) if name is None or name_of(q) == name]
-        if not queues:
+        if not lines:
             return []
         pipe = self.client.pipeline(transaction=False)
-        for q in queues:
+        for q in lines:
             pipe.zrange(q, 0, count - 1)
         found = sorted(((place, q, text(entry))
-                        for q, entries in zip(queues, pipe.execute(), strict=True)
+                        for q, entries in zip(lines, pipe.execute(), strict=True)
                         for place, entry in enumerate(entries)), key=lambda row: row[0])[:count]
         if not found:
             return []
@@ -287,8 +287,8 @@ class Queues:
         return out
 
     def find(self, entry: str) -> tuple[InLine, int] | None:
-        """Where ``entry`` waits: its place in the queue it is in, its message, and the
-        interval (us) that queue's limit is charged at now (as the dispatch reads it: the
+        """Where ``entry`` waits: its place in the line it is in, its message, and the
+        interval (us) that line's limit is charged at now (as the dispatch reads it: the
         live rate, else the declared one, else the one it was enqueued with).  None once
         it left its line (dispatched or dropped)."""
         stored = cast(bytes | None, self.client.hget(self.messages, entry))
@@ -299,22 +299,22 @@ class Queues:
         if task is None:
             return None
         rows = rows_of(task)
-        queues = [line_of(bucket)[0] for bucket, _, _ in rows]
-        # One more round trip: its place in each of its limits' queues (it is in
+        lines = [line_of(bucket)[0] for bucket, _, _ in rows]
+        # One more round trip: its place in each of its limits' lines (it is in
         # one), each limit's live and declared rates, and a concurrency limit's
         # average run.
         pipe = self.client.pipeline(transaction=False)
-        for q in queues:
+        for q in lines:
             pipe.zrank(q, entry)
-        for (bucket, _, _), q in zip(rows, queues, strict=True):
+        for (bucket, _, _), q in zip(rows, lines, strict=True):
             name = split_limit_key(q)[2]
             pipe.hget(self.live, name)
             pipe.hget(self.specs, name)
             pipe.hget(sibling_key(bucket, "m"), "run")
-        replies, n = pipe.execute(), len(queues)
+        replies, n = pipe.execute(), len(lines)
         places, specs = replies[:n], replies[n:]
         for j, ((_, enqueued, burst), q, place) in enumerate(
-                zip(rows, queues, places, strict=True)):
+                zip(rows, lines, places, strict=True)):
             if place is None:
                 continue
             _, digest, name = split_limit_key(q)
@@ -328,20 +328,20 @@ class Queues:
         return None
 
     def look_now(self, name: str) -> int:
-        """Look at every queue of limit ``name`` now, not when its old rate or pause said
-        (``throttle set`` or ``resume``); returns how many queues it has."""
-        queues = [q for q in cast(list[bytes], self.client.zrange(self.ready, 0, -1))
+        """Look at every line of limit ``name`` now, not when its old rate or pause said
+        (``throttle set`` or ``resume``); returns how many lines it has."""
+        lines = [q for q in cast(list[bytes], self.client.zrange(self.ready, 0, -1))
                   if name_of(text(q)) == name]
-        if queues:
-            self.client.zadd(self.ready, dict.fromkeys(queues, 0))
+        if lines:
+            self.client.zadd(self.ready, dict.fromkeys(lines, 0))
             # A dispatcher asleep until the old time wakes (one token, as park.lua).
             self.client.lpush(self.wake, "1")
             self.client.ltrim(self.wake, 0, 0)
             self.client.pexpire(self.wake, 60_000)
-        return len(queues)
+        return len(lines)
 
     def waiting(self) -> int:
-        """How many tasks wait in the limits' queues: every message of the waiting room that
+        """How many tasks wait in the limits' lines: every message of the waiting room that
         is neither parked nor being dispatched (three counts in one round trip)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.hlen(self.messages)
@@ -352,12 +352,12 @@ class Queues:
         return max(0, stored - parked - claimed)
 
     def clear(self) -> None:
-        """Drop every queue (their messages are the waiting room's, dropped by its purge)."""
-        queues = [text(q) for q in cast(list[bytes], self.client.zrange(self.ready, 0, -1))]
+        """Drop every line (their messages are the waiting room's, dropped by its purge)."""
+        lines = [text(q) for q in cast(list[bytes], self.client.zrange(self.ready, 0, -1))]
         # One DEL per key: on a Cluster they share a slot, but redis-py's
         # cluster client splits a multi-key DEL anyway.
-        turns = [line_of(limit_of(q))[1] for q in queues]
-        for key in [*queues, *turns, self.ready]:
+        turns = [line_of(limit_of(q))[1] for q in lines]
+        for key in [*lines, *turns, self.ready]:
             self.client.delete(key)
 
 

@@ -1,4 +1,4 @@
-"""The limits' queues on a real Redis: order by place, dispatch at the limit's pace, in line."""
+"""The limits' lines on a real Redis: order by place, dispatch at the limit's pace, in line."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from celery_throttle import Concurrency, Gate, Limit, parse_rate
 from celery_throttle.core.keys import key_digest
 from celery_throttle.room.entries import entry_id
 from celery_throttle.room.envelope import Envelope, split_record
+from celery_throttle.room.lines import MAX_AHEAD_US, Lines
 from celery_throttle.room.parking import WaitingRoom
-from celery_throttle.room.queues import MAX_AHEAD_US, Queues
 
 TIMEOUT_US = 60_000_000
 
@@ -23,7 +23,7 @@ def _now_us(client: redis.Redis) -> int:
     return int(sec) * 1_000_000 + int(usec)
 
 
-def _serve_all(queues: Queues, *, within: float, want: int) -> list[tuple[str, str, float]]:
+def _serve_all(queues: Lines, *, within: float, want: int) -> list[tuple[str, str, float]]:
     """Serve until ``want`` tasks are out or ``within`` seconds pass: (entry, flag, time)."""
     out: list[tuple[str, str, float]] = []
     start = time.monotonic()
@@ -37,7 +37,7 @@ def _serve_all(queues: Queues, *, within: float, want: int) -> list[tuple[str, s
 
 def test_tasks_leave_in_place_order_at_the_limits_pace(client: redis.Redis, prefix: str) -> None:
     """Six tasks in one queue at 20/s leave lowest place first, one interval (50 ms) apart."""
-    queues = Queues(client, prefix)
+    queues = Lines(client, prefix)
     limit = Limit("api", parse_rate("20/s"))
     now = _now_us(client)
     for i, place in enumerate([5, 3, 9, 1, 7, 2]):
@@ -55,7 +55,7 @@ def test_a_fresh_start_joins_the_line_of_a_limit_with_waiting_tasks(
         client: redis.Redis, prefix: str) -> None:
     """In line, a free limit with a queue answers queued (naming it); without a queue, admits."""
     gate = Gate(client, prefix=prefix)
-    queues = Queues(client, prefix)
+    queues = Lines(client, prefix)
     limit = Limit("api", parse_rate("10/s"), burst=5)
     assert gate.acquire_many([limit], in_line=True).allowed
     queues.enqueue("e1", b"m", "t1", limits=[limit], blocking=limit, place_us=_now_us(client))
@@ -72,7 +72,7 @@ def test_a_task_blocked_by_its_other_limit_moves_to_that_queue_keeping_its_place
         client: redis.Redis, prefix: str) -> None:
     """A task of two limits whose second is busy waits in the second's line, ahead of later ones."""
     gate = Gate(client, prefix=prefix)
-    queues = Queues(client, prefix)
+    queues = Lines(client, prefix)
     shared, tenant = Limit("shared", parse_rate("100/s")), Limit("tenant", parse_rate("2/s"))
     assert gate.acquire_many([tenant]).allowed  # the tenant's limit is busy for 0.5 s
     now = _now_us(client)
@@ -81,7 +81,7 @@ def test_a_task_blocked_by_its_other_limit_moves_to_that_queue_keeping_its_place
     queues.enqueue("late", b"m", "t2", limits=[tenant], blocking=tenant, place_us=now + 10)
     _, served = queues.serve_due(50, TIMEOUT_US)
     assert served == []
-    assert client.zrange(tenant.queue_in(prefix), 0, -1) == [b"early", b"late"]
+    assert client.zrange(tenant.line_in(prefix), 0, -1) == [b"early", b"late"]
     out = _serve_all(queues, within=3.0, want=2)
     assert [e for e, _, _ in out] == ["early", "late"]
     gate.close()
@@ -91,7 +91,7 @@ def test_expired_revoked_and_timed_out_tasks_leave_uncharged(client: redis.Redis
                                                              prefix: str) -> None:
     """Past its expiry or max_wait, or revoked, a task leaves at once without taking the limit."""
     gate = Gate(client, prefix=prefix)
-    queues = Queues(client, prefix)
+    queues = Lines(client, prefix)
     limit = Limit("slow", parse_rate("1/m"))
     assert gate.acquire_many([limit]).allowed  # busy for a minute
     now = _now_us(client)
@@ -113,7 +113,7 @@ def test_expired_revoked_and_timed_out_tasks_leave_uncharged(client: redis.Redis
 def test_a_new_rate_applies_to_the_tasks_already_waiting(client: redis.Redis,
                                                          prefix: str) -> None:
     """Enqueued at 1/s, dispatched at 20/s once the code declares 20/s."""
-    queues = Queues(client, prefix)
+    queues = Lines(client, prefix)
     old = Limit("api", parse_rate("1/s"))
     now = _now_us(client)
     for i in range(10):
@@ -133,11 +133,11 @@ def test_purge_drops_the_queues_and_frees_the_limit(client: redis.Redis, prefix:
     for i in range(20):
         message = Envelope(b"{}", "application/json", "utf-8", "", "celery",
                            {"id": f"t{i}"}).dumps()
-        room.queues.enqueue(f"e{i}", message, f"t{i}", limits=[limit], blocking=limit,
+        room.lines.enqueue(f"e{i}", message, f"t{i}", limits=[limit], blocking=limit,
                             place_us=now + i)
     assert sorted(room.purge()) == sorted(f"t{i}" for i in range(20))
-    assert room.queues.waiting() == 0
-    assert room.queues.serve_due(50, TIMEOUT_US) == (None, [])
+    assert room.lines.waiting() == 0
+    assert room.lines.serve_due(50, TIMEOUT_US) == (None, [])
     assert gate.acquire_many([limit], in_line=True).allowed
     gate.close()
 
@@ -148,20 +148,20 @@ def test_an_entry_waits_once_whatever_the_broker_delivers_again(client: redis.Re
     room = WaitingRoom(client, prefix)
     limit = Limit("api", parse_rate("1/s"))
     now = _now_us(client)
-    assert room.queues.enqueue("e", b"first", "t", limits=[limit], blocking=limit,
+    assert room.lines.enqueue("e", b"first", "t", limits=[limit], blocking=limit,
                                place_us=now) > 0
-    assert room.queues.enqueue("e", b"again", "t", limits=[limit], blocking=limit,
+    assert room.lines.enqueue("e", b"again", "t", limits=[limit], blocking=limit,
                                place_us=now - 5) == 0
     assert room.park("e", b"again", "t", delay_us=1) == 0
     assert split_record(client.hget(room.messages, "e") or b"")[1] == b"first"
-    assert client.zrange(limit.queue_in(prefix), 0, -1, withscores=True) == [(b"e", now)]
+    assert client.zrange(limit.line_in(prefix), 0, -1, withscores=True) == [(b"e", now)]
 
 
 def test_lines_count_every_key_value_and_estimate_the_drain(client: redis.Redis,
                                                            prefix: str) -> None:
     """A per-key limit's lines add up under its name, busiest key first (hashed), and
     drain as fast as the longest one at the given interval."""
-    queues = Queues(client, prefix)
+    queues = Lines(client, prefix)
     now = _now_us(client)
     for key, count in (("acme", 6), ("initech", 2)):
         limit = Limit("tenant", parse_rate("2/s"), key=key)
@@ -170,7 +170,7 @@ def test_lines_count_every_key_value_and_estimate_the_drain(client: redis.Redis,
                            place_us=now + i)
     shared = Limit("shared", parse_rate("10/s"))
     queues.enqueue("s0", b"m", "s-t0", limits=[shared], blocking=shared, place_us=now)
-    lines = queues.lines({"tenant": 500_000})
+    lines = queues.busiest({"tenant": 500_000})
     assert [(line.name, line.waiting) for line in lines] == [("tenant", 8), ("shared", 1)]
     assert lines[0].top == ((key_digest("acme"), 6), (key_digest("initech"), 2))
     assert lines[0].drains_in == 3.0  # six at 2/s
@@ -178,7 +178,7 @@ def test_lines_count_every_key_value_and_estimate_the_drain(client: redis.Redis,
     assert lines[1].drains_in is None  # its rate was not given
 
 
-def _fair_order(client: redis.Redis, queues: Queues, batches: list[tuple[str, int]],
+def _fair_order(client: redis.Redis, queues: Lines, batches: list[tuple[str, int]],
                 weights: dict[str, dict[str, int]] | None = None) -> list[str]:
     """Enqueue each (tenant, count) batch in order on one fair 100/s limit; serve them all."""
     now = _now_us(client)
@@ -195,7 +195,7 @@ def _fair_order(client: redis.Redis, queues: Queues, batches: list[tuple[str, in
 def test_a_fair_limit_serves_its_values_in_turn(client: redis.Redis, prefix: str) -> None:
     """Behind 30 waiting tasks of tenant a, tenant b's 5 (enqueued later) alternate with
     a's from the front: all 5 within the first 10 dispatches."""
-    order = _fair_order(client, Queues(client, prefix), [("a", 30), ("b", 5)])
+    order = _fair_order(client, Lines(client, prefix), [("a", 30), ("b", 5)])
     assert len(order) == 35
     assert [e for e in order if e.startswith("b")] == [f"b{i:03d}" for i in range(5)]
     assert max(order.index(f"b{i:03d}") for i in range(5)) < 10
@@ -206,7 +206,7 @@ def test_a_fair_value_weighted_two_is_served_twice_as_often(client: redis.Redis,
                                                            prefix: str) -> None:
     """Weight 2 for tenant a: of the first 15 dispatches, 10 are a's and 5 are b's."""
     weights = {"shared": {key_digest("a"): 2}}  # (as the setting stores them: digests)
-    order = _fair_order(client, Queues(client, prefix), [("a", 20), ("b", 20)], weights)
+    order = _fair_order(client, Lines(client, prefix), [("a", 20), ("b", 20)], weights)
     first = order[:15]
     assert sum(e.startswith("a") for e in first) == 10
 
@@ -215,7 +215,7 @@ def test_a_task_moving_to_a_fair_queue_takes_its_values_turn(client: redis.Redis
                                                             prefix: str) -> None:
     """A task blocked by its fair limit moves into that queue at its value's next turn."""
     gate = Gate(client, prefix=prefix)
-    queues = Queues(client, prefix)
+    queues = Lines(client, prefix)
     own = Limit("own", parse_rate("100/s"))
     shared = Limit("shared2", parse_rate("2/s"), fair="b")
     assert gate.acquire_many([shared]).allowed  # busy for 0.5 s
@@ -226,14 +226,14 @@ def test_a_task_moving_to_a_fair_queue_takes_its_values_turn(client: redis.Redis
     queues.enqueue("b0", b"m", "b-0", limits=[own, shared], blocking=own, place_us=now + 9)
     queues.serve_due(50, TIMEOUT_US)  # b0 moves: shared blocks it
     # b's first turn comes right after a's first:
-    assert client.zrange(shared.queue_in(prefix), 0, -1) == [b"a0", b"b0", b"a1", b"a2"]
+    assert client.zrange(shared.line_in(prefix), 0, -1) == [b"a0", b"b0", b"a1", b"a2"]
     gate.close()
 
 
 def test_the_heads_of_the_lines_are_listed_with_their_places(client: redis.Redis,
                                                               prefix: str) -> None:
     """next_in_line: each queue's first tasks, places 0 first, one limit's or every limit's."""
-    queues = Queues(client, prefix)
+    queues = Lines(client, prefix)
     api = Limit("api", parse_rate("1/s"))
     mail = Limit("mail", parse_rate("1/s"), key="acme")
     now = _now_us(client)
@@ -257,7 +257,7 @@ def test_a_task_lined_up_on_arrival_joins_only_a_line_that_has_tasks(
         client: redis.Redis, prefix: str) -> None:
     """Behind tasks in line: nothing written while the line is empty (-1); behind one task,
     1 ahead; the same entry again (a message delivered twice), 0 and nothing written."""
-    queues = Queues(client, prefix)
+    queues = Lines(client, prefix)
     limit = Limit("api", parse_rate("10/s"))
     now = _now_us(client)
     assert queues.enqueue("e0", b"m", "t0", limits=[limit], blocking=limit, place_us=now,
@@ -279,7 +279,7 @@ def test_a_revoked_task_leaves_at_once_from_behind_tasks_that_wait(client: redis
     """Revoked while two tasks wait ahead of it for a busy limit: it leaves at the next look,
     uncharged, not when its turn comes; the others keep waiting."""
     gate = Gate(client, prefix=prefix)
-    queues = Queues(client, prefix)
+    queues = Lines(client, prefix)
     limit = Limit("slow", parse_rate("1/m"))
     assert gate.acquire_many([limit]).allowed  # busy for a minute
     now = _now_us(client)
@@ -306,10 +306,10 @@ def test_revoked_tasks_leave_from_deep_in_line_and_parked_at_once(client: redis.
     now = _now_us(client)
     ids = [f"t{i}" for i in range(30)]
     for i, task_id in enumerate(ids):
-        room.queues.enqueue(entry_id(task_id), b"m", task_id, limits=[limit],
+        room.lines.enqueue(entry_id(task_id), b"m", task_id, limits=[limit],
                             blocking=limit, place_us=now + i)
     # A copy in line (its entry named by another copy) and a parked task.
-    room.queues.enqueue(entry_id("copied", "c1"), b"m", "copied", limits=[limit],
+    room.lines.enqueue(entry_id("copied", "c1"), b"m", "copied", limits=[limit],
                         blocking=limit, place_us=now + 100)
     room.park(entry_id("parked"), b"p", "parked", delay_us=60_000_000)
     served, parked = room.cancel(["t25", "t3", "copied", "parked", "nowhere"], TIMEOUT_US)
@@ -320,7 +320,7 @@ def test_revoked_tasks_leave_from_deep_in_line_and_parked_at_once(client: redis.
     assert parked == 1
     _, due = room.claim_due(10, TIMEOUT_US)
     assert [p.entry for p in due] == [entry_id("parked")]
-    left = [t.entry for t in room.queues.next_in_line(40, "slow")]
+    left = [t.entry for t in room.lines.next_in_line(40, "slow")]
     assert left == [entry_id(t) for t in ids if t not in ("t3", "t25")]
     # Nothing was charged: the limit still admits its next start in about a minute.
     assert 55 < gate.acquire_many([limit]).retry_after <= 60
@@ -329,13 +329,13 @@ def test_revoked_tasks_leave_from_deep_in_line_and_parked_at_once(client: redis.
 
 
 def _seat_held(client: redis.Redis, prefix: str
-               ) -> tuple[Gate, Queues, Concurrency, Limit, int]:
+               ) -> tuple[Gate, Lines, Concurrency, Limit, int]:
     """A concurrency=1 limit whose seat "running" holds, a fast rate limit beside it, and
     the server's time now."""
     gate = Gate(client, prefix=prefix)
     seat = Concurrency("llm", 1, lease=30)
     assert gate.acquire_many([seat], holder="running").allowed
-    return gate, Queues(client, prefix), seat, Limit("api", parse_rate("100/s")), _now_us(client)
+    return gate, Lines(client, prefix), seat, Limit("api", parse_rate("100/s")), _now_us(client)
 
 
 def test_a_seat_given_back_goes_to_the_first_in_the_seat_line(client: redis.Redis,
@@ -379,7 +379,7 @@ def test_a_task_whose_seat_is_full_at_its_turn_moves_to_the_seat_line_in_its_pla
     queues.enqueue("late", b"m", "t2", limits=[rate, seat], blocking=seat, place_us=now + 10)
     _, served = queues.serve_due(50, TIMEOUT_US)
     assert served == []
-    assert client.zrange(seat.queue_in(prefix), 0, -1) == [b"early", b"late"]
+    assert client.zrange(seat.line_in(prefix), 0, -1) == [b"early", b"late"]
     assert gate.inspect(rate).next_free == 0  # the rate limit was not charged
     fresh = gate.acquire_many([rate, seat], holder="fresh", in_line=True)
     assert fresh.queued
@@ -398,7 +398,7 @@ def test_seats_whose_leases_end_soon_are_served_one_task_each(client: redis.Redi
     each lease that ends, and the fourth waits for a seat as the others do."""
     gate = Gate(client, prefix=prefix)
     seats = Concurrency("llm", 3, lease=30)
-    queues = Queues(client, prefix)
+    queues = Lines(client, prefix)
     now = _now_us(client)
     for holder in ("dead-1", "dead-2", "dead-3"):
         assert gate.acquire_many([seats], holder=holder).allowed
@@ -420,9 +420,9 @@ def test_a_task_is_handed_out_ahead_of_its_start_by_the_lead_and_the_measured_tr
         client: redis.Redis, prefix: str) -> None:
     """What a worker books at most while others wait in line: the dispatch's ahead, the lead
     plus the trip's average and two deviations, never beyond MAX_AHEAD_US."""
-    queues = Queues(client, prefix)
-    assert queues.ahead(5_000) == 0.005  # (no trip measured yet)
-    client.hset(queues.trip, mapping={"avg": 40_000, "dev": 10_000})
-    assert queues.ahead(6_000) == 0.066
-    client.hset(queues.trip, mapping={"avg": 900_000, "dev": 0})
-    assert queues.ahead(7_000) == MAX_AHEAD_US / 1e6
+    lines = Lines(client, prefix)
+    assert lines.ahead(5_000) == 0.005  # (no trip measured yet)
+    client.hset(lines.trip, mapping={"avg": 40_000, "dev": 10_000})
+    assert lines.ahead(6_000) == 0.066
+    client.hset(lines.trip, mapping={"avg": 900_000, "dev": 0})
+    assert lines.ahead(7_000) == MAX_AHEAD_US / 1e6

@@ -202,8 +202,8 @@ def test_lowered_rate_voids_bookings_made_at_the_old_pace(app: Celery) -> None:
         job.signature_from_request = lambda request, **options: PublishRecorder(published, options)  # type: ignore[method-assign,assignment]
         return job
 
-    def run(task: Task[Any, Any], headers: dict[str, Any] | None) -> str:
-        task.push_request(id="t", called_directly=False, delivery_info={}, headers=headers)
+    def run(task: Task[Any, Any], headers: dict[str, Any] | None, task_id: str) -> str:
+        task.push_request(id=task_id, called_directly=False, delivery_info={}, headers=headers)
         try:
             return str(task.run())
         finally:
@@ -213,17 +213,17 @@ def test_lowered_rate_voids_bookings_made_at_the_old_pace(app: Celery) -> None:
     app.conf.throttle_waiting_room = False  # ... with a countdown, which the recorder records
     forget(app)
     fast, slow = make("10/s"), make("1/s")
-    assert run(fast, None) == "ran"
-    for _ in range(3):
+    assert run(fast, None, "t0") == "ran"
+    for i in range(1, 4):
         with pytest.raises(Ignore):
-            run(fast, None)  # booked 0.1, 0.2 and 0.3 s after the first start
+            run(fast, None, f"t{i}")  # booked 0.1, 0.2 and 0.3 s after the first start
     booked = list(published)
     started = time.monotonic()
     waits = []
-    for message in booked:  # workers restarted at 1/s; each copy arrives at its slot
+    for i, message in enumerate(booked, 1):  # workers restarted at 1/s; each copy arrives
         time.sleep(max(0.0, message["countdown"] - (time.monotonic() - started)))
         with pytest.raises(Ignore):  # honouring the booking would start it at the old pace
-            run(slow, message["headers"])
+            run(slow, message["headers"], f"t{i}")
         waits.append(published[-1]["countdown"])
     # They queue behind the old bucket (0.4 s after the first start), 1 s apart.
     assert waits == pytest.approx([0.3, 1.2, 2.1], abs=0.05)

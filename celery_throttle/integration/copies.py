@@ -11,9 +11,10 @@ published it, and a pointer in Redis names the one copy
 that may go on: moved to the successor after each re-publish, and to
 "ran:"/"done:" when a copy starts and ends.  A copy the pointer does not name
 is dropped, so exactly one of the two runs.  The copy that started may still
-run again if its node dies mid-run: that is ``acks_late``'s at-least-once; a
-task acknowledged early starts each copy once (:func:`pointed` says which copies
-the pointer decides).
+run again if its node dies mid-run (``acks_late``'s at-least-once: the broker
+flags that delivery as its redelivery); any other second delivery of a copy is
+refused while the first runs (:func:`pointed` says which copies the pointer
+decides).
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ class CopyPointer:
         """May this copy go on ("go")?  If so, point the task at ``then``.
 
         ``latest_us`` (server clock; 0: any time): the latest this copy may start;
-        past it the answer is "late" and nothing moves.  ``once``: a start of a
-        task acknowledged early, whose message no crash redelivers: this copy
-        started already means this is a second delivery of it ("running").
+        past it the answer is "late" and nothing moves.  ``once``: a start that may
+        not run this copy again (``exits.may_run_again``): this copy started
+        already means this is a second delivery of it ("running").
 
         ``then`` is a successor's copy id, or "ran:"/"done:" (this copy's id is
         appended).  One script call per start, end and re-publish of an

@@ -41,7 +41,8 @@ from .runtime import INSTALLED, Runtime
 from .visible import announce
 
 __all__ = ["Left", "copy_of", "count_down", "drop", "end", "entry_of", "gone",
-           "kept_beside_broker", "log_outage", "move_pointer", "park", "pointed_copy",
+           "kept_beside_broker", "log_outage", "may_run_again", "move_pointer", "park",
+           "pointed_copy",
            "refuse_superseded",
            "republish", "room_open", "room_write_failed", "say_dropped", "seconds_to_expiry",
            "send_back", "store_failed", "wait_counted_down", "wait_for_store", "waits_in_line"]
@@ -183,10 +184,22 @@ def pointed_copy(task: Task[Any, Any], state: WaitState) -> bool:
     return pointed(bool(getattr(task, "acks_late", False)), state)
 
 
+def may_run_again(task: Task[Any, Any]) -> bool:
+    """May this delivery of a copy that started already run it again?  Only the broker's
+    redelivery of an acks_late message (a run a crash or a lost connection cut off before
+    its acknowledgement), which the broker flags as redelivered, as Celery's own
+    ``worker_deduplicate_successful_tasks`` reads it.  Any other second delivery of a
+    copy (the delay ladder's at-least-once dead-lettering, a publish the broker took
+    twice) arrives unflagged, and is refused while the first runs."""
+    info = getattr(task.request, "delivery_info", None) or {}
+    return bool(getattr(task, "acks_late", False) and info.get("redelivered"))
+
+
 def move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState,
                   then: str, *, latest_us: int = 0) -> Verdict:
     """A pointed copy (:func:`pointed_copy`): may it go on (``CopyPointer.move``)?  Store
-    down: yes.  A start ("ran:") of a task acknowledged early is its copy's only one.
+    down: yes.  A copy starts ("ran:") once, unless this delivery of it is the broker's
+    redelivery of an acks_late message (:func:`may_run_again`).
 
     With the store down a copy re-published meanwhile names this one as its
     predecessor, so the pointer still lets exactly one through; a start with
@@ -196,7 +209,7 @@ def move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     try:
         return runtime.copies.move(
             str(request.id), request.retries, state, then, latest_us=latest_us,
-            once=then == "ran:" and not getattr(task, "acks_late", False))
+            once=then == "ran:" and not may_run_again(task))
     except redis.RedisError as exc:
         if then == "ran:":
             store_failed(task, runtime, state, exc)

@@ -32,8 +32,8 @@ rung keeps a message until the next one down has confirmed it): a broker's
 kill and restart keeps every message, the ones on their way from rung to
 rung too, and a message whose time passed while the broker was down goes on
 when it is back.  At least once: a message whose move the kill interrupted
-may arrive twice (the copy pointer, ``copies.py``, drops the second; for an
-acks_late task, unless the first is still running).  The topology is
+may arrive twice (the copy pointer, ``copies.py``, drops the second: it is not
+flagged as the broker's redelivery).  The topology is
 declared once per process and broker, the first time it is used, and each
 destination bound once.  A copy that comes back to a queue addressed by name
 goes to the queue's lane (``dispatcher.by_lane``), ahead of its backlog.

@@ -169,9 +169,11 @@ def seat_app(redis_url: str, prefix: str) -> Iterator[tuple[Celery, Task[Any, An
         yield app, job, starts
 
 
-def _run(job: Task[Any, Any], state: WaitState) -> str:
-    """Run a copy of task "t-1" carrying ``state``, as a worker's pool would."""
-    job.push_request(id="t-1", called_directly=False, delivery_info={}, retries=0,
+def _run(job: Task[Any, Any], state: WaitState, *, redelivered: bool = False) -> str:
+    """Run a copy of task "t-1" carrying ``state``, as a worker's pool would (``redelivered``:
+    the broker flagged this delivery as its redelivery)."""
+    job.push_request(id="t-1", called_directly=False,
+                     delivery_info={"redelivered": redelivered}, retries=0,
                      headers={HEADER: state.to_header()})
     try:
         return str(job.run())
@@ -276,3 +278,23 @@ def test_a_copy_of_a_task_acknowledged_early_delivered_twice_runs_once(
         finally:
             early.pop_request()
         assert client.get(copy_key(prefix, "t-2", 0)) is None
+
+
+def test_an_acks_late_copy_runs_again_only_when_the_broker_redelivers_it(
+    seat_app: tuple[Celery, Task[Any, Any], list[str]], client: redis.Redis, prefix: str,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """An acks_late copy that started is delivered again.  Unflagged (the delay ladder's
+    at-least-once dead-lettering, a publish the broker took twice) it is dropped while the
+    first runs; flagged as the broker's redelivery (its run was cut off before its
+    acknowledgement) it runs again, acks_late's at-least-once."""
+    _, job, starts = seat_app
+    copy = WaitState(copy="c1", prev="-")
+    assert _run(job, copy) == "ran"  # (no task_postrun here: the pointer stays "ran:c1")
+    with caplog.at_level(logging.INFO, logger="celery_throttle"), pytest.raises(Ignore):
+        _run(job, copy)
+    assert "dropped: another copy of it has started" in caplog.text
+    assert starts == ["t-1"]
+    assert _run(job, copy, redelivered=True) == "ran"
+    assert starts == ["t-1", "t-1"]
+    assert client.get(copy_key(prefix, "t-1", 0)) == b"ran:c1"

@@ -16,10 +16,12 @@
 --          time): a copy admitted for a start it was charged for is checked
 --          here, in the last store call before it starts, so that a store
 --          slow to answer cannot let it start later than its grace
--- ARGV[6]  "1": this copy's message is never redelivered after it starts (the
---          task acknowledges early): a start the pointer already records for
---          this copy is another delivery of the same message (the broker's or
---          the delay ladder's at-least-once), refused as "running"
+-- ARGV[6]  "1": this delivery may not run a copy that started already (the
+--          task acknowledges early, or the broker did not flag this delivery as
+--          its redelivery of an acks_late message a crash cut off): a start the
+--          pointer already records for this copy is another delivery of the
+--          same message (the delay ladder's at-least-once, a publish taken
+--          twice), refused as "running"
 --
 -- A copy may go on if the pointer names it, or names it as started (its own
 -- redelivery after a crash mid-run: acks_late's at-least-once; not with

@@ -117,7 +117,7 @@ class _Heartbeat:
         if lost and not held.lost:
             held.lost = True
             logger.warning("throttle: task %s lost %d concurrency lease(s) (not renewed for a "
-                           "whole lease and the slots were taken); it runs on without them",
+                           "whole lease and the seats were taken); it runs on without them",
                            held.holder, lost)
 
 

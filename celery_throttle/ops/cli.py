@@ -209,7 +209,7 @@ def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
                f"{wait['waiting_s']:.1f}s so far"
                + ("; slot booked" if wait["booked"] else
                   "; no slot booked (its turn comes when the limit admits it)" if wait.get("entry")
-                  else "; no slot booked (a concurrency slot is awaited, the wait is beyond the "
+                  else "; no slot booked (a seat is awaited, the wait is beyond the "
                   "horizon, or the store was down)"))
 
 

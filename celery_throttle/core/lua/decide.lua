@@ -109,12 +109,12 @@ if claim == 0 and m == 0 then
   end
 end
 
--- How far apart waiters come back: the expected run / slots.  The expected
+-- How far apart waiters come back: the expected run / seats.  The expected
 -- run is the average of released runs (at least MIN_RUN).  Before any run
 -- has ended it is how long the oldest holder has been running, at least
 -- MIN_RUN and at most UNKNOWN_RUN: a short guess would bring waiters back
 -- too often, a long one would leave a freed seat idle (and a killed
--- holder's slot idle past its lease).  Waiters share one cursor ('next'),
+-- holder's seat idle past its lease).  Waiters share one cursor ('next'),
 -- so whatever the estimate, returns happen one step apart, never at once.
 local function step_of(lim)
   local run = meta_num(lim, 'run')
@@ -125,7 +125,7 @@ local function step_of(lim)
     end
     run = math.min(run, UNKNOWN_RUN)
   end
-  return math.ceil(math.max(run, MIN_RUN) / lim.slots)
+  return math.ceil(math.max(run, MIN_RUN) / lim.seats)
 end
 
 -- The decision.
@@ -140,7 +140,7 @@ for i = 1, n do
     paused[i] = meta_num(lim, 'pause')
     waits[i] = paused[i] - now
     if not redis.call('ZSCORE', lim.key, holder)
-        and redis.call('ZCARD', lim.key) >= lim.slots then
+        and redis.call('ZCARD', lim.key) >= lim.seats then
       steps[i] = step_of(lim) -- full: this waiter's turn on the shared cursor
       local back = math.max(meta_num(lim, 'next'), now + steps[i])
       waits[i] = math.max(waits[i], back - now)

@@ -5,7 +5,7 @@ script that takes one (the gate's commands; room/lua/serve.lua, which
 dispatches a waiting task), which include it.  It includes bucket.lua
 (`us`; `now`: clock.lua).
 
-A concurrency limit here is a table { key, slots, lease (us), meta }: key a
+A concurrency limit here is a table { key, seats, lease (us), meta }: key a
 sorted set of leases (member = the holder, a task id; score = when the lease
 expires), meta a hash of its pause, its average run, the waiters' pacing
 cursor and its holders' starts ("s:<holder>").  Expired leases are reclaimed
@@ -50,13 +50,13 @@ end
 -- holds one or one is free, else until the lease whose end frees a seat ends
 -- (its holder gives it back sooner, as a rule: the release says so), or the
 -- pause.  Seats taken ahead, for leases about to end, are counted: with held
--- leases over the seats, the (held - slots + 1)th to end is the one that
+-- leases over the seats, the (held - seats + 1)th to end is the one that
 -- frees a seat, not the first (each lease that ends frees one seat, once).
 local function seat_wait(lim, who)
   local wait = meta_num(lim, 'pause') - now
   local held = redis.call('ZCARD', lim.key)
-  if held >= lim.slots and not redis.call('ZSCORE', lim.key, who) then
-    local k = held - lim.slots
+  if held >= lim.seats and not redis.call('ZSCORE', lim.key, who) then
+    local k = held - lim.seats
     local freeing = redis.call('ZRANGE', lim.key, k, k, 'WITHSCORES')
     wait = math.max(wait, tonumber(freeing[2]) - now)
   end

@@ -14,12 +14,12 @@ ARGV[HEAD+3i-2 .. HEAD+3i]  limit i:
                a rate limit: interval T (us >= 1), burst B (>= 1), cost c
                (1 <= c <= B, checked by the caller; settle.lua and follow.lua
                give it a meaning of their own, said there)
-               a concurrency limit: 0, slots N (>= 1), lease (us >= 1)
+               a concurrency limit: 0, seats N (>= 1), lease (us >= 1)
 ]]
 
 -- The limits after an ARGV head of `head` fields: L[i] is a rate limit
 -- { key, interval, burst, cost } or a concurrency limit { key, concurrent,
--- slots, lease, meta, nth }; returns L, n, m (the concurrency limits among
+-- seats, lease, meta, nth }; returns L, n, m (the concurrency limits among
 -- the n) and the index in KEYS of the command's first own key.
 local function limits_of(head)
   local n = (#ARGV - head) / 3
@@ -29,7 +29,7 @@ local function limits_of(head)
     local interval = tonumber(ARGV[base - 2])
     if interval == 0 then
       m = m + 1
-      L[i] = { key = KEYS[i], concurrent = true, slots = tonumber(ARGV[base - 1]),
+      L[i] = { key = KEYS[i], concurrent = true, seats = tonumber(ARGV[base - 1]),
                lease = tonumber(ARGV[base]), meta = KEYS[n + 1 + m], nth = m }
     else
       L[i] = { key = KEYS[i], interval = interval, burst = tonumber(ARGV[base - 1]),

@@ -22,7 +22,7 @@ for i = 1, n do
   if lim.concurrent then
     reclaim(lim)
     if redis.call('ZSCORE', lim.key, holder)
-        or redis.call('ZCARD', lim.key) < lim.slots then
+        or redis.call('ZCARD', lim.key) < lim.seats then
       take(lim, holder, now)
     else
       lost = lost + 1

@@ -102,7 +102,7 @@ local function task_limits(task)
       return nil
     end
     if interval == 0 then -- a seat (no live rate applies)
-      lims[i] = { key = key, concurrent = true, slots = burst, lease = cost,
+      lims[i] = { key = key, concurrent = true, seats = burst, lease = cost,
                   meta = meta_of[key], fair = '' }
     else
       local spec = redis.call('HGET', live, name) or redis.call('HGET', specs, name)

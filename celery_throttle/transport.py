@@ -62,7 +62,7 @@ from .core.live import LiveLimits
 from .core.rates import Rate, parse_rate
 from .core.waiting import DEFAULT_GRACE
 from .errors import retry_after_of
-from .headers import reports_of
+from .provider_headers import reports_of
 
 __all__ = ["AsyncGatedTransport", "GatedTransport", "async_gated_client", "gated_client"]
 

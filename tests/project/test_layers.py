@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "celery_throttle"
 # are the leaves every layer may use, or adapters on one layer.
 LAYERS = {
     "values": 0,  # the checks of plain values
-    "errors": 1, "faults": 1, "headers": 1, "metrics": 1, "testing": 1, "usage": 1,
+    "errors": 1, "faults": 1, "provider_headers": 1, "metrics": 1, "testing": 1, "usage": 1,
     "core": 2,
     "langchain": 3,  # a chat model's rate limiter on the core's gates
     "transport": 3,  # an HTTP client's transport on the core's gates

@@ -8,7 +8,7 @@ import datetime as dt
 import httpx
 import pytest
 
-from celery_throttle.headers import Report, duration, reports_of
+from celery_throttle.provider_headers import Report, duration, reports_of
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("6m0s", 360.0), ("293ms", 0.293), ("1s", 1.0),

@@ -194,7 +194,7 @@ class Dispatcher:
         """Claim and publish one batch of parked tasks, and one of the limits' lines; return
         seconds until the next is due (0: more now; None: nothing waits)."""
         self._cancel_revoked()
-        wait, parked = self.room.claim_due(BATCH, self.timeout_us)
+        wait, parked = self.room.take_due(BATCH, self.timeout_us)
         if parked:
             faults.at("dispatch.before_publish", parked)
             self._publish(parked)

@@ -100,7 +100,7 @@ class WaitingRoom:
         self.client = client
         self.prefix = prefix
         self.keeper = keeper
-        self.last_epoch = 0  # the store's epoch as the last claim_due read it
+        self.last_epoch = 0  # the store's epoch as the last take_due read it
         self.replicas = replicas  # a park returns once this many replicas have it
         self._unreplicated_until = 0.0  # monotonic: parks do not wait for replicas until then
         self.parked, self.messages = room_key(prefix, "parked"), room_key(prefix, "messages")
@@ -209,8 +209,9 @@ class WaitingRoom:
         if entries:
             self.client.zadd(self.claimed, dict.fromkeys(entries, 0), xx=True)
 
-    def claim_due(self, batch: int, timeout_us: int) -> tuple[float | None, list[Parked]]:
-        """Claim up to ``batch`` due entries; also seconds until the next (0: more due now).
+    def take_due(self, batch: int, timeout_us: int) -> tuple[float | None, list[Parked]]:
+        """Take up to ``batch`` due entries to dispatch (each is "claimed" until its copy arrives
+        or its deadline passes); also seconds until the next (0: more due now).
 
         None instead of seconds: nothing is parked or being dispatched.
         """

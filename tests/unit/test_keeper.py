@@ -73,16 +73,16 @@ def test_a_kept_task_is_restored_once_after_the_store_comes_back_empty(
     assert room.park("p", b"parked", "tp", delay_us=3_600_000_000, kept=True) > 0
     room.park("alone", b"not kept", "ta", delay_us=3_600_000_000)  # (the store was durable)
     assert _kept(room) == 3
-    room.claim_due(10, TIMEOUT_US)
+    room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 3  # (never restored for: all are handed)
     assert room.restore_kept(room.last_epoch) is None  # the same epoch: nothing to do
     _restart(store)
     assert store.hlen(f"{{{PREFIX}}}:room:messages") == 0
-    assert room.claim_due(10, TIMEOUT_US)[1] == []
+    assert room.take_due(10, TIMEOUT_US)[1] == []
     other = _room(store, broker)  # another node's dispatcher may be the one to notice
     assert other.restore_kept(room.last_epoch) == 3
     assert room.restore_kept(room.last_epoch) is None
-    _, due = room.claim_due(10, TIMEOUT_US)
+    _, due = room.take_due(10, TIMEOUT_US)
     assert [(p.entry, p.message) for p in due] == [("p", b"parked")]
     assert [(t.entry, t.limit, t.message) for t in room.lines.next_in_line(10)] == [
         ("q0", "kept", b"line 0"), ("q1", "kept", b"line 1")]
@@ -101,11 +101,11 @@ def test_the_first_copy_to_arrive_takes_the_kept_copy_whatever_the_store_lost(
     redelivery of the first goes on again."""
     room = _room(store, broker)
     room.park("e", b"m", "t", at_us=1, kept=True)
-    _, (before,) = room.claim_due(10, TIMEOUT_US)
+    _, (before,) = room.take_due(10, TIMEOUT_US)
     _restart(store)
-    room.claim_due(10, TIMEOUT_US)
+    room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 1
-    _, (after,) = room.claim_due(10, TIMEOUT_US)
+    _, (after,) = room.take_due(10, TIMEOUT_US)
     assert after.token != before.token
     assert room.arrive("e", after.token, after.epoch, marker_ttl_ms=60_000, kept=True) > 0
     assert room.arrive("e", before.token, before.epoch, kept=True) == 0  # refused
@@ -113,12 +113,12 @@ def test_the_first_copy_to_arrive_takes_the_kept_copy_whatever_the_store_lost(
     assert _kept(room) == 0
     # The other order: the copy from before the restart arrives first, and is the one.
     room.park("f", b"m", "t2", at_us=1, kept=True)
-    _, (first,) = room.claim_due(10, TIMEOUT_US)
+    _, (first,) = room.take_due(10, TIMEOUT_US)
     _restart(store)
     assert room.arrive("f", first.token, first.epoch, kept=True) > 0  # (before the restore)
-    room.claim_due(10, TIMEOUT_US)
+    room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 0  # taken already: nothing to restore
-    assert room.claim_due(10, TIMEOUT_US)[1] == []
+    assert room.take_due(10, TIMEOUT_US)[1] == []
 
 
 def test_a_write_the_store_refuses_leaves_no_kept_copy(
@@ -161,7 +161,7 @@ def test_a_copy_delivered_again_leaves_the_first_kept_copy(
     assert room.enqueue("e", b"third", "t", behind=True, **line) == -1  # type: ignore[arg-type]
     assert _kept(room) == 1
     _restart(store)
-    room.claim_due(10, TIMEOUT_US)
+    room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 1
     assert [(t.entry, t.message) for t in room.lines.next_in_line(10)] == [("e", b"first")]
 
@@ -173,7 +173,7 @@ def test_purge_forgets_the_kept_copies(store: redis.Redis, broker: redis.Redis) 
     room.purge()
     assert _kept(room) == 0
     _restart(store)
-    room.claim_due(10, TIMEOUT_US)
+    room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 0
 
 
@@ -192,9 +192,9 @@ def test_with_the_setting_off_kept_copies_are_still_taken_and_restored(
     room = WaitingRoom(store, PREFIX, keeper=keeper)
     room.park("e", b"m", "t", delay_us=3_600_000_000, kept=True)  # (kept while it was on)
     _restart(store)
-    room.claim_due(10, TIMEOUT_US)
+    room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 1
-    _, (copy,) = room.claim_due(10, TIMEOUT_US)
+    _, (copy,) = room.take_due(10, TIMEOUT_US)
     assert room.arrive("e", copy.token, copy.epoch, kept=True) > 0
     assert _kept(room) == 0
     keeper.client.close()

@@ -318,7 +318,7 @@ def test_revoked_tasks_leave_from_deep_in_line_and_parked_at_once(client: redis.
     assert {s.flag for s in served} == {"x"}
     assert {s.message for s in served} == {b"m"}  # the message, not the record
     assert parked == 1
-    _, due = room.claim_due(10, TIMEOUT_US)
+    _, due = room.take_due(10, TIMEOUT_US)
     assert [p.entry for p in due] == [entry_id("parked")]
     left = [t.entry for t in room.lines.next_in_line(40, "slow")]
     assert left == [entry_id(t) for t in ids if t not in ("t3", "t25")]

@@ -31,11 +31,11 @@ def test_entry_is_dispatched_only_once_it_is_due(client: redis.Redis, prefix: st
     room = WaitingRoom(client, prefix)
     room.park("later", b"L", "t1", delay_us=LATER_US)
     room.park("now", b"N", "t2", at_us=_now_us(client) - 1)
-    wait, claimed = room.claim_due(10, 60_000_000)
+    wait, claimed = room.take_due(10, 60_000_000)
     assert [(p.entry, p.message) for p in claimed] == [("now", b"N")]
     assert wait is not None
     assert 3_590 < wait <= 3_600
-    assert room.claim_due(10, 60_000_000)[1] == []
+    assert room.take_due(10, 60_000_000)[1] == []
 
 
 def test_two_dispatchers_never_claim_the_same_entry(client: redis.Redis, prefix: str) -> None:
@@ -49,7 +49,7 @@ def test_two_dispatchers_never_claim_the_same_entry(client: redis.Redis, prefix:
     def drain(n: int) -> None:
         own = WaitingRoom(redis.Redis(connection_pool=client.connection_pool), prefix)
         for _ in range(200):  # bounded: 400 entries / 7 per batch needs 58 calls at most
-            _, batch = own.claim_due(7, 60_000_000)
+            _, batch = own.take_due(7, 60_000_000)
             if not batch:
                 return
             got[n] += [p.entry for p in batch]
@@ -69,8 +69,8 @@ def test_a_claim_not_arrived_by_its_deadline_is_dispatched_again(
     """A dispatcher that dies after claiming loses nothing: the entry is due again, new token."""
     room = WaitingRoom(client, prefix)
     room.park("e", b"m", "t", at_us=_now_us(client) - 1)
-    _, first = room.claim_due(10, 1)  # a deadline 1 us away: past by the next call
-    _, again = room.claim_due(10, 60_000_000)
+    _, first = room.take_due(10, 1)  # a deadline 1 us away: past by the next call
+    _, again = room.take_due(10, 60_000_000)
     assert [p.entry for p in first] == [p.entry for p in again] == ["e"]
     assert first[0].token != again[0].token
 
@@ -79,8 +79,8 @@ def _dispatched_twice(client: redis.Redis, prefix: str) -> tuple[WaitingRoom, Pa
     """One entry dispatched, its claim timed out (deadline 1 us), dispatched again."""
     room = WaitingRoom(client, prefix)
     room.park("e", b"m", "t", at_us=_now_us(client) - 1)
-    _, (first,) = room.claim_due(10, 1)
-    _, (second,) = room.claim_due(10, 60_000_000)
+    _, (first,) = room.take_due(10, 1)
+    _, (second,) = room.take_due(10, 60_000_000)
     return room, first, second
 
 
@@ -92,7 +92,7 @@ def test_first_copy_to_arrive_goes_on_and_a_second_is_refused(
     assert room.arrive("e", second.token, second.epoch) > 0
     assert room.arrive("e", first.token, first.epoch) == 0
     # Its claim is settled: nothing is dispatched a third time.
-    assert room.claim_due(10, 60_000_000)[1] == []
+    assert room.take_due(10, 60_000_000)[1] == []
     assert room.state().dispatching == 0
 
 
@@ -112,7 +112,7 @@ def test_a_store_that_lost_its_data_lets_a_dispatched_copy_go_on(
     """After a flush (new epoch) a copy already dispatched runs rather than being lost."""
     room = WaitingRoom(client, prefix)
     room.park("e", b"m", "t", at_us=_now_us(client) - 1)
-    _, (item,) = room.claim_due(10, 60_000_000)
+    _, (item,) = room.take_due(10, 60_000_000)
     client.delete(room.messages, room.claimed, epoch_key(prefix))  # what a restart leaves
     client.set(epoch_key(prefix), "1")
     assert room.arrive("e", item.token, item.epoch) > 0
@@ -142,7 +142,7 @@ def test_the_wait_note_is_kept_while_parked_and_a_minute_after_the_arrival(
     assert client.exists(key) == 0
     assert room.read_note("task-1")[1] == b'{"limit": "x"}'
     assert room.next_parked(1)[0].note is None  # (its message b"m" names no task id)
-    _, [item] = room.claim_due(10, 60_000_000)
+    _, [item] = room.take_due(10, 60_000_000)
     assert room.arrive("e", item.token, item.epoch, task_id="task-1", note_ttl_ms=60_000) > 0
     assert client.get(key) == b'{"limit": "x"}'
     assert 59_000 < client.pttl(key) <= 60_000
@@ -187,7 +187,7 @@ def test_state_counts_parked_and_dispatching(client: redis.Redis, prefix: str) -
     assert room.state().next_dispatch is None
     room.park("a", b"m", "t", at_us=_now_us(client) - 1)
     room.park("b", b"m", "t", delay_us=LATER_US)
-    room.claim_due(10, 60_000_000)
+    room.take_due(10, 60_000_000)
     state = room.state()
     assert (state.parked, state.dispatching) == (1, 1)
     assert state.next_dispatch is not None
@@ -199,7 +199,7 @@ def test_scripts_reload_after_script_flush(client: redis.Redis, prefix: str) -> 
     room = WaitingRoom(client, prefix)
     room.park("a", b"m", "t", at_us=_now_us(client) - 1)
     client.script_flush()
-    assert [p.entry for p in room.claim_due(10, 60_000_000)[1]] == ["a"]
+    assert [p.entry for p in room.take_due(10, 60_000_000)[1]] == ["a"]
     client.script_flush()
     assert room.arrive("a", "x", 0) > 0
 
@@ -218,7 +218,7 @@ def test_prometheus_collector_reports_parked_and_dispatching(redis_url: str, pre
     room.park("a", b"m", "t1", at_us=now - 1)
     room.park("b", b"m", "t2", delay_us=LATER_US)
     room.park("c", b"m", "t3", delay_us=LATER_US)
-    room.claim_due(10, 60_000_000)
+    room.take_due(10, 60_000_000)
     values = {m.name: m.samples[0].value for m in FillCollector(app).collect()
               if m.name in ("celery_throttle_parked", "celery_throttle_dispatching")}
     app.close()
@@ -246,7 +246,7 @@ def test_dispatches_run_ahead_by_the_measured_trip(client: redis.Redis, prefix: 
     assert client.hget(room.trip, "avg") is not None
     room.park("in-0.3s", b"m", "t2", delay_us=300_000)
     room.park("in-9s", b"m", "t3", delay_us=9_000_000)
-    wait, dispatched = room.claim_due(10, 60_000_000)
+    wait, dispatched = room.take_due(10, 60_000_000)
     assert [p.entry for p in dispatched] == ["in-0.3s"]  # within the 0.4 s trip
     assert wait is not None
     assert 8.5 < wait <= 8.6  # the next goes out 0.4 s before its time too
@@ -346,8 +346,8 @@ def test_a_publish_the_broker_refuses_is_due_again_at_the_next_try(
     room.park("e", message, "t", at_us=_now_us(client) - 1)
     room.park("f", message, "t2", at_us=_now_us(client) - 1)
     with pytest.raises(OperationalError):
-        dispatcher._publish(room.claim_due(10, 60_000_000)[1])
-    _, again = room.claim_due(10, 60_000_000)
+        dispatcher._publish(room.take_due(10, 60_000_000)[1])
+    _, again = room.take_due(10, 60_000_000)
     assert sorted(p.entry for p in again) == ["e", "f"]
     assert dispatcher.dispatched == 0
     if dispatcher._connection is not None:
@@ -397,7 +397,7 @@ def test_the_time_a_consumer_held_a_copy_is_left_out_of_the_trip(
     the copy for (it held it on purpose, until just before its start)."""
     room = WaitingRoom(client, prefix)
     room.park("e", b"m", "t", at_us=_now_us(client) - 1)
-    _, (copy,) = room.claim_due(10, 60_000_000)
+    _, (copy,) = room.take_due(10, 60_000_000)
     dispatched = int(copy.token.split(".")[0])
     deadline = time.monotonic() + 5
     while _now_us(client) < dispatched + 30_000 and time.monotonic() < deadline:

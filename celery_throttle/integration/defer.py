@@ -92,7 +92,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
     charged = state.charged  # ... from a limit's line: how (entries.Served.flag)
     arrived_at: int | None = 0  # the server's time when it arrived (0: unknown)
-    asked = 0.0  # (this process's clock before the arrival is asked: see _in_time_for_turn)
+    asked = 0.0  # (this process's clock before the arrival is asked: see _in_time_for_its_start)
     info: Mapping[str, Any] = request.delivery_info or {}
     came_by = str(info.get("routing_key") or "")
     if came_by and queue_of(came_by) != came_by:
@@ -119,7 +119,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         admitted = True  # (every limit is in shadow mode)
     elif (charged == "c" and arrived
           and _seats_still_held(task, runtime, concurrent, holder, state)
-          and _in_time_for_turn(task, run, limits, state, arrived_at, asked)):
+          and _in_time_for_its_start(task, run, limits, state, arrived_at, asked)):
         admitted = True  # its turn came in its line: every limit was charged for it
         latest = _latest_start(runtime, limits, state)
     else:
@@ -338,7 +338,7 @@ def _seats_still_held(task: Task[Any, Any], runtime: Runtime, concurrent: list[C
     return not lost
 
 
-def _in_time_for_turn(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
+def _in_time_for_its_start(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
                state: WaitState, arrived_at: int | None, asked: float) -> bool:
     """A task dispatched from its line: wait for the start it was charged for; in time?
 
@@ -372,7 +372,7 @@ def _turn_grace(runtime: Runtime, limits: list[AnyLimit]) -> float:
 
 def _latest_start(runtime: Runtime, limits: list[AnyLimit], state: WaitState) -> int:
     """The latest a task admitted for its turn may start (server clock, us; 0: any time):
-    its start plus the grace ``_in_time_for_turn`` allowed it (the same start, rechecked in the
+    its start plus the grace ``_in_time_for_its_start`` allowed it (the same start, rechecked in the
     last store call before it starts)."""
     if not state.slot or not rates_of(limits):
         return 0

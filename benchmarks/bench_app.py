@@ -84,7 +84,7 @@ def _retry(task: Task[Any, Any], countdown: float) -> None:
 @throttled(f"{RATE}/s", name="bench-ours")
 @app.task(bind=True)
 def ours(self: Task[Any, Any], i: int) -> int:
-    """@throttled: the over-limit task waits for its booked slot."""
+    """@throttled: the over-limit task waits for its booked start."""
     record(self, "ours", i=i)
     return i
 
@@ -286,7 +286,7 @@ def inflight_counter(self: Task[Any, Any], i: int) -> int:
         _retry(self, 0.1)
     try:
         _call(self, "inflight_counter")
-    finally:  # a killed worker never gets here: its slot is gone for good
+    finally:  # a killed worker never gets here: its booked start is gone for good
         _store.decr("bench:inflight")
     return i
 

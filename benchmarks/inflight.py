@@ -13,7 +13,7 @@ workers (2 nodes x 4 processes) against the same Redis:
 * no limit: call and retry after the provider's Retry-After.
 
 Then the crash case: a node SIGKILLed while its calls are in flight, and how
-long the slots stay lost (the counter's: for good).
+long the booked starts stay lost (the counter's: for good).
 """
 
 from __future__ import annotations

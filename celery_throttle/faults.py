@@ -22,7 +22,7 @@ POINTS = {
                        "the connection: the publish is tried again",
     "defer.after_republish": "a deferred task was re-published with a countdown "
                              "(argument: the task) and the running copy is not yet acknowledged",
-    "defer.start_slept": "a task slept until the start it was admitted for (a booked slot "
+    "defer.start_slept": "a task slept until the start it was admitted for (a booked start "
                          "just ahead) or charged for (dispatched from its limit's line) "
                          "(argument: the task) and has not checked it is in time",
 }

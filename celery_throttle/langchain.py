@@ -9,7 +9,7 @@ the same limit name) are counted against one bucket, not one per process as
 
 A ``BaseRateLimiter`` is told when a call starts, never when it ends, so it
 carries rate limits only: calls in flight (``Concurrency``) need
-:meth:`Gate.slot` around the call instead.  It is asked once per model call,
+:meth:`Gate.admitted` around the call instead.  It is asked once per model call,
 before the model builds its request: it does not see the SDK's own retries
 of that request (the ``openai`` and ``anthropic`` SDKs retry twice by
 default), nor the time between its answer and the request.  A model that

@@ -190,7 +190,7 @@ def prepare() -> None:
     """Create the Prometheus metrics now (a worker calls this before forking its pool).
 
     Importing prometheus_client takes tens of milliseconds: done on a task's
-    first admission, it delays that start past its slot while later tasks
+    first admission, it delays that start past its booked start while later tasks
     start on time, which bunches starts together.
     """
     _prometheus()

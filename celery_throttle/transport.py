@@ -14,11 +14,11 @@ sees every attempt, just before it is sent::
     client = OpenAI(http_client=gated_client("500/m", name="openai", url=REDIS_URL))
 
 Before each attempt the transport waits for a start of its limits
-(:meth:`Gate.wait`: the slot is booked, so waiters never herd).  A 429
+(:meth:`Gate.wait`: the start is booked, so waiters never herd).  A 429
 answer pauses those limits on every worker and web process for the
 provider's ``retry-after-ms`` / ``retry-after`` (as :class:`RateLimited`
 does) and is handed back to the client unchanged: the SDK's retry then
-waits in the transport until the pause ends and its own slot comes.
+waits in the transport until the pause ends and its own booked start comes.
 
 Every other answer's rate-limit headers (OpenAI's ``x-ratelimit-remaining-
 requests``/``-reset-requests``, Anthropic's ``anthropic-ratelimit-requests-
@@ -37,7 +37,7 @@ same name and key), the task's admission is its first request's start: the
 transport spends it instead of charging the limit again
 (``core/credit.py``), if the request goes out within half an interval of
 the admission (:data:`DEFAULT_GRACE` at most); a later one gives that
-start back and waits for a fresh slot, so a start never comes late.
+start back and waits for a fresh booked start, so a start never comes late.
 
 Works with ``httpx`` and ``httpx2`` (the SDKs' own) clients, sync and async:
 the transport wraps the client's usual one.  Rate limits only: a request's
@@ -262,8 +262,8 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
         self._live = LiveLimits(gate.client, gate.prefix) if live else None
 
     def handle_request(self, request: Any) -> Any:
-        """Wait for the slot (or spend the task's admission), send, and tell the gate what the
-        answer says (a 429's pause, the quota left, the tokens used)."""
+        """Wait for the booked start (or spend the task's admission), send, and tell the gate
+        what the answer says (a 429's pause, the quota left, the tokens used)."""
         attempt = self._before(request, self.gate.key_of)
         for adm in attempt.stale:
             self.gate.settle(adm.limit, 0)

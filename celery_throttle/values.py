@@ -14,7 +14,7 @@ __all__ = ["LONGEST_WAIT", "US_PER_SECOND", "check_cost", "from_us", "positive_i
 
 US_PER_SECOND = 1_000_000
 
-#: The longest a slot is booked ahead (and a waiter with no timeout waits at a
+#: The longest a start is booked ahead (and a waiter with no timeout waits at a
 #: time): a week.  A booking is a few bytes in Redis, not a worker's memory.
 LONGEST_WAIT = 7 * 24 * 3600.0
 

@@ -24,7 +24,7 @@ class Model:
     """Theoretical arrival times by key; absent or past means empty."""
 
     tat: dict[str, int] = field(default_factory=dict)
-    shift: dict[str, int] = field(default_factory=dict)  # how far later starts moved the slots
+    shift: dict[str, int] = field(default_factory=dict)  # how far late starts moved booked ones
 
     def earliest(self, now: int, lim: ModelLimit) -> int:
         """When ``lim`` next admits its cost: the start s with max(TAT, s) + cT - BT <= s."""
@@ -35,19 +35,19 @@ class Model:
         claim: tuple[int, frozenset[int], int] | None = None, grace: int = 0,
         near: int = 0,
     ) -> tuple[str, int, int, frozenset[int]]:
-        """Return (status, wait_us, slot_us, booked limit indexes).
+        """Return (status, wait_us, start_us, booked limit indexes).
 
-        ``claim``: (slot, booked indexes, the shift it was booked at); ``near``: a slot
+        ``claim``: (slot, booked indexes, the shift it was booked at); ``near``: a booked start
         booked this close in every limit is allowed for itself.
         """
         starts = [self.earliest(now, lim) for lim in limits]
         if claim is not None:
             slot, booked, booked_shift = claim
-            # Late starts since the booking moved the slot later.
+            # Late starts since the booking moved the booked start later.
             due = slot + max(0, self._shift_of(limits, booked) - booked_shift)
             if now < due:
                 if len(booked) == len(limits) and due - now <= grace:
-                    return ("allowed", due - now, slot, booked)  # admitted for its slot
+                    return ("allowed", due - now, slot, booked)  # admitted for its booked start
                 return ("early", due - now, slot, booked)
             others = [i for i in range(len(limits)) if i not in booked]
             if now <= due + grace:
@@ -67,8 +67,8 @@ class Model:
             self._charge(now, limits)
             return ("allowed", 0, 0, frozenset())
         if 0 <= horizon and wait <= horizon:
-            # A limit free more than one start of its own before the slot is
-            # not booked: that would block its other users until the slot.
+            # A limit free more than one start of its own before the booked start is
+            # not booked: that would block its other users until the booked start.
             booked = frozenset(i for i, (s, lim) in enumerate(zip(starts, limits, strict=True))
                                if start - s <= lim.cost * lim.interval)
             self._charge(start, [limits[i] for i in sorted(booked)])
@@ -81,7 +81,7 @@ class Model:
         return sum(self.shift.get(limits[i].key, 0) for i in booked)
 
     def _push(self, now: int, limits: list[ModelLimit], by: int) -> None:
-        """A start ``by`` late: the later slots of its booked limits move as much."""
+        """A start ``by`` late: the later booked starts of its booked limits move as much."""
         if by <= 0:
             return
         for lim in limits:

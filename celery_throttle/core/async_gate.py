@@ -92,9 +92,9 @@ class AsyncGate(GateCalls):
         return await waiting.await_slot(self, limits, timeout=timeout, holder=holder,
                                         grace=grace)
 
-    def slot(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
+    def admitted(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
              holder: str | None = None) -> contextlib.AbstractAsyncContextManager[Decision]:
-        """``async with gate.slot(limits):`` wait for a start, run the block; leases are
+        """``async with gate.admitted(limits):`` wait for a start, run the block; leases are
         renewed by a task while it runs and given back when it exits."""
         return waiting.ahold(self, limits, timeout=timeout, holder=holder)
 

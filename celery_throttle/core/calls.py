@@ -110,12 +110,12 @@ class GateCalls:
     def _decision(limits: Sequence[AnyLimit], reply: Any) -> Decision:
         if reply == _ALLOWED:  # the hot path replies with a bare integer
             return ADMITTED
-        status, wait_us, blocking, slot_us, now_us, mask, epoch, shift = reply
+        status, wait_us, blocking, start_us, now_us, mask, epoch, shift = reply
         blocked = limits[blocking - 1] if blocking else None
         retry_after = from_us(wait_us)
-        booking = (Reservation(slot=slot_us, booked=mask, epoch=epoch, shift=shift)
-                   if slot_us else None)
-        if status == _ALLOWED:  # a claim honoured, at once or for its slot just ahead
+        booking = (Reservation(start=start_us, booked=mask, epoch=epoch, shift=shift)
+                   if start_us else None)
+        if status == _ALLOWED:  # a claim honoured, at once or for its booked start just ahead
             return Decision(True, retry_after, reservation=booking, now=now_us)
         if status == _EARLY:
             return Decision(False, retry_after, reservation=booking, now=now_us, early=True)
@@ -142,7 +142,7 @@ class GateCalls:
         return self._call(limits, *head)
 
     def _cancel_call(self, limits: Sequence[AnyLimit], booking: Reservation) -> Call:
-        return self._call(limits, booking.slot, booking.booked, booking.epoch)
+        return self._call(limits, booking.start, booking.booked, booking.epoch)
 
     def _settle_call(self, limit: Limit, actual: int, charged: int | None) -> Call | None:
         diff = (units("actual cost", actual)
@@ -161,7 +161,7 @@ class GateCalls:
         A report binds a limit only if its own pace could spend more than
         ``remaining`` before ``reset``: (remaining + 1 - burst) intervals
         end before it.  Otherwise the script would leave the bucket alone
-        (slots booked in it only make that more certain).
+        (starts booked in it only make that more certain).
         """
         left = units("remaining", remaining)
         reset_us = to_us(seconds("reset", reset))
@@ -229,9 +229,9 @@ def _decide_head(*, now: int, horizon: int, claim: Reservation | None, grace: in
     """ARGV[1..9] of decide.lua (its header names them), microseconds throughout."""
     if now == 0 and claim is None and not holder:
         return _plain_head(horizon, grace, near)  # most calls: the few distinct ones
-    slot, mask, epoch, shift = ((claim.slot, claim.booked, claim.epoch, claim.shift)
+    start, mask, epoch, shift = ((claim.start, claim.booked, claim.epoch, claim.shift)
                                 if claim is not None else (0, 0, 0, 0))
-    return (*(str(v).encode() for v in (now, horizon, slot, grace, mask, epoch)),
+    return (*(str(v).encode() for v in (now, horizon, start, grace, mask, epoch)),
             holder.encode(), str(near).encode(), str(shift).encode())
 
 

@@ -15,7 +15,7 @@ The URL forms, and what each makes (sync, or ``redis.asyncio`` with
   start nodes joined by ``;``): a Redis Cluster through redis-py's
   ``RedisCluster``, which follows ``MOVED`` and ``ASK`` after a resharding.
   Every key of one prefix carries the prefix as its hash tag (``keys.py``),
-  so one decision's keys are in one slot: one shard carries a prefix.
+  so one decision's keys hash alike: one shard carries a prefix.
 
 A query string (``?ssl_ca_certs=/etc/ca.pem&socket_timeout=2``) holds
 connection options, read as redis-py reads them for ``redis://``

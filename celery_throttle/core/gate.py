@@ -90,13 +90,13 @@ class Gate(GateCalls):
         """Pass every limit in ``limits`` at once, or none of them.
 
         ``reserve``: when denied and the wait is at most this many seconds, book
-        the earliest common slot (``Decision.reserved``).  ``claim``: a
+        the earliest common start (``Decision.reserved``).  ``claim``: a
         reservation from an earlier call with the same ``limits``; honoured
-        from its slot until ``grace`` seconds after it, if the limits it is not
+        from its booked start until ``grace`` seconds after it, if the limits it is not
         booked in admit then (``Decision.early`` while it is still ahead; up to
         ``grace`` ahead and booked in every limit, ``allowed`` with
-        ``retry_after`` until the slot); otherwise void, and a fresh decision
-        is made.  A start later than its slot moves the later slots back by as
+        ``retry_after`` until the booked start); otherwise void, and a fresh decision
+        is made.  A start later than its booked start moves the later booked starts back by as
         much, so starts keep the full interval.  ``holder``: the lease
         owner (required with a :class:`Concurrency` limit; the same holder
         asking again keeps its one lease).  A full concurrency limit books
@@ -106,7 +106,7 @@ class Gate(GateCalls):
         (``room/lines.py``; a concurrency limit's line for a seat, unless
         ``holder`` holds one already), do not start ahead of them; the
         decision is ``queued``, naming that limit, with the estimated wait.
-        ``near`` (with ``reserve``): a slot booked at most this many seconds
+        ``near`` (with ``reserve``): a start booked at most this many seconds
         ahead in every limit is ``allowed`` at once for itself, with
         ``retry_after`` until it (sleep, then start: one call, no claim); a
         pause or settlement written meanwhile does not reach that start.
@@ -123,19 +123,19 @@ class Gate(GateCalls):
              holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:
         """Block until ``limits`` admit one start, and return that admission.
 
-        The earliest slot is booked, so N waiters get N distinct, evenly
+        The earliest start is booked, so N waiters get N distinct, evenly
         spaced starts (no herd, no polling); the call sleeps until it and
         claims it.  Raises :class:`~celery_throttle.ThrottleTimeout` at once,
         booking nothing, when the start is further than ``timeout`` seconds
         away.  Interrupted (KeyboardInterrupt), it gives its booking back.
         ``holder``: the lease owner when a :class:`Concurrency` limit takes
-        part (give the leases back with :meth:`release`, or use :meth:`slot`).
+        part (give the leases back with :meth:`release`, or use :meth:`admitted`).
         """
         return waiting.wait(self, limits, timeout=timeout, holder=holder, grace=grace)
 
-    def slot(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
+    def admitted(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,
              holder: str | None = None) -> contextlib.AbstractContextManager[Decision]:
-        """``with gate.slot(limits):`` wait for a start (:meth:`wait`), run the block.
+        """``with gate.admitted(limits):`` wait for a start (:meth:`wait`), run the block.
 
         Concurrency leases are renewed by a thread while the block runs and
         given back when it exits, however it exits.
@@ -176,7 +176,7 @@ class Gate(GateCalls):
     def pause(self, limits: Sequence[AnyLimit], seconds: float) -> float:
         """Admit nothing in any of ``limits`` for ``seconds`` (a provider's ``Retry-After``).
 
-        Every worker sees it at its next decision; slots booked before the
+        Every worker sees it at its next decision; starts booked before the
         pause ends are void (their tasks book again after it).  A longer
         pause already set is kept.  Returns the seconds the pause lasts.
         """
@@ -190,8 +190,8 @@ class Gate(GateCalls):
         """Give back ``booking`` (from :meth:`acquire_many` with the same ``limits``) unused.
 
         Only a bucket's last booking can be given back (its TAT moves back to
-        the slot); one that later bookings or charges moved on keeps it, a
-        hole that costs throughput but never lets two starts share a slot.
+        the booked start); one that later bookings or charges moved on keeps it, a
+        hole that costs throughput but never lets two starts share one booked time.
         Returns how many limits gave it back.
         """
         return int(self._run("cancel", *self._cancel_call(limits, booking)))
@@ -200,11 +200,11 @@ class Gate(GateCalls):
         """Correct ``limit``'s charge from its estimated ``cost`` to the ``actual`` units.
 
         The bucket is charged the difference (more than estimated), and
-        every slot booked in it before moves that much later too (booked at
+        every start booked in it before moves that much later too (booked at
         the estimates' pace, they would otherwise start too close together);
         or it is refunded the difference (less; never past a full bucket,
-        and only while no slot is booked beyond the burst: a lower TAT would
-        hand a booked slot's time out twice).  ``actual`` may exceed the
+        and only while no start is booked beyond the burst: a lower TAT would
+        hand a booked start's time out twice).  ``actual`` may exceed the
         burst: the bucket then owes.  ``charged``: what was charged if not
         ``limit.cost`` (an earlier settlement).
         """
@@ -219,7 +219,7 @@ class Gate(GateCalls):
         Callers the gate cannot see (another service on the same API key)
         spend the provider's quota too; this is how the gate learns it.  A
         limit whose own pace would spend more before ``reset`` moves on (on
-        every worker at once, as a settlement's charge: booked slots move
+        every worker at once, as a settlement's charge: booked starts move
         with it); after ``reset`` the limit's own rate applies again.  A
         report that cannot bind any of ``limits`` costs no round trip.
         Returns how many limits moved.

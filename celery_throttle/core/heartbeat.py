@@ -5,7 +5,7 @@ id; it must renew it while it runs, or the seat goes to the next after one
 lease time.  One daemon thread per process renews every lease held there,
 every third of the shortest lease (at most every 5 s, so a new and shorter
 lease is renewed in time): a worker's runs (``integration/leases.py``) and a
-caller waiting in place (``Gate.slot``, ``waiting.hold``) alike.  The asyncio
+caller waiting in place (``Gate.admitted``, ``waiting.hold``) alike.  The asyncio
 gate's holders renew from a task on their own event loop instead
 (``waiting.ahold``): a thread would need a loop of its own for their client.
 """

@@ -19,14 +19,14 @@ key starts with.
   tag.  One decision may span several buckets (a tenant rate, a provider rate,
   a token budget) and must run as one script on one node, and the same bucket
   takes part in decisions with different partners, so every key of one
-  prefix lives in one slot.  User data comes after the tag and can never move
-  a key to another slot.
+  prefix hashes to one place in a cluster.  User data comes after the tag and
+  can never move a key to another shard.
 * The waiting room keeps its own keys (``room/keys.py``) under a part of
   the prefix of its own, named there, not here; the core names a limit's
   line (what a decision reads of it) and the doorbell a freed seat rings.
   Tasks leave notes under
   ``{<prefix>}:<kind>:<task id digest>``: same hash tag, so a script that
-  books a slot and one that parks the task may touch both.
+  books a start and one that parks the task may touch both.
 * Key values are always hashed (BLAKE2b, 128 bits) after a type tag: values
   of any length map to 22 URL-safe base64 characters (short key names keep a
   bucket under 100 bytes of Redis memory), distinct values (``1`` and ``"1"``,

@@ -8,6 +8,7 @@ may use them.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -180,29 +181,35 @@ def seats_of(limits: Iterable[AnyLimit]) -> list[Concurrency]:
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """A booked start: ``slot`` (server clock, microseconds) and the limits it is booked in.
+    """A booked start: ``start`` (server clock, microseconds) and the limits it is booked in.
 
     ``booked`` has bit ``i`` set for ``limits[i]`` of the call that booked it;
     the other limits are charged when the reservation is claimed.  ``epoch``
     identifies the store's lifetime: after a Redis restart or flush the
     buckets are empty and older reservations are void.  ``shift``: the booked
     limits' settlement shift when it was booked (microseconds): settlements
-    that charged more than their estimates since then move the slot later.
+    that charged more than their estimates since then move the booked start later.
     """
 
-    slot: int
+    start: int
     booked: int
     epoch: int = 0
     shift: int = 0
+
+    @property
+    def slot(self) -> int:
+        """Deprecated (0.1.0's name): :attr:`start`."""
+        _renamed("Reservation.slot", "Reservation.start")
+        return self.start
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The gate's answer.
 
-    ``allowed``: start now, or, for a claim admitted for its slot just ahead of
-    it (or a slot booked within ``near``), after ``retry_after`` seconds (the
-    slot is the start's, so start then, not earlier; ``reservation`` names
+    ``allowed``: start now, or, for a claim admitted for its booked start just ahead of
+    it (or a start booked within ``near``), after ``retry_after`` seconds (the
+    booked start is the start's, so start then, not earlier; ``reservation`` names
     it, to claim again if the caller wakes too late for it).  Otherwise
     ``retry_after`` seconds is the exact wait, ``limit`` the limit that
     forced it and, when the call asked for a
@@ -222,13 +229,24 @@ class Decision:
 
     @property
     def reserved(self) -> bool:
-        """A slot is booked for this caller (it must wait ``retry_after``, then claim it)."""
+        """A start is booked for this caller (it must wait ``retry_after``, then claim it)."""
         return not self.allowed and self.reservation is not None
 
     @property
+    def start(self) -> int | None:
+        """The booked (or claimed) start, server clock microseconds."""
+        return self.reservation.start if self.reservation is not None else None
+
+    @property
     def slot(self) -> int | None:
-        """The booked (or claimed) slot, server clock microseconds."""
-        return self.reservation.slot if self.reservation is not None else None
+        """Deprecated (0.1.0's name): :attr:`start`."""
+        _renamed("Decision.slot", "Decision.start")
+        return self.start
+
+
+def _renamed(old: str, new: str) -> None:
+    """A name 0.1.0 shipped was used: warn once per call site, as Python's own deprecations do."""
+    warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
 
 
 #: The hot path's answer, one shared object: start now.
@@ -243,7 +261,7 @@ class BucketState:
     goes past ``burst``).  ``next_free``: seconds until one start of the
     limit's cost would be admitted (0 = now).  ``booked_ahead``: starts booked
     beyond what the burst holds, i.e. deferred tasks waiting in this limit
-    with a booked slot (tasks booked only in another of their limits, or
+    with a booked start (tasks booked only in another of their limits, or
     waiting beyond the horizon, are not counted).  ``ttl``: seconds until the
     key expires (the bucket is full again then), 0 when absent.  ``paused``:
     seconds until a pause set by :meth:`Gate.pause` ends (``next_free``

@@ -3,11 +3,11 @@
 ``Gate.acquire`` answers "now or not"; a caller that must wait then needs a
 loop, and a sleep-and-retry loop is the thundering herd.  :func:`plan` is
 that loop, written once as steps (:class:`Ask` the gate, :class:`Sleep`):
-it books the earliest slot (so N waiters get N distinct, evenly spaced
-slots), sleeps until it, claims it (a slot within ``near`` is admitted as it
+it books the earliest start (so N waiters get N distinct, evenly spaced
+booked starts), sleeps until it, claims it (a booked start within ``near`` is admitted as it
 is booked: one script call per start), and checks that it woke in time
-(:func:`late_by`): later than the grace, it claims the slot again rather
-than start late (the gate finds the slot lost and decides afresh).  A
+(:func:`late_by`): later than the grace, it claims the booked start again rather
+than start late (the gate finds the booked start lost and decides afresh).  A
 waiter with a deadline gives up with :class:`~celery_throttle.ThrottleTimeout`
 when the wait would pass it, before booking anything.
 
@@ -72,16 +72,16 @@ class AsyncGate(Protocol):
                       ran_for: float = ...) -> int: ...
 
 F = TypeVar("F", bound=Callable[..., Any])
-#: How late a waiter may claim its slot (it sleeps to the slot, so it is late
+#: How late a waiter may claim its booked start (it sleeps to the booked start, so it is late
 #: only by its own scheduling): as the workers' floor.
 DEFAULT_GRACE = 0.05
 _MAX_STEPS = 10_000  # a bound on any plan's rounds (each sleeps, so it is never reached)
-#: Late wake-ups from a sleep to an admitted start that claim the slot again;
+#: Late wake-ups from a sleep to an admitted start that claim the booked start again;
 #: after that many in a row the caller's machine cannot do better: it starts.
 MAX_LATE_WAKES = 3
-#: A slot at most this far ahead is admitted in the call that books it (one
+#: A booked start at most this far ahead is admitted in the call that books it (one
 #: script call per start; further ones are booked, then claimed).  A pause (a
-#: provider's 429) or a settlement written before the slot does not reach
+#: provider's 429) or a settlement written before the booked start does not reach
 #: such a start, as it does not reach a request already sent: a provider's
 #: calls stay in flight for a second or more, so a quarter second adds few.
 NEAR = 0.25
@@ -94,7 +94,7 @@ def late_by(asked: float, ahead: float, clock: Callable[[], float] = time.monoto
     A loaded machine (or a container out of its CPU quota, or a busy event
     loop) can run a sleeper 100 ms after its timer; starting that late would
     come closer than an interval to the next start, which keeps its own
-    moment.  Past the claim grace, a caller claims its slot again instead.
+    moment.  Past the claim grace, a caller claims its booked start again instead.
     """
     return clock() - asked - ahead
 
@@ -115,7 +115,7 @@ class Ask:
 @dataclass(frozen=True, slots=True)
 class Sleep:
     """Sleep ``seconds``; ``booking`` is what to give back if the sleep is interrupted;
-    ``admitted``: the start is admitted for the end of this sleep (not a booked slot to
+    ``admitted``: the start is admitted for the end of this sleep (not a booked start to
     claim)."""
 
     seconds: float
@@ -126,7 +126,7 @@ class Sleep:
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """How a plan ended: ``decision`` admitted (start now, ``late`` seconds after the
-    start it was admitted for: 0 on time or with no slot), or the refusal the caller
+    start it was admitted for: 0 on time or with no booked start), or the refusal the caller
     waits out elsewhere (``elsewhere``, or a wait in line)."""
 
     decision: Decision
@@ -134,7 +134,7 @@ class Outcome:
 
 
 def _booked_in_all(limits: Sequence[AnyLimit], booked: int) -> bool:
-    """The slot is booked in every limit (none is a concurrency limit, which cannot be)."""
+    """The start is booked in every limit (none is a concurrency limit, which cannot be)."""
     return all(not lim.leased and booked >> i & 1 for i, lim in enumerate(limits))
 
 
@@ -150,16 +150,16 @@ def plan(limits: Sequence[AnyLimit], timeout: float | None = None,
 
     ``timeout``: raises ThrottleTimeout, naming the limit and the wait, as soon as
     the next start is further away than the time left (nothing is booked then).
-    ``grace``: as late as a start may come after its slot (the claims' grace), or
-    a function of the limits a slot is booked in (:attr:`Reservation.booked`).
-    ``near``: a slot this close is admitted as it is booked (:data:`NEAR`).
-    ``horizon``: book no slot further ahead.  ``claim``: a slot booked before
+    ``grace``: as late as a start may come after its booked start (the claims' grace), or
+    a function of the limits a start is booked in (:attr:`Reservation.booked`).
+    ``near``: a booked start this close is admitted as it is booked (:data:`NEAR`).
+    ``horizon``: book no booked start further ahead.  ``claim``: a start booked before
     (a task's previous arrival).  ``in_line``: the first ask does not start ahead
     of tasks in line (a ``queued`` refusal ends the plan).  ``elsewhere``: the
-    refusals the caller waits out elsewhere; without it, a refusal with no slot
+    refusals the caller waits out elsewhere; without it, a refusal with no booked start
     booked raises ThrottleTimeout.  ``check``: called with every other refusal
     before it is waited (it may raise: a task's expiry or its ``max_wait``).
-    ``max_sleeps``: sleeps for a booked slot, at most; the refusal after them is
+    ``max_sleeps``: sleeps for a booked start, at most; the refusal after them is
     the caller's to wait elsewhere.
     """
     grace_of = grace if callable(grace) else (lambda _booked, g=grace: g)
@@ -176,13 +176,13 @@ def plan(limits: Sequence[AnyLimit], timeout: float | None = None,
         late = 0.0
         if decision.allowed:
             if decision.retry_after <= 0:
-                # A claim honoured after its slot starts that late (a plain admission
-                # has no slot).
-                after = from_us(decision.now - decision.slot) if decision.slot and \
+                # A claim honoured after its booked start starts that late (a plain admission
+                # has no booked start).
+                after = from_us(decision.now - decision.start) if decision.start and \
                     decision.now else 0.0
                 return Outcome(decision, max(0.0, after))
-            # Admitted for its slot just ahead: the start is that moment.  Woken later
-            # than the grace, it claims the slot again (the gate finds it lost and
+            # Admitted for its booked start just ahead: the start is that moment.  Woken later
+            # than the grace, it claims the booked start again (the gate finds it lost and
             # decides afresh) rather than this start crowding the next.
             yield Sleep(decision.retry_after, decision.reservation, admitted=True)
             late = late_by(asked, decision.retry_after, clock)
@@ -203,21 +203,21 @@ def plan(limits: Sequence[AnyLimit], timeout: float | None = None,
                 raise ThrottleTimeout(
                     f"waiting for limit {name!r} would take {decision.retry_after:.3f}s, past "
                     f"the timeout of {timeout:.3f}s" if timeout is not None else
-                    f"limit {name!r} has no slot within the horizon", limit_name=name,
+                    f"limit {name!r} has no booked start within the horizon", limit_name=name,
                     waited=decision.retry_after, max_wait=timeout or 0.0)
         elif booking is None or slept >= max_sleeps or elsewhere(decision):
             return Outcome(decision)
         assert booking is not None
-        if claim is None or booking.slot != claim.slot:
-            # A new slot: its grace follows the limits it is booked in.  (An "early"
-            # answer for the same slot keeps the grace it was given.)
+        if claim is None or booking.start != claim.start:
+            # A new booked start: its grace follows the limits it is booked in.  (An "early"
+            # answer for the same booked start keeps the grace it was given.)
             current = grace_of(booking.booked)
         # A full concurrency limit books nothing (booked == 0): come back then and ask.
         claim = booking if booking.booked else None
         # Booked in every limit, wake half a grace early: a claim up to the grace
-        # ahead is admitted for the slot itself, while one that lands after it (a
-        # sleep's overshoot, the round trip) would push the later slots back.  (With
-        # a limit it is not booked in, the gate can only admit it at the slot: an
+        # ahead is admitted for the booked start itself, while one that lands after it (a
+        # sleep's overshoot, the round trip) would push the later booked starts back.  (With
+        # a limit it is not booked in, the gate can only admit it at the booked start: an
         # early claim would be told to wait again.)
         ahead = current / 2 if _booked_in_all(limits, booking.booked) else 0.0
         yield Sleep(max(0.0, decision.retry_after - ahead), claim)

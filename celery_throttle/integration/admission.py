@@ -187,7 +187,7 @@ def limit_name(decision: Decision, limits: Sequence[AnyLimit]) -> str:
     if decision.limit is not None:
         return decision.limit.name
     booked = decision.reservation.booked if decision.reservation is not None else 0
-    return next((lim.name for i, lim in enumerate(limits) if booked >> i & 1), "(booked slot)")
+    return next((lim.name for i, lim in enumerate(limits) if booked >> i & 1), "(booked start)")
 
 
 def _waits_for_a_seat(decision: Decision) -> bool:

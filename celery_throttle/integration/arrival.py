@@ -50,7 +50,7 @@ from ..core.keys import key_digest
 from ..core.limits import Limit, rates_of
 from ..core.logs import logger
 from ..room.dispatcher import queue_of
-from ..room.header import HEADER
+from ..room.header import HEADER, START
 from ..room.lines import MAX_AHEAD_US
 from ..values import from_us, to_us
 from . import shadow
@@ -150,10 +150,10 @@ class _Arrivals:
         headers = message.headers
         state = headers.get(HEADER) if isinstance(headers, dict) else None
         if not (isinstance(state, dict) and state.get("charged") == "c"
-                and isinstance(state.get("slot"), int)):
+                and isinstance(state.get(START), int)):
             return 0.0
         try:
-            ahead = from_us(state["slot"] - self._now_us(runtime_for(self.task.app)))
+            ahead = from_us(state[START] - self._now_us(runtime_for(self.task.app)))
         except redis.RedisError:
             return 0.0  # (the pool's process sleeps it, as it would)
         return max(0.0, min(ahead, from_us(MAX_AHEAD_US)) - HANDOFF_S)

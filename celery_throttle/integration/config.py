@@ -62,19 +62,19 @@ SETTINGS: dict[str, tuple[object, str]] = {
         "decorator's `max_wait` wins); `None`: no limit"),
     "throttle_horizon": (3600.0,
         "where a waiting task is re-published with a countdown (the waiting room is off, or "
-        "the store would lose it): how far ahead (s) it books its slot; a longer wait comes "
+        "the store would lose it): how far ahead (s) it books its start; a longer wait comes "
         "back when one is within reach"),
     "throttle_max_countdown": (None,
         "longest single countdown (s); longer waits take several hops; default: half the "
         "broker's `visibility_timeout` (Redis, SQS), at most 900; on RabbitMQ the delay "
         "ladder's longest, 49 days (a countdown waits in the broker, held by no worker)"),
     "throttle_max_sleep": (0.5,
-        "a booked slot this close (s) is slept for in the worker instead of re-publishing; "
+        "a booked start this close (s) is slept for in the worker instead of re-publishing; "
         "where the task would wait in line, at most the dispatch lead plus the measured trip "
         "(a longer wait waits in line)"),
     "throttle_claim_grace": (None,
-        "how late (s) a task may start in its booked slot; later it asks again; default: half"
-        " the slot (cost x interval), 0.02-0.25"),
+        "how late (s) a task may start in its booked start; later it asks again; default: half"
+        " the booked start (cost x interval), 0.02-0.25"),
     "throttle_waiting_room": (True,
         "tasks that must wait longer than a sleep in the worker wait in Redis, in the line of"
         " the limit that blocks them, and are dispatched to their queue when it admits them, "
@@ -100,7 +100,7 @@ SETTINGS: dict[str, tuple[object, str]] = {
         "`{limit name: {fair key value: weight}}`: a fair limit's line serves a value weight "
         "times as often as a value of weight 1 (the default)"),
     "throttle_dispatch_lead": (None,
-        "the waiting room dispatches a task this many seconds before its slot besides the "
+        "the waiting room dispatches a task this many seconds before its start besides the "
         "measured broker trip (it sleeps the rest): a green pool's loop delays an arrival "
         "while the node takes in a burst, and a green thread sleeps for free; default: 0.05, "
         "or 0.15 on the gevent and eventlet pools"),

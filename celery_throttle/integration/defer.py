@@ -58,7 +58,7 @@ from .visible import announce
 __all__ = ["admit", "admitted_late", "defer_after_start", "release_leases_of", "run_ended"]
 
 
-_MAX_SLEEPS = 2  # sleeps for a booked slot in a worker; lost again after them: wait outside
+_MAX_SLEEPS = 2  # sleeps for a booked start in a worker; lost again after them: wait outside
 
 
 def admitted_late(task: Task[Any, Any]) -> float:
@@ -150,12 +150,12 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     if shadowed:  # it starts now: what would the shadowed limits have said?
         run.shadow_leased = shadow.decide(task, runtime, shadowed)
     metrics.admitted([lim.name for lim in limits + shadowed])
-    if state.slot is not None or state.since is not None:
-        # The task starts now: its booked slot is spent.  Celery's retry() and
+    if state.start is not None or state.since is not None:
+        # The task starts now: its booked start is spent.  Celery's retry() and
         # any re-publish copy request.headers, and a copy still carrying the
         # claim could be honoured a second time within the grace.
         rewrite(request, header={**WaitState(deferrals=state.deferrals).to_header(),
-                                 "started_slot": state.slot})
+                                 "started_slot": state.start})
 
 
 def run_ended(task: Task[Any, Any]) -> None:
@@ -195,7 +195,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     """The provider refused the call (429): pause ``limits`` everywhere, re-schedule the task.
 
     The pause is written to the gate, so every worker's next decision for
-    these limits waits it out, and slots booked before it ends are void.
+    these limits waits it out, and starts booked before it ends are void.
     The task comes back after ``seconds`` (in hops of at most
     ``throttle_max_countdown``) and asks the gate again; its retries are
     not spent.  With the store down the task is still re-scheduled.
@@ -268,7 +268,7 @@ def _wait_for_slot(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
 
     def ask(step: waiting.Ask) -> Decision:
         if step.late:
-            logger.info("throttle: task %s[%s] ready %.3fs after its slot; asking again",
+            logger.info("throttle: task %s[%s] ready %.3fs after its booked start; asking again",
                         task.name, request.id, step.late)
         decision = runtime.gate.acquire_many(limits, reserve=step.reserve, claim=step.claim,
                                              grace=step.grace, holder=holder,
@@ -278,8 +278,8 @@ def _wait_for_slot(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
             # Arrived after its start's grace, or a limit it was not booked in is busy:
             # the start is lost (a little throughput) rather than used late (that
             # could burst).
-            logger.info("throttle: task %s[%s] lost its slot (%.3fs ago); asking again",
-                        task.name, request.id, from_us(decision.now - step.claim.slot))
+            logger.info("throttle: task %s[%s] lost its booked start (%.3fs ago); asking again",
+                        task.name, request.id, from_us(decision.now - step.claim.start))
         return decision
 
     def sleep(step: waiting.Sleep) -> None:
@@ -352,9 +352,9 @@ def _in_time_for_its_start(task: Task[Any, Any], run: Run, limits: list[AnyLimit
     sleep: the server's clock now is at most its time at the arrival plus
     what this process's clock counted since it asked (``asked``, monotonic).
     """
-    if not state.slot or not arrived_at or not rates_of(limits):
+    if not state.start or not arrived_at or not rates_of(limits):
         return True  # (a seat alone: its lease is taken already, lateness spends nothing)
-    late = _slept_to_start(task, asked, min(from_us(state.slot - arrived_at),
+    late = _slept_to_start(task, asked, min(from_us(state.start - arrived_at),
                                             from_us(MAX_AHEAD_US)))
     start = admission.turn(late, _turn_grace(run.runtime, limits))
     if start is not None:
@@ -374,9 +374,9 @@ def _latest_start(runtime: Runtime, limits: list[AnyLimit], state: WaitState) ->
     """The latest a task admitted for its turn may start (server clock, us; 0: any time):
     its start plus the grace ``_in_time_for_its_start`` allowed it (the same start, rechecked in the
     last store call before it starts)."""
-    if not state.slot or not rates_of(limits):
+    if not state.start or not rates_of(limits):
         return 0
-    return state.slot + to_us(_turn_grace(runtime, limits))
+    return state.start + to_us(_turn_grace(runtime, limits))
 
 
 def _slept_to_start(task: Task[Any, Any], asked: float, ahead: float) -> float:

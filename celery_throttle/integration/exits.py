@@ -103,7 +103,7 @@ def drop(task: Task[Any, Any], why: Drop) -> NoReturn:
     copy's); an expired task is marked revoked, as Celery marks one."""
     request = task.request
     if why.reason == "expired":
-        logger.info("throttle: task %s[%s] expires before its slot (%.3fs away); not run",
+        logger.info("throttle: task %s[%s] expires before its start (%.3fs away); not run",
                     task.name, request.id, why.away)
         task.backend.mark_as_revoked(str(request.id), "expired", request=request)
     else:
@@ -284,10 +284,10 @@ def count_down(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     """Re-publish the task with ``countdown``, at most ``throttle_max_countdown`` (a longer
     wait comes back then and asks again); return the copy the broker took.
 
-    A copy booked for a slot is aimed the dispatch lead before it, as the
-    waiting room dispatches one: aimed at the slot itself, its way to a pool
+    A copy booked for a booked start is aimed the dispatch lead before it, as the
+    waiting room dispatches one: aimed at the booked start itself, its way to a pool
     process (the broker's delivery, the consumer, the pool's handoff) would
-    make it late, past its grace, and it would lose the slot.  The pool
+    make it late, past its grace, and it would lose the booked start.  The pool
     process it reaches sleeps the rest.
     """
     config = runtime.config

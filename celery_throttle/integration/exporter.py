@@ -1,7 +1,7 @@
 """The Prometheus endpoint of a worker node, and the gauges it reads from Redis when scraped.
 
 Imported by the worker only (``throttle_metrics_port``).  Counters are
-``metrics.py``'s; here: each un-keyed limit's fill, next free slot,
+``metrics.py``'s; here: each un-keyed limit's fill, next free start,
 booked-ahead starts and pause left, leases held, the waiting room's counts, and each
 limit's tasks in line with an estimate of when its line drains, read at
 scrape time, so they are the cluster's state, not a process's.
@@ -29,11 +29,11 @@ class FillCollector:
         self.app = app
 
     def collect(self) -> Iterator[Any]:
-        """Yield gauges of fill (units used / burst), next free slot and booked-ahead starts."""
+        """Yield gauges of fill (units used / burst), next free start and booked-ahead starts."""
         from prometheus_client.core import GaugeMetricFamily
 
         fill = GaugeMetricFamily("celery_throttle_fill_ratio",
-                                 "Bucket content / burst (above 1: slots booked ahead)",
+                                 "Bucket content / burst (above 1: starts booked ahead)",
                                  labels=["limit"])
         free = GaugeMetricFamily("celery_throttle_next_free_seconds",
                                  "Seconds until the limit admits a start", labels=["limit"])

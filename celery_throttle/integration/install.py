@@ -133,7 +133,7 @@ def install(app: Celery) -> Celery:
                 dispatchers.append(dispatcher)
                 revokes.listen(app, dispatcher.cancel)
                 logger.info("celery_throttle: waiting room on: this node dispatches parked tasks "
-                            "%.3fs before their slot", config.dispatch_lead)
+                            "%.3fs before their booked start", config.dispatch_lead)
 
     def on_shutdown(**_: Any) -> None:
         forget(app)

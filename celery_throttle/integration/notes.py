@@ -102,7 +102,7 @@ def _note_in_line(runtime: Runtime, entry: str, now: int) -> dict[str, Any] | No
             "since": ours.get("since"), "booked": False, "entry": entry, "place": line.place}
 
 
-# Wait notes deleted per command (one slot: a cluster takes them in one DEL).
+# Wait notes deleted per command (they hash alike: a cluster takes them in one DEL).
 _DELETE_BATCH = 1000
 
 

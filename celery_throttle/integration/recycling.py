@@ -5,7 +5,7 @@ Where prefork processes are recycled (``worker_max_tasks_per_child``,
 sees it exit.  A process that is sent a task just before it exits can be
 missed then: the pool replaces it only at its next maintenance, every 5 s,
 and the task sent to it waits until then (Celery's issue #9588, which
-Celery alone shows too).  A task dispatched for its slot then loses it, and
+Celery alone shows too).  A task dispatched for its booked start then loses it, and
 the limit goes unused meanwhile.
 
 So where processes are recycled, the worker's event loop runs the pool's own

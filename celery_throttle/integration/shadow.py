@@ -6,9 +6,9 @@ dashboard; ``core/live.py``) over the task's ``@throttled(enforce=...)``
 over the app's ``throttle_enforce``.
 
 A shadowed limit is decided in buckets of its own, under the prefix
-``<prefix>.shadow``: a task that would have waited books the slot it would
+``<prefix>.shadow``: a task that would have waited books the booked start it would
 have had there, so the next one would have waited longer, exactly as the
-enforced limit would have made it, and the shadow bucket's next free slot is
+enforced limit would have made it, and the shadow bucket's next free start is
 when the would-have backlog drains.  The real buckets are never charged by a
 shadowed limit: switched to enforcing, a limit starts from its real bucket
 (full, if nothing enforced it meanwhile), not from a backlog no task waited

@@ -325,7 +325,7 @@ def ensure_gated(task: Task[Any, Any]) -> None:
         # The start this run was admitted for: a gated HTTP transport under the
         # same limit spends it on the run's first request (core/credit.py), if
         # that leaves soon enough after the start, not after this moment: a
-        # task let go late in its slot's grace has spent part of that already.
+        # task let go late in its booked start's grace has spent part of that already.
         now = time.monotonic() - admitted_late(task)
         unspent = credit.grant({runtime.gate.key_of(lim): credit.Admission(lim, now)
                                 for lim in rates_of(limits)})

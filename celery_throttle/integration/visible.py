@@ -41,7 +41,7 @@ from celery.backends.base import DisabledBackend
 
 __all__ = ["DROPPED_EVENT", "THROTTLED", "announce", "announce_dropped", "backend_of"]
 
-#: The state of a task that waits for its slot outside the worker.
+#: The state of a task that waits for its booked start outside the worker.
 THROTTLED = "THROTTLED"
 #: The task event announcing it (Celery's event state shows it as THROTTLED).
 EVENT = "task-throttled"

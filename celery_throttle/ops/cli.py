@@ -4,10 +4,10 @@ Registered as a Celery extension command (the ``celery.commands`` entry point
 in ``pyproject.toml``), so it runs with the app and settings of ``-A proj``:
 
 * ``status [NAME ...] [--key K] [--json]``: each known limit with its rate,
-  burst, fill, next free slot (and why, when paused or held back by a
+  burst, fill, next free start (and why, when paused or held back by a
   provider's rate-limit headers) and the starts booked ahead (tasks waiting);
 * ``why TASK_ID [--json]``: the limit a deferred task waits for, its booked
-  slot and deferral count (recorded at each deferral, kept until the slot);
+  booked start and deferral count (recorded at each deferral, kept until the booked start);
 * ``reset NAME [--key K]``: forget a bucket (it is full again);
 * ``set NAME RATE [--burst N]`` / ``unset NAME``: a rate set at run time over
   the code's, used by every worker and dispatcher within a second, waiting
@@ -158,7 +158,7 @@ def throttle() -> None:
 @click.pass_context
 def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key: str | None,
            as_json: bool) -> None:
-    """Each limit: rate, burst, fill, next free slot, starts booked ahead (tasks waiting)."""
+    """Each limit: rate, burst, fill, next free start, starts booked ahead (tasks waiting)."""
     doc = report.status(_app(ctx), names, _key_value(key, int_key))
     if as_json:
         click.echo(json.dumps(doc, indent=2))
@@ -186,7 +186,7 @@ def status(ctx: click.Context, names: tuple[str, ...], key: str | None, int_key:
 @click.option("--json", "as_json", is_flag=True, help="one JSON document instead of text")
 @click.pass_context
 def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
-    """Why TASK_ID waits: its limit, booked slot and deferrals (from its last deferral)."""
+    """Why TASK_ID waits: its limit, booked start and deferrals (from its last deferral)."""
     doc = report.why(_app(ctx), task_id)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
@@ -207,9 +207,9 @@ def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
     click.echo(f"task {task_id} ({wait['task']}){parked} waits for limit {wait['limit']!r}: "
                f"next start {when}; deferral {wait['deferrals']}, waiting "
                f"{wait['waiting_s']:.1f}s so far"
-               + ("; slot booked" if wait["booked"] else
-                  "; no slot booked (its turn comes when the limit admits it)" if wait.get("entry")
-                  else "; no slot booked (a seat is awaited, the wait is beyond the "
+               + ("; start booked" if wait["booked"] else
+                  "; no start booked (its turn comes when the limit admits it)" if wait.get("entry")
+                  else "; no start booked (a seat is awaited, the wait is beyond the "
                   "horizon, or the store was down)"))
 
 

@@ -111,7 +111,7 @@ def _shadow(app: Celery, rows: list[dict[str, Any]], known: dict[tuple[str, bool
             value: object) -> None:
     """Each row's mode (``enforced``, and ``enforced_by``: "live", "code" or "app"); for a
     limit in shadow mode, what it would have done (``shadow``): its shadow bucket's next
-    free slot (when the would-have backlog drains) and starts booked ahead, and the
+    free start (when the would-have backlog drains) and starts booked ahead, and the
     tasks it would have made wait in the last 15 minutes (every worker's counts)."""
     runtime = runtime_for(app)
     shadowed = []

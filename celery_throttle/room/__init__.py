@@ -1,2 +1,2 @@
-"""The waiting room: tasks parked in Redis until their slot, and the dispatcher that sends
+"""The waiting room: tasks parked in Redis until their booked start, and the dispatcher that sends
 them on to their queue."""

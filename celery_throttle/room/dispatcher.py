@@ -13,7 +13,7 @@ script call and one blocking pop per ``IDLE`` seconds.
 Dispatched tasks go to a *lane* beside their queue (``<queue>.dispatched``),
 which every worker consuming the queue also consumes (:func:`add_lanes`):
 behind a backlog of fresh tasks in the queue itself, a dispatched task would
-reach a worker long after its slot.  A task re-published to wait comes back
+reach a worker long after its booked start.  A task re-published to wait comes back
 by the lane too (:func:`by_lane`).
 
 The thread is an operating-system thread also under the gevent and eventlet
@@ -58,7 +58,7 @@ from ..core.logs import Every, logger
 from ..values import to_us
 from .entries import Served
 from .envelope import Envelope
-from .header import HEADER
+from .header import HEADER, START
 from .keeper import Keeper
 from .keys import room_key
 from .native import NativeThread
@@ -287,7 +287,7 @@ class Dispatcher:
         queues = self.app.amqp.queues
         marks: dict[str, Any] = {"token": item.token, "room": item.epoch}
         if isinstance(item, Served):
-            marks.update(charged=item.flag, slot=item.start or None)
+            marks.update({"charged": item.flag, START: item.start or None})
         envelope = by_lane(Envelope.loads(item.message).with_header(HEADER, **marks))
         by_name = not envelope.exchange
         if by_name:

@@ -2,7 +2,7 @@
 
 A deferred task is re-published (or parked and dispatched) under the same id,
 queue, routing, headers and options; what it needs on its next arrival (its
-booked slot, its deferral count, which copy it is) travels in the header
+booked start, its deferral count, which copy it is) travels in the header
 :data:`HEADER`, read back with :meth:`WaitState.from_request`.
 """
 
@@ -14,25 +14,27 @@ from typing import Any
 
 from ..core.limits import AnyLimit, Reservation
 
-__all__ = ["HEADER", "WaitState", "spacing_of"]
+__all__ = ["HEADER", "START", "WaitState", "spacing_of"]
 
 #: The message header carrying a waiting task's state between hops.
 HEADER = "celery_throttle"
+#: The header's field of the booked start, as 0.1.0 named it (its messages may be in flight).
+START = "slot"
 
 
 @dataclass(frozen=True, slots=True)
 class WaitState:
-    """What a deferred message carries: its booked slot, deferral count and first wait."""
+    """What a deferred message carries: its booked start, deferral count and first wait."""
 
-    slot: int | None = None  # booked start, server clock, microseconds
-    booked: int = 0  # the limits the slot is booked in (Reservation.booked)
-    epoch: int = 0  # the store lifetime the slot was booked in (Reservation.epoch)
+    start: int | None = None  # booked start, server clock, microseconds
+    booked: int = 0  # the limits the start is booked in (Reservation.booked)
+    epoch: int = 0  # the store lifetime the start was booked in (Reservation.epoch)
     shift: int = 0  # the booked limits' settlement shift at booking (Reservation.shift)
     deferrals: int = 0
     since: int | None = None  # server clock (us) of the first deferral
     copy: str = ""  # set by every re-publish: tells a duplicate from a redelivery
     prev: str = ""  # the copy that published this one ("-": the user's message)
-    spacing: tuple[int, ...] = ()  # each limit's interval (us) when the slot was booked
+    spacing: tuple[int, ...] = ()  # each limit's interval (us) when the start was booked
     entry: str = ""  # the waiting-room entry this copy was dispatched from (parking.py)
     token: str = ""  # the dispatch that published this copy (set by the dispatcher)
     room: int = 0  # the store's epoch when it was dispatched (set by the dispatcher)
@@ -70,7 +72,7 @@ class WaitState:
         if not (isinstance(spacing, list) and len(spacing) <= 64
                 and all(isinstance(t, int) for t in spacing)):
             spacing = []
-        return cls(slot=num("slot") or None, booked=num("booked"), epoch=num("epoch"),
+        return cls(start=num(START) or None, booked=num("booked"), epoch=num("epoch"),
                    shift=num("shift"), deferrals=num("deferrals"),
                    since=num("since") or None, copy=text("copy"),
                    prev=text("prev"), spacing=tuple(spacing), entry=text("entry", 64),
@@ -82,7 +84,7 @@ class WaitState:
         """The copy ``copy`` that goes on waiting after this one (deferred once more), for
         ``limits``, first waiting at ``since`` (server clock, us), booked for ``booking``'s
         start if any.  The copy pointer moves to it from this copy."""
-        return WaitState(slot=booking.slot if booking else None,
+        return WaitState(start=booking.start if booking else None,
                          booked=booking.booked if booking else 0,
                          epoch=booking.epoch if booking else 0,
                          shift=booking.shift if booking else 0, deferrals=self.deferrals + 1,
@@ -107,8 +109,8 @@ class WaitState:
     @property
     def claim(self) -> Reservation | None:
         """The reservation to claim on arrival, if any."""
-        return (Reservation(slot=self.slot, booked=self.booked, epoch=self.epoch,
-                            shift=self.shift) if self.slot
+        return (Reservation(start=self.start, booked=self.booked, epoch=self.epoch,
+                            shift=self.shift) if self.start
                 else None)
 
     def claim_under(self, limits: list[AnyLimit]) -> Reservation | None:
@@ -132,7 +134,7 @@ class WaitState:
     def to_header(self) -> dict[str, int | str | list[int] | None]:
         """The header value (JSON-safe)."""
         header: dict[str, int | str | list[int] | None] = {
-            "slot": self.slot, "booked": self.booked, "epoch": self.epoch,
+            START: self.start, "booked": self.booked, "epoch": self.epoch,
             "shift": self.shift, "deferrals": self.deferrals, "since": self.since,
             "copy": self.copy,
             "prev": self.prev, "spacing": list(self.spacing)}

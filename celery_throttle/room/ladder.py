@@ -168,7 +168,7 @@ _SAFE = {"x-queue-type": "quorum", "x-dead-letter-strategy": "at-least-once",
 
 def _declare(channel: Any) -> None:
     # nowait: the 129 declarations go out in one stream, not a round trip each (a
-    # process's first wait would take about half a second, past a near slot).  The
+    # process's first wait would take about half a second, past a near booked start).  The
     # broker handles a channel's frames in order: the publish that follows is
     # confirmed after them, or fails with the channel if one of them was refused.
     channel.exchange_declare(DELIVERY, "headers", durable=True, auto_delete=False, nowait=True)

@@ -1,10 +1,10 @@
 """The limits' lines: tasks waiting in line for a rate limit, dispatched when their turn comes.
 
-A task whose wait is long is not given a slot when it arrives (a slot
+A task whose wait is long is not given a booked start when it arrives (a booked start
 booked hours ahead freezes the order of a backlog, and its pace): it waits
 in the line of the limit that blocks it, ordered by its *place*, and the
 dispatcher (``dispatcher.py``) charges its limits at the moment they admit
-it, then publishes it.  So the order is decided when each slot comes: an
+it, then publishes it.  So the order is decided when each start comes: an
 urgent task sent behind a backlog goes first, a cancelled backlog frees the
 limit at once, and a limit's new rate applies to the tasks already waiting.
 
@@ -354,7 +354,7 @@ class Lines:
     def clear(self) -> None:
         """Drop every line (their messages are the waiting room's, dropped by its purge)."""
         lines = [text(q) for q in cast(list[bytes], self.client.zrange(self.ready, 0, -1))]
-        # One DEL per key: on a Cluster they share a slot, but redis-py's
+        # One DEL per key: on a Cluster they hash alike, but redis-py's
         # cluster client splits a multi-key DEL anyway.
         turns = [line_of(limit_of(q))[1] for q in lines]
         for key in [*lines, *turns, self.ready]:

@@ -2,7 +2,7 @@
 
 A task that must wait longer than a sleep in the worker is not re-published
 with a countdown (a Celery ETA message held in some worker's memory until
-its slot, on that worker's clock).  It waits in its limit's line
+its booked start, on that worker's clock).  It waits in its limit's line
 (``lines.py``); one due again at a known time without a charge (a
 provider's pause, or its kept copy restored) waits in the room's timer, the
 parked set, scored by when it is due on the Redis server's clock.  A

@@ -8,7 +8,7 @@ and saves a chart of provider calls per second against the quota.
 
 Both get the limit 9/s under the provider's 10 per 1 s: a strict sliding
 window at exactly the limit would refuse a call whenever scheduling jitter
-makes one start a few ms later than the start ten slots after it.  One start
+makes one start a few ms later than the start ten intervals after it.  One start
 of margin per window absorbs that (see the README's "Semantics").
 """
 

@@ -1,7 +1,7 @@
 """Run the example: ``python -m examples.web_api``.
 
 One quota, two kinds of callers: a Starlette app served by uvicorn (its
-endpoint waits with ``AsyncGate.slot``) and a Celery worker node (its task
+endpoint waits with ``AsyncGate.admitted``) and a Celery worker node (its task
 is ``@throttled``), both under limit "provider" at 8/s, in front of a mock
 provider that allows 10 requests in any 1 s.  40 HTTP requests and 40 tasks
 are sent at once.  Expect: every one done, 0 429s, the provider's worst 1 s

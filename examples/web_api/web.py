@@ -4,8 +4,8 @@ Starlette rather than FastAPI: it is what FastAPI is built on, so the same
 handler works in a FastAPI app unchanged, and it needs no pydantic for one
 endpoint.  Run it with ``uvicorn examples.web_api.web:app``.
 
-Each request waits for a start of limit "provider" with ``AsyncGate.slot``
-(booked, so concurrent requests get distinct, evenly spaced slots rather
+Each request waits for a start of limit "provider" with ``AsyncGate.admitted``
+(booked, so concurrent requests get distinct, evenly spaced starts rather
 than racing), then calls the provider.  A request that would wait longer
 than ``MAX_WAIT`` gets a 503 with ``Retry-After`` at once: it books nothing.
 """
@@ -47,7 +47,7 @@ async def summarize(request: Request) -> JSONResponse:
     body: dict[str, Any] = await request.json()
     gate: AsyncGate = request.app.state.gate
     try:
-        async with gate.slot(LIMITS, timeout=MAX_WAIT):
+        async with gate.admitted(LIMITS, timeout=MAX_WAIT):
             response = await request.app.state.http.post("/v1/summarize",
                                                          json={"prompt": body["doc"]})
     except ThrottleTimeout as exc:

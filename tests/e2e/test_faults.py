@@ -59,7 +59,7 @@ def test_store_killed_mid_run_defers_then_completes_exactly_once(
     assert states == ["SUCCESS"] * 100
     assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
     # Starts during the outage: only tasks that had passed the gate and were
-    # sleeping up to throttle_max_sleep (0.5 s) for their booked slot.
+    # sleeping up to throttle_max_sleep (0.5 s) for their booked start.
     during = [r["t"] for r in rows if killed + 0.55 < r["t"] < restarted]
     assert during == []
     after = [r["t"] for r in rows if r["t"] >= restarted]
@@ -376,7 +376,7 @@ def test_skewed_worker_clocks_keep_the_bound(
 
     Countdowns become ETAs on the publisher's clock and are waited for on
     the receiver's: tasks arrive seconds early (they ask again) or late (the
-    booked slot is lost).  That costs throughput, never the bound.
+    booked start is lost).  That costs throughput, never the bound.
     """
     # The countdown path: with the waiting room (the default) skew costs
     # nothing (test_skewed_worker_clocks_cost_nothing_with_the_waiting_room).

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.integration
 # flight under-estimated by half (3 x 20 tokens): 320, in our starts' time,
 # plus a start up to the claim grace (0.25 s x 90) late: 342.  The provider
 # counts on its own clock, after each request's trip.  Until settlements
-# moved the slots booked before them (bucket.lua, "shift"), tasks booked at the
+# moved the starts booked before them (bucket.lua, "shift"), tasks booked at the
 # estimates' pace kept those slots: 1-2 429s in 2 of 2 runs on 2026-12-01
 # (worst accepted windows 345, 346); since, 8 runs: 0 429s, worst 215-292.
 TOKEN_WINDOW, TOKEN_BUDGET = 2.0, 350
@@ -86,7 +86,7 @@ def test_concurrency_rate_and_settled_tokens_make_no_429(
     assert worst <= TOKEN_BUDGET
     # The run used the token budget, not a fraction of it: actual tokens over
     # the run's span against 90/s.  Measured 2026-12-01 since refunds are
-    # withheld while slots are booked ahead and late starts move later slots
+    # withheld while starts are booked ahead and late starts move later booked starts
     # back: 0.76-0.94 (spans 14.4-17.8 s; 17.8 s in a full clean-clone run, 0.8
     # failed there), hence 0.65.
     span = max(accepted) - min(accepted)
@@ -143,11 +143,11 @@ def test_429_with_retry_after_3_stops_every_worker_for_3_s(
     assert provider.most_inflight <= 3  # p-inflight: concurrency=3 across both nodes
 
 
-def test_sigkilled_worker_frees_its_slot_within_the_lease(
+def test_sigkilled_worker_frees_its_seat_within_the_lease(
         redis_base: str, capp: ModuleType, records: redis.Redis) -> None:
     """A 3 s lease: held by heartbeat for 8 s of running, freed <= 3 s after a SIGKILL.
 
-    The slot holder runs on node w1 (queue "q1"), the waiter on w2 ("q2"),
+    The booked start holder runs on node w1 (queue "q1"), the waiter on w2 ("q2"),
     so the kill takes nothing but the holder and its lease.
     """
     env = {"CT_LEASE": "3"}

@@ -67,7 +67,7 @@ def test_backlog_two_prefork_nodes_keeps_bound_and_rate(
     worst = check_window_bound(times, rate=20, burst=1, period=1.0)
     throughput = (len(times) - 1) / (times[-1] - times[0])
     deferrals = sum(r["deferrals"] for r in rows) / len(rows)
-    # Lateness of starts in a booked slot (none when every wait was slept in-process).
+    # Lateness of starts in a booked start (none when every wait was slept in-process).
     late = sorted(r["t"] - r["slot"] / 1e6 for r in rows if r["slot"]) or [float("nan")]
     print(f"\nbacklog ({broker}, max_sleep {max_sleep or 'default'}): "
           f"throughput {throughput:.2f}/s of 20/s, worst windows {worst}, "
@@ -197,7 +197,7 @@ def test_shared_task_is_gated(capp: ModuleType, records: redis.Redis, redis_base
 def test_user_retry_does_not_reuse_a_spent_slot(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """A task that retries right after starting in its booked slot passes the gate again."""
+    """A task that retries right after starting in its booked start passes the gate again."""
     with worker_nodes(redis_base, ("w1", "w2")):
         results = [capp.retry_once.delay(i) for i in range(20)]
         rows = read_records(records, expect=40, timeout=40)

@@ -27,13 +27,13 @@ def test_command_answers_why_a_task_waits_and_until_when(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """`celery throttle status/why/reset` against live workers and Redis (countdowns, whose
-    slots are booked at arrival: the lines' status and why are tests/e2e/test_scheduler.py's)."""
+    starts are booked at arrival: the lines' status and why are tests/e2e/test_scheduler.py's)."""
     with worker_nodes(redis_base, ("w1",), conf={"throttle_waiting_room": False}):
         results = [capp.patient.delay(i) for i in range(20)]  # 1/s: a 19 s queue
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and records.llen("records") < 2:
             time.sleep(0.1)
-        # Every task still to come has been told to wait, its slot booked.
+        # Every task still to come has been told to wait, its start booked.
         until("the waiting tasks are booked",
               lambda: all(r.state == "THROTTLED" for r in results[5:]), 20)
         status = throttle_cli(["status", "--json", "patient"], redis_base)
@@ -55,7 +55,7 @@ def test_command_answers_why_a_task_waits_and_until_when(
     assert re.search(r"^tests.celery_app.per_tenant \(per key\) .* per key: name one with --key",
                      table.stdout, flags=re.MULTILINE), table.stdout
     assert re.search(rf"^task {results[15].id} \(tests\.celery_app\.patient\) waits for "
-                     r"limit 'patient': next start in \d+\.\d{3}s; deferral \d+, .*; slot booked$",
+                     r"limit 'patient': next start in \d+\.\d{3}s; deferral \d+, .*; start booked$",
                      why.stdout, flags=re.MULTILINE), why.stdout
     wait = json.loads(why_json.stdout)["waiting"]
     # The 16th task sent starts about 15 s after the first start.  Judged on the

@@ -384,12 +384,12 @@ def test_a_task_woken_late_for_its_booked_slot_asks_again(
 ) -> None:
     """Short waits are booked and slept (each wait here is under 0.4 s: 8 processes at
     20/s, within a dispatch's reach of 0.5 s); every third process wakes 0.2 s late for
-    the slot it was admitted for: it asks again (its slot is lost) instead of starting
+    the booked start it was admitted for: it asks again (that start is lost) instead of starting
     late, so the starts keep the window bound."""
     # A wait within the dispatch's reach (its lead plus the trip) is booked: a lead of
     # 0.5 s (the most it reaches) books every wait here.
     again, text = _woken_late(capp, records, redis_base,
                               {"throttle_max_sleep": 5.0, "throttle_dispatch_lead": 0.5},
-                              r"after its slot; asking again")
+                              r"after its booked start; asking again")
     assert again >= 5  # the stalls happened, and were caught
     assert "in line again" not in text  # (no wait was long enough to go in line)

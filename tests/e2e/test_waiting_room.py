@@ -159,7 +159,7 @@ def test_store_killed_with_tasks_in_line_runs_each_once_after_restart(
     assert states == ["SUCCESS"] * 10
     assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
     # Nothing starts while the store is down, beyond a task that arrived
-    # before the kill and slept up to its dispatch lead for its slot.
+    # before the kill and slept up to its dispatch lead for its booked start.
     assert [r["t"] for r in rows if killed + 0.2 < r["t"] < restarted] == []
     # The buckets came back from the AOF: the bound holds with no extra burst.
     check_window_bound([r["t"] for r in rows], rate=1, burst=1, period=1.0)
@@ -194,7 +194,7 @@ def test_skewed_worker_clocks_cost_nothing_with_the_waiting_room(
     assert len({r["host"] for r in rows}) == 3  # every node ran some
 
 
-def test_a_freed_concurrency_slot_goes_to_the_oldest_waiter_at_once(
+def test_a_freed_seat_goes_to_the_oldest_waiter_at_once(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """concurrency=1: tasks in the seat's line start in their order, each right after the

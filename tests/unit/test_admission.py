@@ -44,7 +44,7 @@ def refusal(wait: float, *, booked: int = 1, limit: object = RATE, queued: bool 
             early: bool = False) -> Decision:
     """The gate's refusal: ``wait`` seconds, a start booked in ``booked`` (-1: nothing
     booked, a wait beyond the horizon)."""
-    booking = None if booked < 0 else Reservation(slot=NOW + int(wait * SEC), booked=booked)
+    booking = None if booked < 0 else Reservation(start=NOW + int(wait * SEC), booked=booked)
     return Decision(allowed=False, retry_after=wait, limit=limit,  # type: ignore[arg-type]
                     reservation=booking, now=NOW, queued=queued, early=early)
 

@@ -230,4 +230,4 @@ def test_a_run_gives_its_lease_back_however_it_ends(app: Celery, prefix: str) ->
         finally:
             job.pop_request()
         assert gate.inspect_leases(Slots("one-slot", 1)).held == 0
-    assert held_inside == [1, 1, 1]  # each run held the one slot, and got it: none leaked
+    assert held_inside == [1, 1, 1]  # each run held the one booked start, and got it: none leaked

@@ -192,12 +192,12 @@ def test_reservations_are_distinct_and_evenly_spaced(cgate: Gate) -> None:
     for _ in range(10):
         d = cgate.acquire_many([Limit("r", parse_rate("20/s"))], reserve=10)
         assert d.reserved
-        slots.append(d.slot)
+        slots.append(d.start)
     assert slots == [T0 + 50_000 * i for i in range(1, 11)]
 
 
 def test_reservation_beyond_horizon_books_nothing(cgate: Gate, client: redis.Redis) -> None:
-    """A wait longer than the horizon is reported, but no slot is booked."""
+    """A wait longer than the horizon is reported, but no start is booked."""
     lim = Limit("h", parse_rate("1/m"))
     cgate.acquire_many([lim])
     stored = client.get(cgate.key_of(lim))
@@ -208,42 +208,42 @@ def test_reservation_beyond_horizon_books_nothing(cgate: Gate, client: redis.Red
 
 
 def test_claim_early_on_time_and_late(cgate: Gate, clock: StepClock) -> None:
-    """A claim is early before its slot, admitted for its slot just ahead, void after the grace."""
+    """A claim is early before its start, admitted for its start just ahead, void past its grace."""
     lim = Limit("c", parse_rate("10/s"))
     cgate.acquire_many([lim])
     booked = cgate.acquire_many([lim], reserve=5)
     later = cgate.acquire_many([lim], reserve=5)
-    assert (booked.slot, later.slot) == (T0 + 100_000, T0 + 200_000)
+    assert (booked.start, later.start) == (T0 + 100_000, T0 + 200_000)
     early = cgate.acquire_many([lim], claim=booked.reservation, grace=0.02)
     assert early.early
     assert early.retry_after == 0.1
-    clock.us = T0 + 90_000  # within the grace ahead: admitted for the slot itself
+    clock.us = T0 + 90_000  # within the grace ahead: admitted for the booked start itself
     ahead = cgate.acquire_many([lim], claim=booked.reservation, grace=0.02)
     assert ahead.allowed
     assert ahead.retry_after == pytest.approx(0.01)
-    # Late past the grace: the old slot is void; a fresh decision against the bucket.
+    # Late past the grace: the old booked start is void; a fresh decision against the bucket.
     clock.us = T0 + 220_001
     late = cgate.acquire_many([lim], claim=later.reservation, grace=0.02, reserve=5)
     assert late.reserved
-    assert late.slot == T0 + 300_000  # the next free slot, not a burst now
+    assert late.start == T0 + 300_000  # the next free start, not a burst now
 
 
 def test_a_late_start_pushes_the_later_slots_back(cgate: Gate, clock: StepClock) -> None:
-    """Started 15 ms late, a slot moves every later one by 15 ms: starts keep 100 ms apart."""
+    """Started 15 ms late, a start moves every later booked one by 15 ms: 100 ms apart still."""
     lim = Limit("c", parse_rate("10/s"))
     cgate.acquire_many([lim])
     first = cgate.acquire_many([lim], reserve=5).reservation
     second = cgate.acquire_many([lim], reserve=5).reservation
     assert first is not None
     assert second is not None
-    clock.us = first.slot + 15_000
+    clock.us = first.start + 15_000
     assert cgate.acquire_many([lim], claim=first, grace=0.02).allowed
-    clock.us = second.slot  # on time as booked, 85 ms after the late start: held back
+    clock.us = second.start  # on time as booked, 85 ms after the late start: held back
     held = cgate.acquire_many([lim], claim=second, grace=0.02)
     assert held.allowed
     assert held.retry_after == pytest.approx(0.015)  # admitted for 100 ms after the late one
     third = cgate.acquire_many([lim], reserve=5)
-    assert third.slot == second.slot + 15_000 + 100_000
+    assert third.start == second.start + 15_000 + 100_000
 
 
 def test_caller_clock_under_freezegun(client: redis.Redis, prefix: str) -> None:
@@ -345,7 +345,7 @@ def test_lua_matches_reference_model(
             ident.append((k, cost))
         claim = last[1] if use_claim and last is not None and last[0] == ident else None
         mclaim = None if claim is None else (
-            claim.slot, frozenset(i for i in range(len(limits)) if claim.booked >> i & 1),
+            claim.start, frozenset(i for i in range(len(limits)) if claim.booked >> i & 1),
             claim.shift)
         expected = model.decide(clock.us, mlimits, horizon, mclaim, grace=20_000, near=near)
         d = g.acquire_many(limits, reserve=None if horizon < 0 else horizon / 1_000_000,
@@ -354,13 +354,13 @@ def test_lua_matches_reference_model(
                   else "reserved" if d.reserved else "denied")
         booked = frozenset() if d.reservation is None else frozenset(
             i for i in range(len(limits)) if d.reservation.booked >> i & 1)
-        got = (status, round(d.retry_after * 1_000_000), d.slot or 0, booked)
+        got = (status, round(d.retry_after * 1_000_000), d.start or 0, booked)
         assert got == expected
         if d.reservation is not None and (d.reserved or d.retry_after > 0):
             last = (ident, d.reservation)  # a near admission may be claimed again too
 
 
-# One caller's move: (gap before it, us; what it does; how far from its slot it claims, us).
+# One caller's move: (gap before it, us; what it does; how far from its booked start it claims, us).
 _move_st = st.tuples(st.integers(0, 60_000), st.sampled_from(["fresh", "book", "claim"]),
                      st.integers(-40_000, 40_000))
 
@@ -371,12 +371,12 @@ _move_st = st.tuples(st.integers(0, 60_000), st.sampled_from(["fresh", "book", "
 def test_starts_keep_the_full_interval_however_late_claims_come(
     client: redis.Redis, moves: list[tuple[int, str, int]]
 ) -> None:
-    """Fresh starts and booked slots claimed early, on time and late: starts >= T apart.
+    """Fresh starts and booked starts claimed early, on time and late: starts >= T apart.
 
     The bound ``burst - 1 + ceil(w * rate)`` with burst 1 is exactly "no two
     starts closer than the interval"; a start is the decision's time, or the
     slot it was admitted for ahead of time.  Before late starts moved the
-    later slots back, a start up to the grace late next to an on-time one was
+    later booked starts back, a start up to the grace late next to an on-time one was
     allowed (one start over the bound in a window).
     """
     clock = StepClock()
@@ -389,7 +389,7 @@ def test_starts_keep_the_full_interval_however_late_claims_come(
         clock.us += gap
         if what == "claim" and waiting:
             booking = waiting.pop(0)
-            clock.us = max(clock.us, booking.slot + offset)
+            clock.us = max(clock.us, booking.start + offset)
             d = g.acquire_many([lim], claim=booking, grace=0.025)
         else:
             d = g.acquire_many([lim], reserve=10 if what == "book" else None)
@@ -405,7 +405,7 @@ def test_starts_keep_the_full_interval_however_late_claims_come(
 def test_reservation_books_only_the_limit_that_forces_the_slot(
     cgate: Gate, clock: StepClock
 ) -> None:
-    """A slot forced by a slow own limit leaves the shared limit free for others until then."""
+    """A start booked by a slow own limit leaves the shared limit free for others until then."""
     own = Limit("own", parse_rate("1/s"))
     shared = Limit("shared", parse_rate("10/s"))
     assert cgate.acquire_many([own, shared]).allowed
@@ -421,7 +421,7 @@ def test_reservation_books_only_the_limit_that_forces_the_slot(
 
 
 def test_claim_with_busy_unbooked_limit_decides_afresh(cgate: Gate, clock: StepClock) -> None:
-    """If a limit the slot is not booked in is busy at the slot, the claim books anew."""
+    """If a limit the start is not booked in is busy at the booked start, the claim books anew."""
     own = Limit("own", parse_rate("1/s"))
     shared = Limit("shared", parse_rate("2/s"))
     cgate.acquire_many([own])
@@ -432,9 +432,9 @@ def test_claim_with_busy_unbooked_limit_decides_afresh(cgate: Gate, clock: StepC
     clock.us = T0 + 1_000_000
     again = cgate.acquire_many([own, shared], claim=held.reservation, grace=0.01, reserve=10)
     assert again.reserved
-    assert again.slot == T0 + 2_000_000  # own's next free slot (the lost one stays charged)
+    assert again.start == T0 + 2_000_000  # own's next free start (the lost one stays charged)
     assert again.reservation is not None
-    # shared is free 0.501 s (over one start of its own) before the slot: not booked.
+    # shared is free 0.501 s (over one start of its own) before the booked start: not booked.
     assert again.reservation.booked == 0b01
 
 
@@ -443,7 +443,7 @@ def test_claim_waits_out_a_busy_unbooked_limit_within_the_grace(
 ) -> None:
     """An unbooked limit free again within the grace is booked, and the claim is 'early'.
 
-    Losing the slot instead would cost a whole interval of the slow limit
+    Losing the booked start instead would cost a whole interval of the slow limit
     for a wait of a few milliseconds (seen as small tenants' calls taking
     twice their time in examples.llm_quota).
     """
@@ -458,23 +458,23 @@ def test_claim_waits_out_a_busy_unbooked_limit_within_the_grace(
     wait = cgate.acquire_many([own, shared], claim=held.reservation, grace=0.1)
     assert wait.early
     assert wait.retry_after == 0.075
-    # The slot is now the moment both limits admit; the own limit's later
+    # The booked start is now the moment both limits admit; the own limit's later
     # slots moved back by the 75 ms it starts late (its shift).
     assert wait.reservation == Reservation(T0 + 575_000, booked=0b11, epoch=T0, shift=75_000)
     assert not cgate.acquire_many([shared]).allowed  # held for the claim, not taken by others
     clock.us = T0 + 575_000
     assert cgate.acquire_many([own, shared], claim=wait.reservation, grace=0.1).allowed
     # Spent once, and the own limit's next start keeps its 500 ms from this one.
-    assert cgate.acquire_many([own], reserve=10).slot == T0 + 1_075_000
+    assert cgate.acquire_many([own], reserve=10).start == T0 + 1_075_000
 
 
 def test_limits_free_within_one_start_are_booked_too(cgate: Gate) -> None:
-    """Limits whose own next start is at most one interval before the slot are booked with it."""
+    """Limits whose own next start is at most one interval before the booked one are booked too."""
     fast = Limit("fast", parse_rate("10/s"))
     slow = Limit("slow", parse_rate("8/s"))
     assert cgate.acquire_many([fast, slow]).allowed
     d = cgate.acquire_many([fast, slow], reserve=10)
-    assert d.slot == T0 + 125_000
+    assert d.start == T0 + 125_000
     assert d.reservation is not None
     assert d.reservation.booked == 0b11
 
@@ -488,14 +488,14 @@ def test_claims_void_after_store_restart(cgate: Gate, client: redis.Redis, prefi
     assert held.reservation is not None
     for key in client.scan_iter(match=f"{{{prefix}}}:*"):  # what a restart or FLUSHDB does
         client.delete(key)
-    clock.us = held.reservation.slot - 50_000
+    clock.us = held.reservation.start - 50_000
     assert cgate.acquire_many([lim]).allowed  # the empty bucket admits a fresh start
-    fresh = cgate.acquire_many([lim], reserve=10)  # and books past the old slot
-    assert fresh.slot == held.reservation.slot + 50_000
-    clock.us = held.reservation.slot
+    fresh = cgate.acquire_many([lim], reserve=10)  # and books past the old booked start
+    assert fresh.start == held.reservation.start + 50_000
+    clock.us = held.reservation.start
     late = cgate.acquire_many([lim], claim=held.reservation, grace=0.02, reserve=10)
     assert not late.allowed  # the pre-restart booking no longer counts (a new epoch)
-    assert late.slot == held.reservation.slot + 150_000
+    assert late.start == held.reservation.start + 150_000
 
 
 def test_claim_void_when_its_bucket_was_evicted(cgate: Gate, client: redis.Redis,
@@ -506,7 +506,7 @@ def test_claim_void_when_its_bucket_was_evicted(cgate: Gate, client: redis.Redis
     held = cgate.acquire_many([lim], reserve=10)
     assert held.reservation is not None
     cgate.reset(lim)
-    clock.us = held.reservation.slot
+    clock.us = held.reservation.start
     again = cgate.acquire_many([lim], claim=held.reservation, grace=0.02)
     assert again.allowed  # the bucket is empty: a fresh decision admits it, and charges it
     assert not cgate.acquire_many([lim]).allowed
@@ -610,7 +610,7 @@ def test_inspect_of_a_missing_bucket_creates_nothing(cgate: Gate, client: redis.
 
 
 def test_cancel_gives_back_only_the_last_booking(cgate: Gate, clock: StepClock) -> None:
-    """A waiter that gives up returns its slot if nobody booked after it; else the slot
+    """A waiter that gives up returns its booked start if nobody booked after it; else that start
     stays taken (a hole), never handed out twice."""
     limit = Limit("api", parse_rate("10/s"))
     assert cgate.acquire_many([limit]).allowed

@@ -21,7 +21,7 @@ from ..clock import T0, StepClock
 
 
 def test_at_most_n_holders_and_a_release_frees_a_seat(cgate: Gate) -> None:
-    """Two slots: a and b hold, c is refused; after a releases, c gets the slot."""
+    """Two slots: a and b hold, c is refused; after a releases, c gets the booked start."""
     two = Concurrency("llm-inflight", 2)
     assert cgate.acquire_many([two], holder="a").allowed
     assert cgate.acquire_many([two], holder="b").allowed
@@ -45,7 +45,7 @@ def test_the_same_holder_asking_again_keeps_one_lease(cgate: Gate) -> None:
 
 def test_an_expired_lease_is_reclaimed_by_the_next_acquire(cgate: Gate, clock: StepClock
                                                            ) -> None:
-    """A holder that stops renewing (killed worker) loses its slot one lease time later."""
+    """A holder that stops renewing (killed worker) loses its booked start one lease time later."""
     one = Concurrency("solo", 1, lease=5)
     assert cgate.acquire_many([one], holder="dead").allowed
     clock.us = T0 + 4_999_999
@@ -55,7 +55,7 @@ def test_an_expired_lease_is_reclaimed_by_the_next_acquire(cgate: Gate, clock: S
     assert cgate.extend([one], "dead") == 1  # the dead holder's lease is gone for good
 
 
-def test_a_heartbeat_keeps_the_slot_past_the_lease(cgate: Gate, clock: StepClock) -> None:
+def test_a_heartbeat_keeps_the_seat_past_the_lease(cgate: Gate, clock: StepClock) -> None:
     """Renewed every 2 s, a 5 s lease is held for 20 s; an expired one is retaken if free."""
     one = Concurrency("solo", 1, lease=5)
     assert cgate.acquire_many([one], holder="long").allowed
@@ -63,7 +63,7 @@ def test_a_heartbeat_keeps_the_slot_past_the_lease(cgate: Gate, clock: StepClock
         clock.us += 2_000_000
         assert cgate.extend([one], "long") == 0
         assert not cgate.acquire_many([one], holder="other").allowed
-    clock.us += 6_000_000  # missed its renewals: expired, but nobody took the slot
+    clock.us += 6_000_000  # missed its renewals: expired, but nobody took the booked start
     assert cgate.extend([one], "long") == 0
     assert cgate.inspect_leases(one).held == 1
 
@@ -73,7 +73,7 @@ def test_concurrency_and_rate_are_all_or_nothing(cgate: Gate, clock: StepClock) 
     rate = Limit("rps", parse_rate("1/s"))
     one = Concurrency("inflight", 1)
     assert cgate.acquire_many([rate, one], holder="a").allowed
-    clock.us += 1_000_000  # the rate admits again, the slot is still held by a
+    clock.us += 1_000_000  # the rate admits again, the booked start is still held by a
     assert not cgate.acquire_many([rate, one], holder="b").allowed
     assert cgate.inspect(rate).next_free == 0.0  # b charged nothing
     assert cgate.release([rate, one], "a") == 1
@@ -83,7 +83,7 @@ def test_concurrency_and_rate_are_all_or_nothing(cgate: Gate, clock: StepClock) 
 
 
 def test_full_limit_paces_waiters_by_the_average_run(cgate: Gate, clock: StepClock) -> None:
-    """Waiters are told to come back one (average run / slots) apart, not all at once."""
+    """Waiters are told to come back one (average run / seats) apart, not all at once."""
     two = Concurrency("pool", 2)
     assert cgate.acquire_many([two], holder="a").allowed
     assert cgate.release([two], "a", ran_for=0.8) == 1  # average run 0.8 s
@@ -95,7 +95,7 @@ def test_full_limit_paces_waiters_by_the_average_run(cgate: Gate, clock: StepClo
         assert d.reserved
         assert d.reservation is not None
         assert d.reservation.booked == 0  # nothing can be booked in a lease
-        returns.append(d.slot)
+        returns.append(d.start)
     assert returns == [T0 + 400_000, T0 + 800_000, T0 + 1_200_000]
     assert cgate.inspect_leases(two).average_run == 0.8
 
@@ -107,13 +107,13 @@ def test_waiters_are_paced_by_the_oldest_run_before_any_ended(cgate: Gate, clock
     assert cgate.acquire_many([two], holder="a").allowed
     assert cgate.acquire_many([two], holder="b").allowed
     first = cgate.acquire_many([two], holder="w1", reserve=60)
-    assert first.slot == T0 + 25_000  # nothing known: 50 ms / 2 slots
+    assert first.start == T0 + 25_000  # nothing known: 50 ms / 2 slots
     clock.us = T0 + 600_000  # a and b have run 0.6 s: runs are at least that long
     later = cgate.acquire_many([two], holder="w2", reserve=60)
-    assert later.slot == T0 + 600_000 + 300_000
+    assert later.start == T0 + 600_000 + 300_000
     clock.us = T0 + 5_000_000  # 5 s: the guess stops at 1 s (a freed seat stays idle less)
     again = cgate.acquire_many([two], holder="w3", reserve=60)
-    assert again.slot == T0 + 5_000_000 + 500_000
+    assert again.start == T0 + 5_000_000 + 500_000
     assert cgate.release([two], "a") == 1  # measured on the server's side: 5 s
     assert cgate.inspect_leases(two).average_run == 5.0
 
@@ -143,12 +143,12 @@ def test_pause_voids_slots_booked_before_it(cgate: Gate, clock: StepClock) -> No
     rate = Limit("provider", parse_rate("2/s"))
     assert cgate.acquire_many([rate]).allowed
     booked = cgate.acquire_many([rate], reserve=10)
-    assert booked.slot == T0 + 500_000
+    assert booked.start == T0 + 500_000
     cgate.pause([rate], 2)
     clock.us = T0 + 500_000
     again = cgate.acquire_many([rate], claim=booked.reservation, grace=0.1, reserve=10)
     assert again.reserved
-    assert again.slot == T0 + 2_000_000
+    assert again.start == T0 + 2_000_000
 
 
 def test_pause_of_a_concurrency_limit(cgate: Gate, clock: StepClock) -> None:
@@ -232,11 +232,11 @@ def test_settle_outside_a_worker_run_does_nothing() -> None:
 
 def test_settled_charge_moves_the_slots_booked_before_it(cgate: Gate, clock: StepClock
                                                          ) -> None:
-    """Booked at the estimates' pace, a slot moves by what a settlement charged on top.
+    """Booked at the estimates' pace, a booked start moves by what a settlement charged on top.
 
     10 units/s, burst 1, cost 1: the second and third starts are booked 0.1
     and 0.2 s out.  The first call used 4 units (3 more than estimated):
-    each booked slot is honoured 0.3 s later, and a new booking comes after
+    each booked start is honoured 0.3 s later, and a new booking comes after
     them, so the starts keep the true cost's pace.
     """
     rate = Limit("tokens", parse_rate("10/s"))
@@ -245,29 +245,29 @@ def test_settled_charge_moves_the_slots_booked_before_it(cgate: Gate, clock: Ste
     third = cgate.acquire_many([rate], reserve=10).reservation
     assert second is not None
     assert third is not None
-    assert (second.slot, third.slot) == (T0 + 100_000, T0 + 200_000)
+    assert (second.start, third.start) == (T0 + 100_000, T0 + 200_000)
     cgate.settle(rate, 4)
-    clock.us = second.slot
+    clock.us = second.start
     early = cgate.acquire_many([rate], claim=second, grace=0.02, reserve=10)
     assert early.early
     assert early.retry_after == pytest.approx(0.3)
-    clock.us = second.slot + 300_000
+    clock.us = second.start + 300_000
     assert cgate.acquire_many([rate], claim=second, grace=0.02, reserve=10).allowed
-    clock.us = third.slot + 300_000
+    clock.us = third.start + 300_000
     assert cgate.acquire_many([rate], claim=third, grace=0.02, reserve=10).allowed
     fourth = cgate.acquire_many([rate], reserve=10)
-    assert fourth.slot == T0 + 600_000  # after the shifted third (0.5 s), one interval on
+    assert fourth.start == T0 + 600_000  # after the shifted third (0.5 s), one interval on
 
 
 def test_no_refund_while_slots_are_booked_past_the_burst(cgate: Gate, clock: StepClock
                                                          ) -> None:
-    """A refund with slots booked ahead would hand their times out twice: it waits."""
+    """A refund with starts booked ahead would hand their times out twice: it waits."""
     rate = Limit("tokens", parse_rate("10/s"), cost=1)
     assert cgate.acquire_many([rate]).allowed
     booked = cgate.acquire_many([rate], reserve=10)
-    assert booked.slot == T0 + 100_000
-    cgate.settle(rate, 0)  # the first call used nothing: no refund, a slot is booked ahead
-    assert cgate.acquire_many([rate], reserve=10).slot == T0 + 200_000
+    assert booked.start == T0 + 100_000
+    cgate.settle(rate, 0)  # the first call used nothing: no refund, a start is booked ahead
+    assert cgate.acquire_many([rate], reserve=10).start == T0 + 200_000
     clock.us = T0 + 1_000_000  # nothing booked ahead any more: refunds apply again
     assert cgate.acquire_many([rate]).allowed
     cgate.settle(rate, 0)
@@ -317,16 +317,16 @@ def test_a_report_of_plenty_changes_nothing_and_costs_no_call(
 
 
 def test_a_report_moves_the_slots_booked_before_it(cgate: Gate, clock: StepClock) -> None:
-    """A booked slot is a start the provider has not seen: 1 left until 1 s, and one start
+    """A booked start is a start the provider has not seen: 1 left until 1 s, and one start
     booked 0.1 s out, so the booked start moves to the last interval before the reset and
     nothing else starts before it."""
     rate = Limit("booked", parse_rate("10/s"))
     assert cgate.acquire_many([rate]).allowed
     booked = cgate.acquire_many([rate], reserve=10).reservation
     assert booked is not None
-    assert booked.slot == T0 + 100_000
+    assert booked.start == T0 + 100_000
     assert cgate.follow([rate], remaining=1, reset=1.0) == 1
-    clock.us = booked.slot
+    clock.us = booked.start
     early = cgate.acquire_many([rate], claim=booked, grace=0.02, reserve=10)
     assert early.early
     assert early.retry_after == pytest.approx(0.8)  # at 0.9 s, the last start before 1 s

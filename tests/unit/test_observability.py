@@ -177,8 +177,8 @@ def test_rate_change_keeps_state_and_never_bursts(client: redis.Redis, prefix: s
     later = gate.acquire_many([slower], reserve=60)
     assert later.retry_after == pytest.approx(0.61)  # behind it; then 1 s apart
     assert gate.acquire_many([slower], reserve=60).retry_after == pytest.approx(1.61)
-    # A booking claimed at its slot under the new rate is honoured if the
-    # bucket still holds it, else it re-books: never two starts in one slot.
+    # A booking claimed at its booked start under the new rate is honoured if the
+    # bucket still holds it, else it re-books: never two starts in one booked start.
     clock.us = T0 + 100_000
     claim = gate.acquire_many([slower], claim=booked[0].reservation, grace=0.02)
     assert (claim.allowed, claim.retry_after) == (True, 0.0)  # the bucket still holds it

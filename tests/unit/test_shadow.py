@@ -63,14 +63,14 @@ def test_a_shadowed_limit_runs_a_burst_at_once_and_counts_what_it_would_have_don
     started = time.monotonic()
     ran, took = _run(job, 100, published)
     assert (ran, published) == (100, [])
-    assert took < 5  # (no task waited: 100 decisions, not 19 s of slots)
+    assert took < 5  # (no task waited: 100 decisions, not 19 s of booked starts)
     counts = metrics.snapshot()["trial"]
     # The calls took `took` s, in which the bucket refilled took x 5 starts.
     assert 95 - 5 * took - 1 <= counts["would_defer"] <= 95
     assert counts["admitted"] == 100
     assert counts["deferred"] == 0
     row = _row(app, "trial")
-    # What is booked ahead is read later than it was booked: the slots passed meanwhile
+    # What is booked ahead is read later than it was booked: the booked starts passed meanwhile
     # (5 a second) are behind the read (measured on a loaded machine: one of 95).
     since = time.monotonic() - started
     assert (row["enforced"], row["enforced_by"]) == (False, "code")

@@ -4,7 +4,7 @@ The SDKs (test extras) send through a client from ``gated_client`` to the
 mock provider (a real HTTP server on 127.0.0.1 answering in their shapes,
 with their rate-limit headers), with their default retries on.  The
 provider refuses everything for a while mid-run (its own trouble, a
-"hold"): every retry of the refused calls must then wait for a slot of the
+"hold"): every retry of the refused calls must then wait for a booked start of the
 limit, so no request is refused for the quota.
 """
 
@@ -245,8 +245,8 @@ def test_a_task_s_admission_is_its_first_request_s_start(redis_url: str, prefix:
 
 def test_a_task_let_go_late_in_its_slot_s_grace_has_less_admission_to_spend(
         app: Celery) -> None:
-    """A task booked at 2/s and run 0.1 s after its slot is admitted (its grace is 0.25 s),
-    but its admission counts from the slot: a request sent now would leave more than the
+    """A task booked at 2/s and run 0.1 s after its booked start is admitted (its grace is 0.25 s),
+    but its admission counts from the booked start: a request sent now would leave more than the
     transport's window (50 ms) after the start it stands for, so it waits for its own."""
     published: list[dict[str, Any]] = []
     seen: list[credit.Admission] = []
@@ -276,7 +276,7 @@ def test_a_task_let_go_late_in_its_slot_s_grace_has_less_admission_to_spend(
     with pytest.raises(Ignore):
         run(None)  # booked 0.5 s after the first start
     (copy,) = published
-    # (the countdown aims the dispatch lead before the slot)
+    # (the countdown aims the dispatch lead before the booked start)
     time.sleep(copy["countdown"] + DISPATCH_LEAD + 0.1)
     run(copy["headers"])
     assert len(seen) == 2

@@ -1,4 +1,4 @@
-"""Waiting for a slot outside Celery (waiting.py): Gate.wait/slot/limit and their async twins.
+"""Waiting for a start outside Celery (waiting.py): Gate.wait/admitted/limit and their async twins.
 
 Real Redis and real time (rates of 20/s keep the tests short).  Booked slots
 are the gate's own numbers, so spacing is checked on them exactly; the
@@ -49,8 +49,8 @@ def sgate(client: redis.Redis, prefix: str) -> Gate:
 
 
 def _spaced(decisions: list[Decision]) -> None:
-    """Every waiter got its own slot, at least one interval after the one before."""
-    slots = sorted(d.reservation.slot for d in decisions if d.reservation is not None)
+    """Every waiter got its own booked start, at least one interval after the one before."""
+    slots = sorted(d.reservation.start for d in decisions if d.reservation is not None)
     assert len(slots) == len(set(slots)) == len(decisions) - 1  # the first started at once
     assert all(b - a >= INTERVAL_US for a, b in itertools.pairwise(slots))
 
@@ -74,9 +74,9 @@ def test_waiters_in_threads_get_distinct_spaced_slots_without_a_herd(sgate: Gate
 
 
 def _admitted_ahead(gate: Gate, grace: float) -> tuple[Any, Decision, Decision] | None:
-    """A plan that booked a slot 50 ms ahead, claimed it early and was admitted for it:
+    """A plan that booked a start 50 ms ahead, claimed it early and was admitted for it:
     (the plan, its booking, its admission), or None when this process's sleep overshot
-    so far that the claim came after the slot (the caller tries again)."""
+    so far that the claim came after the booked start (the caller tries again)."""
     gate.acquire_many([RATE])  # the limit's next start is one interval away
     steps = plan([RATE], timeout=5, grace=grace)
     ask = next(steps)
@@ -100,8 +100,8 @@ def _admitted_ahead(gate: Gate, grace: float) -> tuple[Any, Decision, Decision] 
 
 
 def test_a_waiter_woken_late_for_its_admitted_slot_claims_it_again(sgate: Gate) -> None:
-    """Admitted for its slot just ahead (it claimed early), a waiter sleeps until it; woken
-    past the grace it does not start then but claims again: the gate finds the slot lost
+    """Admitted for its booked start just ahead (it claimed early), a waiter sleeps until it; woken
+    past the grace it does not start then but claims again: the gate finds the booked start lost
     and decides afresh.  Woken in time, it starts."""
     grace = 0.04
     for late in (0.2, 0.0):
@@ -110,9 +110,9 @@ def test_a_waiter_woken_late_for_its_admitted_slot_claims_it_again(sgate: Gate) 
             if found is not None:
                 break
             time.sleep(0.1)
-        assert found is not None, "never admitted ahead of its slot"
+        assert found is not None, "never admitted ahead of its booked start"
         steps, booked, admitted = found
-        assert 0 < admitted.retry_after <= grace  # ... admitted for its slot ahead
+        assert 0 < admitted.retry_after <= grace  # ... admitted for its booked start ahead
         sleep = steps.send(admitted)
         assert isinstance(sleep, Sleep)
         time.sleep(sleep.seconds + late)  # ... and wakes `late` after it
@@ -130,7 +130,7 @@ def test_a_waiter_woken_late_for_its_admitted_slot_claims_it_again(sgate: Gate) 
 
 def test_a_near_slot_costs_one_script_call_and_a_far_one_two(sgate: Gate) -> None:
     """Slots within NEAR are admitted in the call that books them (the waiter sleeps and
-    starts); a slot further away is booked, then claimed.  (A wide grace: a late wake-up
+    starts); a booked start further away is booked, then claimed.  (A wide grace: a late wake-up
     would claim again, a third call, which is not what this counts.)"""
     assert NEAR >= 2 * INTERVAL_US / 1e6
     starts = []
@@ -207,7 +207,7 @@ def test_a_wait_past_the_timeout_fails_at_once_and_books_nothing(sgate: Gate) ->
 
 
 def test_an_interrupted_waiter_gives_its_slot_back(sgate: Gate) -> None:
-    """KeyboardInterrupt while waiting for a slot 1 s away: the slot is free again."""
+    """KeyboardInterrupt while waiting for a start booked 1 s away: that start is free again."""
     slow = Limit("slow", parse_rate("1/s"))
     assert sgate.acquire_many([slow]).allowed
     free_at = sgate.inspect(slow).next_free
@@ -229,7 +229,7 @@ def test_an_interrupted_waiter_gives_its_slot_back(sgate: Gate) -> None:
 
 def test_a_caller_that_waits_elsewhere_gets_the_refusal_back(sgate: Gate) -> None:
     """A worker's options: a wait ``elsewhere`` says it does not sleep ends the plan with
-    that refusal (its slot booked, to claim on its next arrival); ``check`` sees every
+    that refusal (its start booked, to claim on its next arrival); ``check`` sees every
     refusal first and may raise; after ``max_sleeps`` the next refusal ends it too."""
     slow = Limit("slow-elsewhere", parse_rate("1/s"))
     assert sgate.acquire_many([slow]).allowed
@@ -267,7 +267,7 @@ def test_a_caller_that_waits_elsewhere_gets_the_refusal_back(sgate: Gate) -> Non
 
 
 def test_a_new_slot_takes_its_grace_from_the_limits_it_is_booked_in(sgate: Gate) -> None:
-    """``grace`` as a function of the booking: the claim of a slot booked in every limit
+    """``grace`` as a function of the booking: the claim of a start booked in every limit
     carries that slot's grace, and the sleep wakes half of it early."""
     slow = Limit("slow-grace", parse_rate("2/s"))
     assert sgate.acquire_many([slow]).allowed
@@ -290,7 +290,7 @@ def test_a_new_slot_takes_its_grace_from_the_limits_it_is_booked_in(sgate: Gate)
 
 def test_drive_gives_back_the_booking_its_sleep_held(sgate: Gate) -> None:
     """The worker's driver: a sleep interrupted (a time limit, a shutdown) hands the
-    booking it held to ``give_back``, which frees the slot."""
+    booking it held to ``give_back``, which frees the booked start."""
     slow = Limit("slow-drive", parse_rate("1/s"))
     assert sgate.acquire_many([slow]).allowed
     free_at = sgate.inspect(slow).next_free
@@ -336,13 +336,13 @@ def test_a_cancelled_coroutine_gives_its_slot_back(redis_url: str, prefix: str) 
     assert after < 1.0  # given back
 
 
-def test_slot_holds_a_concurrency_slot_past_its_lease_and_gives_it_back(sgate: Gate) -> None:
+def test_admitted_holds_a_seat_past_its_lease_and_gives_it_back(sgate: Gate) -> None:
     """concurrency=1, lease 0.6 s, blocks of 1 s: renewed while held, so never two at once."""
     one = Concurrency("one", 1, lease=0.6)
     inside: list[tuple[float, float]] = []
 
     def block() -> None:
-        with sgate.slot([one], timeout=10):
+        with sgate.admitted([one], timeout=10):
             entered = time.monotonic()
             time.sleep(1.0)
             inside.append((entered, time.monotonic()))

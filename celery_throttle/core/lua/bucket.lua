@@ -17,17 +17,17 @@ nothing (decide.lua): either every bucket admits and every bucket is
 charged, or none is written.
 
 * A pause (a provider answered 429 with Retry-After): until then the bucket
-  admits nothing and honours no slot booked before the pause ends.  It is
+  admits nothing and honours no start booked before the pause ends.  It is
   stored in the bucket's value, "TAT:until", so a decision still reads one
   key.
 * A shift (a settlement charged more than the estimate, or a start later
-  than its slot): the TAT moves on by the difference, and so must every slot
+  than its booked start): the TAT moves on by the difference, and so must every booked start
   booked before, or the tasks holding them would start at the estimates'
   pace (a budget's window far over its bound) or one interval minus the
   lateness after a late start (a window one start over the bound).  The bucket keeps the sum of all such moves,
   "TAT:until:shift" (us); a booking carries the shift it was made at, and
-  its claim is honoured that much later: slot + (shift now - shift then).
-  Refunds move only the TAT (a slot is never moved earlier).
+  its claim is honoured that much later: start + (shift now - shift then).
+  Refunds move only the TAT (a booked start is never moved earlier).
 
 A rate limit here is a table { key, interval (us), burst, cost }.
 ]]

@@ -15,50 +15,50 @@ KEYS[c+i-1] limit i's line of waiting tasks (room/lines.py), i = 1..n, given
           join it (status 4); absent otherwise (c: limits.lua's first own key)
 ARGV[1]   now (clock.lua)
 ARGV[2]   reservation horizon, us; -1 = never reserve.  When denied and the
-          wait is <= horizon, the earliest common slot S is booked and
+          wait is <= horizon, the earliest common start S is booked and
           returned, so N waiting jobs get N distinct, evenly spaced starts
           instead of returning all at once.  A limit is booked at S only if it
           would otherwise be free for at most one start of its own before S
           (the limits that force S always are): GCRA keeps one TAT per bucket
           and cannot hold a hole, so booking a limit free long before S would
           block its other users until S.  The others are charged at the claim.
-ARGV[3]   claim: the slot S (us) this caller booked earlier, or 0
+ARGV[3]   claim: the booked start S (us) this caller booked earlier, or 0
 ARGV[4]   claim grace, us: a claim is honoured from S up to S + grace; later
-          it is void and a fresh decision is made (a late start in an old slot
+          it is void and a fresh decision is made (a late start in an old booked start
           would crowd a newer window and break the bound).  A start later than
-          S moves the later slots of its booked limits by as much (the shift,
+          S moves the later booked starts of its booked limits by as much (the shift,
           bucket.lua).  A claim up to the grace before S, booked in every
           limit, is admitted for S itself (status 1 with wait_us: start then,
           without asking again)
-ARGV[5]   claim mask: bit i-1 set where the claimed slot is booked in limit i;
+ARGV[5]   claim mask: bit i-1 set where the claimed start is booked in limit i;
           the other limits are charged when the claim is honoured; 0 without
-ARGV[6]   claim epoch: the epoch the claimed slot was booked in (epoch.lua); 0
+ARGV[6]   claim epoch: the epoch the claimed start was booked in (epoch.lua); 0
           without.  A claim is also void if a booked bucket no longer holds
-          the slot (TAT < S + c*T: the key was evicted or reset)
+          the booked start (TAT < S + c*T: the key was evicted or reset)
 ARGV[7]   holder: the lease owner's id (a task id) when a concurrency limit
           takes part, else ""
-ARGV[8]   near, us: a slot booked at most this far ahead in every limit is
+ARGV[8]   near, us: a start booked at most this far ahead in every limit is
           admitted for itself (status 1 with wait_us: the caller sleeps and
           starts without claiming, one call per start); 0 = always claim
 ARGV[9]   claim shift: the sum of the booked limits' shifts when the claimed
-          slot was booked (the reply's `shift`); 0 without
+          start was booked (the reply's `shift`); 0 without
 
 Reply: 1 when simply allowed (charged now); otherwise
-       { status, wait_us, blocking, slot_us, now_us, mask, epoch, shift } (integers only)
+       { status, wait_us, blocking, start_us, now_us, mask, epoch, shift } (integers only)
   status   1 allowed (charged now, or a claim honoured: at once, or after
-           wait_us when admitted for its slot ahead of it; or a slot booked
+           wait_us when admitted for its booked start ahead of it; or a start booked
            within `near`, after wait_us), 0 denied (nothing written), 2
-           reserved (slot booked, start at slot_us; with mask 0, nothing
+           reserved (start booked, start at start_us; with mask 0, nothing
            booked: a full concurrency limit's paced return time), 3 early (a
-           claim for a slot still ahead, or one whose unbooked limits free up
+           claim for a booked start still ahead, or one whose unbooked limits free up
            within the grace and are now booked too: claim again after
            wait_us), 4 queued (in line: limit `blocking` has waiting tasks;
            nothing written; wait_us estimates the wait behind them)
   wait_us  microseconds until the start may happen (0 when allowed)
   blocking the 1-based index of the limit that forced the longest wait, or 0
-  slot_us  the booked or claimed slot, or 0
+  start_us  the booked or claimed start, or 0
   now_us   the clock this decision used
-  mask     with status 2, the limits the slot is booked in (bit i-1 = limit i)
+  mask     with status 2, the limits the start is booked in (bit i-1 = limit i)
   epoch    with status 2 or 3, the epoch of the booking
   shift    with status 1, 2 or 3, the sum of the booked limits' shifts at the
            booking (hand it back as ARGV[9] with the claim)
@@ -228,10 +228,10 @@ local function shift_of(mk)
   return sum
 end
 
--- A start later than its slot moves the slots booked after it in the limits
+-- A start later than its booked start moves the starts booked after it in the limits
 -- it is booked in by as much (the same shift a settlement makes), so the
 -- next start keeps the full interval from this one: the window bound holds
--- on the starts themselves, not only on the slots.
+-- on the starts themselves, not only on the booked starts.
 local function push_back(mk, by)
   if by <= 0 then
     return
@@ -256,7 +256,7 @@ local function all_booked(mk)
 end
 
 if claim > 0 and claim_valid() then
-  -- Settlements and late starts since the booking moved the slot this much.
+  -- Settlements and late starts since the booking moved the booked start this much.
   local due = claim + math.max(0, shift_of(mask) - claim_shift)
   if now < due then
     if all_booked(mask) and due - now <= grace then
@@ -287,8 +287,8 @@ if claim > 0 and claim_valid() then
     if not stuck and now + busy <= due + grace then
       -- An unbooked limit frees up within the grace (a shared limit another
       -- task just took): book it there and answer "early", so the caller
-      -- sleeps that long and claims again, rather than losing a slot of
-      -- every booked limit for a wait shorter than the grace.  The slot is
+      -- sleeps that long and claims again, rather than losing a booked start of
+      -- every booked limit for a wait shorter than the grace.  The booked start is
       -- now that moment, and the limits booked before move back to it.
       local start = now + busy
       push_back(mask, start - due)
@@ -302,7 +302,7 @@ if claim > 0 and claim_valid() then
       return { 3, busy, 0, start, now, more, claim_epoch, shift_of(more) }
     end
   end
-  -- Late, or an unbooked limit is busy: the old slot is lost, decide afresh.
+  -- Late, or an unbooked limit is busy: the old booked start is lost, decide afresh.
 end
 -- (A void claim, from an older epoch or a bucket that lost it, decides afresh too.)
 
@@ -340,7 +340,7 @@ if horizon >= 0 and wait <= horizon then
       booked = booked + 2 ^ (i - 1)
     end
   end
-  -- Near, booked in every limit: admitted for the slot itself.  A pause or
+  -- Near, booked in every limit: admitted for the booked start itself.  A pause or
   -- a settlement written before it no longer reaches this start, as it
   -- would not reach a request already sent; the caller's `near` bounds that.
   local status = (wait <= near and all_booked(booked)) and 1 or 2

@@ -5,11 +5,11 @@
 celery_throttle follow.lua: the provider reported `remaining` units left until
 its limit is full again, `reset` us from now: its own count, which callers
 the gate cannot see spend too.  Spend at most that many before then, the
-slots booked here included (the provider has not seen them): the TAT moves
+starts booked here included (the provider has not seen them): the TAT moves
 to where unit remaining + 1 is admitted at the reset at the earliest, plus
 the booked units.  Booked are the units past a full burst (starts never go
 past it; bookings do), rounded up.  The move is a settlement's charge
-(booked slots shift with it, keeping their order before the new ones); a
+(booked starts shift with it, keeping their order before the new ones); a
 bucket already that strict is left alone.
 
 KEYS and the limits' ARGV: limits.lua, rate limits only; a limit's cost

@@ -3,9 +3,9 @@
 --- @include "core/bucket.lua"
 --[[
 celery_throttle settle.lua: a charge was an estimate; move each rate bucket
-given by the difference.  A charge also shifts the slots booked before it
+given by the difference.  A charge also shifts the starts booked before it
 (bucket.lua).  A refund never makes the bucket fuller than full, and is given
-only while no slot is booked past the burst: with slots booked ahead, a
+only while no start is booked past the burst: with starts booked ahead, a
 lower TAT would hand their times out a second time.
 
 KEYS and the limits' ARGV: limits.lua; a limit's cost field is the

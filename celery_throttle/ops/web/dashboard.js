@@ -294,7 +294,7 @@ document.getElementById("why").addEventListener("submit", async (event) => {
       : `task ${id} (${w.task}) waits for limit ${w.limit}: next start in ${w.due_in_s.toFixed(3)}s; ` +
         `deferral ${w.deferrals}, waiting ${w.waiting_s.toFixed(1)}s so far` +
         (w.place !== undefined && w.place !== null ? `; number ${w.place + 1} in line` : "") +
-        (w.booked ? "; slot booked" : "");
+        (w.booked ? "; start booked" : "");
   } catch (e) {
     out.textContent = String(e.message || e);
   }

@@ -55,6 +55,25 @@ def test_the_package_quotes_no_measured_figure() -> None:
     assert quoted == []
 
 
+#: Where the package may still say "slot": 0.1.0's names, kept as deprecated aliases, and the
+#: message header's field, which 0.1.0 wrote (docs/glossary.md: a booked start, a seat).
+_SLOT_ALLOWED = {"celery_throttle/core/limits.py": 4, "celery_throttle/room/header.py": 1,
+                 "celery_throttle/room/envelope.py": 1}
+
+
+def test_the_package_says_booked_start_and_seat_never_slot() -> None:
+    """One word per meaning (docs/glossary.md): a start booked ahead is a booked start and a
+    concurrency limit's run a seat; "slot" is left only where 0.1.0's names need it."""
+    said: dict[str, int] = {}
+    for path in sorted((ROOT / "celery_throttle").rglob("*")):
+        if path.suffix in (".py", ".lua", ".js", ".html"):
+            lines = [line for line in path.read_text().splitlines()
+                     if re.search(r"\bslot\b", line, flags=re.IGNORECASE)]
+            if lines:
+                said[str(path.relative_to(ROOT))] = len(lines)
+    assert said == _SLOT_ALLOWED
+
+
 def test_every_metric_served_is_documented() -> None:
     """The observability page names every metric the package serves."""
     page = (ROOT / "docs" / "guide" / "observability.md").read_text()

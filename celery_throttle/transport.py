@@ -37,7 +37,7 @@ same name and key), the task's admission is its first request's start: the
 transport spends it instead of charging the limit again
 (``core/credit.py``), if the request goes out within half an interval of
 the admission (:data:`DEFAULT_GRACE` at most); a later one gives that
-start back and waits for a fresh booked start, so a start never comes late.
+start back and waits for a fresh start, so a start never comes late.
 
 Works with ``httpx`` and ``httpx2`` (the SDKs' own) clients, sync and async:
 the transport wraps the client's usual one.  Rate limits only: a request's

@@ -12,7 +12,7 @@ declared them.
 An admission spent at once is the start the gate admitted.  One spent late
 (a client built lazily, work before the call) would bunch with the starts
 admitted after it, so the transport gives a stale one back
-(:meth:`Gate.settle` to nothing) and waits for a fresh booked start.
+(:meth:`Gate.settle` to nothing) and waits for a fresh start.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ that may go on: moved to the successor after each re-publish, and to
 is dropped, so exactly one of the two runs.  The copy that started may still
 run again if its node dies mid-run (``acks_late``'s at-least-once: the broker
 flags that delivery as its redelivery); any other second delivery of a copy is
-refused while the first runs (:func:`pointed` says which copies the pointer
-decides).
+refused while the first runs (``exits.pointed_copy`` says which copies the
+pointer decides).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..core.keys import copy_key
 from ..core.scripts import script
 from ..room.header import WaitState
 
-__all__ = ["CopyPointer", "Verdict", "new_copy", "pointed"]
+__all__ = ["CopyPointer", "Verdict", "new_copy"]
 
 #: May a copy go on: "go"; refused while another copy of the task runs ("running": the
 #: seats held under the task's id are that copy's); refused after the task's run ended
@@ -79,15 +79,6 @@ class CopyPointer:
         key = copy_key(self.prefix, task_id, retries)
         return _VERDICTS[int(self._script(
             keys=[key], args=[state.copy_id, state.prev, "", self.ttl_ms, 0]))]
-
-
-def pointed(acks_late: bool, state: WaitState) -> bool:
-    """Does the pointer decide whether this copy goes on?  Every copy of an acks_late
-    task (the broker redelivers the message of a run a crash cut off); of a task
-    acknowledged early, every copy the throttle published (``state.copy``), which the
-    broker may deliver twice.  The user's own message of such a task is Celery's
-    (acknowledged as it starts): asking the store for it would cost every start a call."""
-    return acks_late or bool(state.copy)
 
 
 def new_copy() -> str:

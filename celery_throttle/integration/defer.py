@@ -317,7 +317,7 @@ def _wait_for_slot(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
 
 
 def _seats_still_held(task: Task[Any, Any], runtime: Runtime, concurrent: list[Concurrency],
-                holder: str, state: WaitState) -> bool:
+                      holder: str, state: WaitState) -> bool:
     """A task dispatched from its line with seats taken for it: are they still its own?
 
     The seats were taken at dispatch for a lease's time, renewed by nobody
@@ -339,7 +339,7 @@ def _seats_still_held(task: Task[Any, Any], runtime: Runtime, concurrent: list[C
 
 
 def _in_time_for_its_start(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
-               state: WaitState, arrived_at: int | None, asked: float) -> bool:
+                           state: WaitState, arrived_at: int | None, asked: float) -> bool:
     """A task dispatched from its line: wait for the start it was charged for; in time?
 
     It arrives ahead of that moment by at most the dispatch's lead

@@ -35,17 +35,16 @@ from ..room.header import HEADER, WaitState
 from ..values import to_us
 from . import admission
 from .admission import CountDown, Drop, Start, StoreFailed, TimeOut, WaitForStore
-from .copies import Verdict, new_copy, pointed
+from .copies import Verdict, new_copy
 from .notes import wait_note, write_note
 from .runtime import INSTALLED, Runtime
 from .visible import announce
 
 __all__ = ["Left", "copy_of", "count_down", "drop", "end", "entry_of", "gone",
            "kept_beside_broker", "log_outage", "may_run_again", "move_pointer", "park",
-           "pointed_copy",
-           "refuse_superseded",
-           "republish", "room_open", "room_write_failed", "say_dropped", "seconds_to_expiry",
-           "send_back", "store_failed", "wait_counted_down", "wait_for_store", "waits_in_line"]
+           "pointed_copy", "refuse_superseded", "republish", "room_open", "room_write_failed",
+           "say_dropped", "seconds_to_expiry", "send_back", "store_failed", "wait_counted_down",
+           "wait_for_store", "waits_in_line"]
 
 
 class Left(Exception):
@@ -179,9 +178,13 @@ def wait_for_store(task: Task[Any, Any], runtime: Runtime, state: WaitState,
 
 
 def pointed_copy(task: Task[Any, Any], state: WaitState) -> bool:
-    """Does the copy pointer decide whether this copy of ``task`` goes on
-    (``copies.pointed``)?"""
-    return pointed(bool(getattr(task, "acks_late", False)), state)
+    """Does the copy pointer (``copies.py``) decide whether this copy of ``task`` goes on?
+    Every copy of an acks_late task (the broker redelivers the message of a run a crash
+    cut off); of a task acknowledged early, every copy the throttle published
+    (``state.copy``), which the broker may deliver twice.  The user's own message of such
+    a task is Celery's (acknowledged as it starts): asking the store for it would cost
+    every start a call."""
+    return bool(getattr(task, "acks_late", False)) or bool(state.copy)
 
 
 def may_run_again(task: Task[Any, Any]) -> bool:
@@ -254,12 +257,13 @@ def wait_counted_down(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     when a start is within reach.  A copy the pointer no longer names is dropped first,
     as ``join_line`` drops it: re-published, its successor would be refused on arrival,
     after a publish and a wait for nothing."""
-    if pointed_copy(task, state):
+    pointed = pointed_copy(task, state)
+    if pointed:
         refuse_superseded(task, runtime, state)
     new = state.successor(new_copy(), limits, state.since or decision.now, action.booking)
     new = count_down(task, runtime, new, action.seconds)
     write_note(task, runtime, wait_note(task, action.limit, decision, new), action.wait)
-    if pointed_copy(task, state):
+    if pointed:
         move_pointer(task, runtime, state, new.copy)
     metrics.deferred(action.limit, action.wait)
     announce(task, limit=action.limit, wait=action.wait, deferrals=new.deferrals,
@@ -284,7 +288,7 @@ def count_down(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     """Re-publish the task with ``countdown``, at most ``throttle_max_countdown`` (a longer
     wait comes back then and asks again); return the copy the broker took.
 
-    A copy booked for a booked start is aimed the dispatch lead before it, as the
+    A copy booked for a start is aimed the dispatch lead before it, as the
     waiting room dispatches one: aimed at the booked start itself, its way to a pool
     process (the broker's delivery, the consumer, the pool's handoff) would
     make it late, past its grace, and it would lose the booked start.  The pool

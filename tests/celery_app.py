@@ -269,10 +269,10 @@ def sdk_chat(self: Task[Any, Any], i: int) -> str:
     return str(reply.choices[0].message.content)
 
 
-@throttled(concurrency=1, name="one-slot", lease=LEASE)
+@throttled(concurrency=1, name="one-seat", lease=LEASE)
 @app.task(bind=True)
-def one_slot(self: Task[Any, Any], seconds: float) -> float:
-    """Holds the only slot of its limit for ``seconds`` (bounded by the test)."""
+def one_seat(self: Task[Any, Any], seconds: float) -> float:
+    """Holds the only seat of its limit for ``seconds`` (bounded by the test)."""
     record(self, seconds=seconds)
     time.sleep(seconds)
     return seconds

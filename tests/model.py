@@ -37,25 +37,26 @@ class Model:
     ) -> tuple[str, int, int, frozenset[int]]:
         """Return (status, wait_us, start_us, booked limit indexes).
 
-        ``claim``: (slot, booked indexes, the shift it was booked at); ``near``: a booked start
-        booked this close in every limit is allowed for itself.
+        ``claim``: (its booked start, booked indexes, the shift it was booked at);
+        ``near``: a booked start booked this close in every limit is allowed for itself.
         """
         starts = [self.earliest(now, lim) for lim in limits]
         if claim is not None:
-            slot, booked, booked_shift = claim
+            booked_start, booked, booked_shift = claim
             # Late starts since the booking moved the booked start later.
-            due = slot + max(0, self._shift_of(limits, booked) - booked_shift)
+            due = booked_start + max(0, self._shift_of(limits, booked) - booked_shift)
             if now < due:
                 if len(booked) == len(limits) and due - now <= grace:
-                    return ("allowed", due - now, slot, booked)  # admitted for its booked start
-                return ("early", due - now, slot, booked)
+                    # admitted for its booked start
+                    return ("allowed", due - now, booked_start, booked)
+                return ("early", due - now, booked_start, booked)
             others = [i for i in range(len(limits)) if i not in booked]
             if now <= due + grace:
                 busy = max([starts[i] - now for i in others], default=0)
                 if busy == 0:
                     self._charge(now, [limits[i] for i in others])
                     self._push(now, [limits[i] for i in sorted(booked)], now - due)
-                    return ("allowed", 0, slot, booked)
+                    return ("allowed", 0, booked_start, booked)
                 if now + busy <= due + grace:  # free within the grace: booked there too
                     start = now + busy
                     self._push(now, [limits[i] for i in sorted(booked)], start - due)

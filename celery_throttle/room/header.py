@@ -116,7 +116,7 @@ class WaitState:
     def claim_under(self, limits: list[AnyLimit]) -> Reservation | None:
         """The booking, unless a limit is now slower than when it was booked.
 
-        Booked slots are spaced at the old interval; honouring them after a
+        Booked starts are spaced at the old interval; honouring them after a
         rate was lowered (workers restarted with a new rate) would run the
         waiting tasks at the old, faster pace.  So they book again.
         """

@@ -134,7 +134,7 @@ def test_the_page_shows_every_limit_and_follows_live_workers(
         assert SHOT.stat().st_size > 10_000
         # The page's purge of one limit: its waiting tasks are revoked, the other's stay.
         revoked = _post(f"{url}/api/limits/patient/purge", {"confirm": "patient"})["revoked"]
-        # In line and parked, not a task asleep in the worker for its near slot.
+        # In line and parked, not a task asleep in the worker for its near booked start.
         assert web_row.get("in_line", 0) <= revoked <= _waiting(web_row)
         assert _post(f"{url}/api/limits/patient/resume", {})["resumed"] is True
         states = wait_results(results, timeout=20)

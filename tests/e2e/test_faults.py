@@ -441,14 +441,14 @@ def test_a_stale_copy_dropped_at_its_start_leaves_no_seat_held(
 
     store = redis.Redis.from_url(f"{redis_base}/{databases.STORE}", decode_responses=True)
     with worker_nodes(redis_base, ("w1",), conf=ACKS_LATE, queues=("celery",)) as nodes:
-        first = capp.one_slot.apply_async((0,))
+        first = capp.one_seat.apply_async((0,))
         pointer = copy_key("throttle", first.id, 0)
         until("the first run ended", lambda: str(store.get(pointer) or "").startswith("done:"),
               timeout=30)
-        capp.one_slot.apply_async((0,), task_id=first.id)  # its message, once more
+        capp.one_seat.apply_async((0,), task_id=first.id)  # its message, once more
         until("the copy is dropped", lambda: "dropped: its run has ended" in logs(nodes),
               timeout=30)
-        after = capp.one_slot.apply_async((0,))
+        after = capp.one_seat.apply_async((0,))
         states = wait_results([after], timeout=20)  # the seat's lease is 30 s
     assert states == ["SUCCESS"]
     assert Counter(r["id"] for r in read_records(records, expect=2, timeout=0)) == Counter(

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 # plus a start up to the claim grace (0.25 s x 90) late: 342.  The provider
 # counts on its own clock, after each request's trip.  Until settlements
 # moved the starts booked before them (bucket.lua, "shift"), tasks booked at the
-# estimates' pace kept those slots: 1-2 429s in 2 of 2 runs on 2026-12-01
+# estimates' pace kept those booked starts: 1-2 429s in 2 of 2 runs on 2026-12-01
 # (worst accepted windows 345, 346); since, 8 runs: 0 429s, worst 215-292.
 TOKEN_WINDOW, TOKEN_BUDGET = 2.0, 350
 
@@ -153,9 +153,9 @@ def test_sigkilled_worker_frees_its_seat_within_the_lease(
     env = {"CT_LEASE": "3"}
     with worker_nodes(redis_base, ("w1",), env=env, queues=("q1",)) as (w1,), \
             worker_nodes(redis_base, ("w2",), env=env, queues=("q2",)):
-        holder = capp.one_slot.apply_async((60,), queue="q1")
+        holder = capp.one_seat.apply_async((60,), queue="q1")
         read_records(records, expect=1, timeout=30)
-        waiter = capp.one_slot.apply_async((0,), queue="q2")
+        waiter = capp.one_seat.apply_async((0,), queue="q2")
         # Well past the lease, the waiter has not started: the heartbeat keeps renewing it.
         assert len(no_start_beyond(records, 1, 8.0)) == 1
         killed = time.time()
@@ -201,7 +201,7 @@ def test_sdk_calls_from_workers_keep_the_quota_through_the_sdk_retries(
     assert provider.quota_refusals() == 0
     assert len(accepted) == 60
     # Spending the admission: 59 intervals of 9/s take 6.6 s, plus the hold (0.6 s) and
-    # the retries' slots; a second charge per task would take over 13 s.
+    # the retries' booked starts; a second charge per task would take over 13 s.
     assert span <= 10.0
 
 

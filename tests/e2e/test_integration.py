@@ -22,10 +22,10 @@ pytestmark = pytest.mark.integration
     ("max_sleep", "min_share", "max_deferrals", "broker"),
     [
         # The default (0.5 s): the targets (>= 90 % of the rate, <= 1.1
-        # deferrals per task); near slots are slept for, then claimed.
+        # deferrals per task); near booked starts are slept for, then claimed.
         (None, 0.9, 1.1, "redis"),
         # Most waits re-published with a countdown (throttle_waiting_room
-        # off): a check of the deferral path, not of the targets.  Slots lost
+        # off): a check of the deferral path, not of the targets.  Booked starts lost
         # while the workers take in the backlog (a claim more than 25 ms late
         # at 20/s is void) cost 3-12 % and up to 0.1 extra deferrals per task
         # on 2026-11-30 (17.6-19.3/s,
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
         ("0.25-countdown", 0.75, 1.35, "redis"),
         ("0.25-countdown", 0.75, 1.35, "amqp"),
         # The same waits parked in the waiting room (the default) and dispatched
-        # just in time (measured 18.7 and 19.1/s, 9 and 14 slots lost during
+        # just in time (measured 18.7 and 19.1/s, 9 and 14 booked starts lost during
         # intake).
         ("0.25", 0.9, 1.1, "redis"),
         # The same on a real RabbitMQ: dispatched tasks go by the lanes there too.
@@ -194,7 +194,7 @@ def test_shared_task_is_gated(capp: ModuleType, records: redis.Redis, redis_base
     check_window_bound([r["t"] for r in rows], rate=10, burst=1, period=1.0)
 
 
-def test_user_retry_does_not_reuse_a_spent_slot(
+def test_user_retry_does_not_reuse_a_spent_booked_start(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """A task that retries right after starting in its booked start passes the gate again."""

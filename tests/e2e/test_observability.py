@@ -148,7 +148,7 @@ def test_a_limit_in_shadow_mode_runs_a_burst_at_once_and_reports_what_it_would_h
     # 95 if every task arrived at once; the bucket refills 5 per second of the burst.
     assert 95 - 5 * (span + 1) <= would <= 95, (would, span)
     assert row["shadow"]["would_wait_s_15m"] > 0
-    # The last would-be slot, from the moment `status` read it (between asked and answered;
+    # The last would-be start, from the moment `status` read it (between asked and answered;
     # not after the nodes stopped, which takes seconds of its own on a loaded machine).
     last_slot = sent + 0.2 * (would + 1)
     next_free = row["shadow"]["would_next_free_s"]

@@ -120,11 +120,11 @@ def test_a_freed_seat_is_handed_over_on_a_quorum_queue(
     """concurrency=1 on a quorum queue: the waiters start in their order, each once the
     last has ended."""
     with worker_nodes(redis_base, ("w1", "w2"), conf=QUORUM, queues=(QUEUE,)):
-        first = producer.send_task("tests.celery_app.one_slot", (1.0,))
+        first = producer.send_task("tests.celery_app.one_seat", (1.0,))
         read_records(records, expect=1, timeout=10)  # the first holds the seat
         waiters = []
         for k in range(4):
-            waiters.append(producer.send_task("tests.celery_app.one_slot", (0.3,)))
+            waiters.append(producer.send_task("tests.celery_app.one_seat", (0.3,)))
             wait_in_line(redis_base, k + 1, timeout=10)  # they wait in this order
         states = wait_results([first, *waiters], timeout=30)
         rows = read_records(records, expect=5, timeout=5)

@@ -80,13 +80,13 @@ def test_a_freed_concurrency_seat_goes_to_an_urgent_waiter_first(
     """concurrency=1: four batch tasks wait in the seat's line, then an urgent one: the
     urgent task is served the next seat freed, and the batch follows in its order."""
     with worker_nodes(redis_base, ("w1", "w2"), conf=LINE):
-        first = capp.one_slot.apply_async((2.0,), priority=BATCH)
+        first = capp.one_seat.apply_async((2.0,), priority=BATCH)
         read_records(records, expect=1, timeout=10)  # the first holds the seat
         batch = []
         for k in range(4):
-            batch.append(capp.one_slot.apply_async((0.3,), priority=BATCH))
+            batch.append(capp.one_seat.apply_async((0.3,), priority=BATCH))
             wait_in_line(redis_base, k + 1, timeout=10)  # they wait in this order
-        urgent = capp.one_slot.apply_async((0.3,), priority=URGENT)
+        urgent = capp.one_seat.apply_async((0.3,), priority=URGENT)
         states = wait_results([first, *batch, urgent], timeout=30)
         rows = read_records(records, expect=6, timeout=5)
     assert states == ["SUCCESS"] * 6
@@ -380,7 +380,7 @@ def test_a_task_woken_late_for_its_turn_waits_again_in_line(
     assert again >= 5  # the stalls happened, and were caught
 
 
-def test_a_task_woken_late_for_its_booked_slot_asks_again(
+def test_a_task_woken_late_for_its_booked_start_asks_again(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
     """Short waits are booked and slept (each wait here is under 0.4 s: 8 processes at

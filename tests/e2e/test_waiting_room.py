@@ -200,11 +200,11 @@ def test_a_freed_seat_goes_to_the_oldest_waiter_at_once(
     """concurrency=1: tasks in the seat's line start in their order, each right after the
     last ends."""
     with worker_nodes(redis_base, ("w1", "w2"), conf=ROOM):
-        first = capp.one_slot.delay(1.0)
+        first = capp.one_seat.delay(1.0)
         read_records(records, expect=1, timeout=10)  # the first holds the seat
         waiters = []
         for k in range(5):
-            waiters.append(capp.one_slot.delay(0.3))
+            waiters.append(capp.one_seat.delay(0.3))
             wait_in_line(redis_base, k + 1, timeout=10)  # in line in this order
         states = wait_results([first, *waiters], timeout=30)
         rows = read_records(records, expect=6, timeout=5)

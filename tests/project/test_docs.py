@@ -61,17 +61,32 @@ _SLOT_ALLOWED = {"celery_throttle/core/limits.py": 4, "celery_throttle/room/head
                  "celery_throttle/room/envelope.py": 1}
 
 
+#: The tests named for a slot: a Redis Cluster hash slot, the one meaning the word keeps
+#: (and the test below, which names the word it keeps out).
+_SLOT_TESTS = {"test_the_package_says_booked_start_and_seat_never_slot",
+               "test_keys_share_one_slot_and_never_collide",
+               "test_key_values_never_collide_and_never_move_the_slot",
+               "test_cluster_gate_room_and_leases_keep_one_slot",
+               "test_moved_after_resharding_the_prefix_slot_is_survived"}
+
+
 def test_the_package_says_booked_start_and_seat_never_slot() -> None:
     """One word per meaning (docs/glossary.md): a start booked ahead is a booked start and a
-    concurrency limit's run a seat; "slot" is left only where 0.1.0's names need it."""
+    concurrency limit's run a seat; "slot" is left only where 0.1.0's names need it, and
+    names a test only for a Redis Cluster hash slot."""
     said: dict[str, int] = {}
     for path in sorted((ROOT / "celery_throttle").rglob("*")):
         if path.suffix in (".py", ".lua", ".js", ".html"):
             lines = [line for line in path.read_text().splitlines()
-                     if re.search(r"\bslot\b", line, flags=re.IGNORECASE)]
+                     if re.search(r"\bslots?\b", line.replace("slots=True", ""),
+                                  flags=re.IGNORECASE)]
             if lines:
                 said[str(path.relative_to(ROOT))] = len(lines)
     assert said == _SLOT_ALLOWED
+    named = {name for path in (ROOT / "tests").rglob("test_*.py")
+             for name in re.findall(r"^def (test_\w*slot\w*)\(", path.read_text(),
+                                    flags=re.MULTILINE)}
+    assert named == _SLOT_TESTS
 
 
 def test_every_metric_served_is_documented() -> None:

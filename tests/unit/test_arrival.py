@@ -26,6 +26,7 @@ from celery_throttle.integration.runtime import runtime_for
 from celery_throttle.integration.throttled import ORIGINAL_STRATEGY
 from celery_throttle.room.entries import entry_id
 from celery_throttle.room.envelope import Envelope
+from celery_throttle.room.header import START
 from celery_throttle.room.lines import MAX_AHEAD_US
 
 from .. import databases
@@ -188,9 +189,9 @@ def test_a_gated_task_s_messages_reach_this_strategy_and_then_its_own(app: Celer
 def _dispatched(app: Celery, task: Task[Any, Any], ahead_us: int, charged: str = "c") -> Message:
     """A copy dispatched from the line for a start ``ahead_us`` from now on the store's clock."""
     sec, usec = runtime_for(app).room.client.time()
-    slot = int(sec) * 1_000_000 + int(usec) + ahead_us
+    start = int(sec) * 1_000_000 + int(usec) + ahead_us
     return _received(app, task, 1, headers={HEADER: {"entry": "x:-", "deferrals": 1,
-                                                     "charged": charged, "slot": slot}})
+                                                     "charged": charged, START: start}})
 
 
 def test_a_charged_copy_that_arrives_early_is_held_until_just_before_its_start(
@@ -239,7 +240,7 @@ def test_a_store_that_fails_hands_a_charged_copy_on_at_once(
     with installed_app("arrival-down", redis_url, prefix,
                        throttle_redis_url="redis://127.0.0.1:1/0") as down:
         task = _task(down)
-        headers: dict[str, Any] = {HEADER: {"entry": "x:-", "charged": "c", "slot": 2**52}}
+        headers: dict[str, Any] = {HEADER: {"entry": "x:-", "charged": "c", START: 2**52}}
         message = _received(down, task, 1, headers=headers)
         assert _Arrivals(task, _consumer()).early_by(message) == 0.0
 

@@ -203,17 +203,16 @@ def test_key_and_cost_from_positional_or_keyword_arguments(app: Celery) -> None:
 def test_a_run_gives_its_lease_back_however_it_ends(app: Celery, prefix: str) -> None:
     """The gated run itself releases its concurrency lease as it ends: returned or raised
     (no task_postrun receiver needed, so an app that was never installed releases too)."""
-    from celery_throttle import Concurrency as Slots
-    from celery_throttle import Gate
+    from celery_throttle import Concurrency, Gate
 
     app.conf.throttle_prefix = prefix
     held_inside: list[int] = []
 
-    @throttled(concurrency=1, name="one-slot")
+    @throttled(concurrency=1, name="one-seat")
     @app.task(bind=True, shared=False)
     def job(self: Task[Any, Any], fail: bool) -> str:
         gate = Gate.from_url(app.conf.broker_url, prefix=prefix)
-        held_inside.append(gate.inspect_leases(Slots("one-slot", 1)).held)
+        held_inside.append(gate.inspect_leases(Concurrency("one-seat", 1)).held)
         if fail:
             raise RuntimeError("boom")
         return "ran"
@@ -229,5 +228,5 @@ def test_a_run_gives_its_lease_back_however_it_ends(app: Celery, prefix: str) ->
                 assert job.run(fail) == "ran"
         finally:
             job.pop_request()
-        assert gate.inspect_leases(Slots("one-slot", 1)).held == 0
+        assert gate.inspect_leases(Concurrency("one-seat", 1)).held == 0
     assert held_inside == [1, 1, 1]  # each run held the one booked start, and got it: none leaked

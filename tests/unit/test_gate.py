@@ -186,14 +186,14 @@ def test_recovers_after_script_flush(gate: Gate, client: redis.Redis) -> None:
 
 
 def test_reservations_are_distinct_and_evenly_spaced(cgate: Gate) -> None:
-    """Ten denied calls with reserve book ten slots one interval apart, in order."""
+    """Ten denied calls with reserve book ten starts one interval apart, in order."""
     assert cgate.acquire_many([Limit("r", parse_rate("20/s"))]).allowed
-    slots = []
+    starts = []
     for _ in range(10):
         d = cgate.acquire_many([Limit("r", parse_rate("20/s"))], reserve=10)
         assert d.reserved
-        slots.append(d.start)
-    assert slots == [T0 + 50_000 * i for i in range(1, 11)]
+        starts.append(d.start)
+    assert starts == [T0 + 50_000 * i for i in range(1, 11)]
 
 
 def test_reservation_beyond_horizon_books_nothing(cgate: Gate, client: redis.Redis) -> None:
@@ -228,7 +228,7 @@ def test_claim_early_on_time_and_late(cgate: Gate, clock: StepClock) -> None:
     assert late.start == T0 + 300_000  # the next free start, not a burst now
 
 
-def test_a_late_start_pushes_the_later_slots_back(cgate: Gate, clock: StepClock) -> None:
+def test_a_late_start_pushes_the_later_starts_back(cgate: Gate, clock: StepClock) -> None:
     """Started 15 ms late, a start moves every later booked one by 15 ms: 100 ms apart still."""
     lim = Limit("c", parse_rate("10/s"))
     cgate.acquire_many([lim])
@@ -326,7 +326,7 @@ def test_lua_matches_reference_model(
     client: redis.Redis,
     steps: list[tuple[int, list[tuple[int, str, int, int]], int, bool, int]],
 ) -> None:
-    """Over random arrivals, limits, costs, bursts, horizons, claims and near slots admitted as
+    """Over random arrivals, limits, costs, bursts, horizons, claims and near starts admitted as
     booked, Lua equals the model."""
     clock = StepClock()
     g = Gate(client, prefix=f"p-{uuid.uuid4().hex[:10]}", clock=clock)
@@ -375,7 +375,7 @@ def test_starts_keep_the_full_interval_however_late_claims_come(
 
     The bound ``burst - 1 + ceil(w * rate)`` with burst 1 is exactly "no two
     starts closer than the interval"; a start is the decision's time, or the
-    slot it was admitted for ahead of time.  Before late starts moved the
+    start it was admitted for ahead of time.  Before late starts moved the
     later booked starts back, a start up to the grace late next to an on-time one was
     allowed (one start over the bound in a window).
     """
@@ -402,7 +402,7 @@ def test_starts_keep_the_full_interval_however_late_claims_come(
     assert min(gaps, default=50_000) >= 50_000, sorted(starts)
 
 
-def test_reservation_books_only_the_limit_that_forces_the_slot(
+def test_reservation_books_only_the_limit_that_forces_the_start(
     cgate: Gate, clock: StepClock
 ) -> None:
     """A start booked by a slow own limit leaves the shared limit free for others until then."""
@@ -413,7 +413,7 @@ def test_reservation_books_only_the_limit_that_forces_the_slot(
     assert held.reserved
     assert held.reservation == Reservation(T0 + 1_000_000, booked=0b01, epoch=T0)
     clock.us += 100_000
-    assert cgate.acquire_many([shared]).allowed  # not blocked until the held task's slot
+    assert cgate.acquire_many([shared]).allowed  # not blocked until the held task's booked start
     clock.us = T0 + 1_000_000
     assert cgate.acquire_many([own, shared], claim=held.reservation, grace=0.01).allowed
     # The claim charged the shared limit at its start.
@@ -459,7 +459,7 @@ def test_claim_waits_out_a_busy_unbooked_limit_within_the_grace(
     assert wait.early
     assert wait.retry_after == 0.075
     # The booked start is now the moment both limits admit; the own limit's later
-    # slots moved back by the 75 ms it starts late (its shift).
+    # starts moved back by the 75 ms it starts late (its shift).
     assert wait.reservation == Reservation(T0 + 575_000, booked=0b11, epoch=T0, shift=75_000)
     assert not cgate.acquire_many([shared]).allowed  # held for the claim, not taken by others
     clock.us = T0 + 575_000
@@ -624,7 +624,7 @@ def test_cancel_gives_back_only_the_last_booking(cgate: Gate, clock: StepClock) 
     assert cgate.cancel([limit], second.reservation) == 1  # the last: given back
     assert cgate.cancel([limit], second.reservation) == 0  # once
     again = cgate.acquire_many([limit], reserve=60)
-    assert again.retry_after == pytest.approx(0.2)  # the returned slot, to the next waiter
+    assert again.retry_after == pytest.approx(0.2)  # the returned start, to the next waiter
     clock.us += 100_000
     assert cgate.acquire_many([limit], claim=first.reservation, grace=0.02).allowed
 

@@ -47,7 +47,7 @@ def test_a_limit_named_like_an_internal_key_leaves_them_alone(gate: Gate, client
         assert gate.acquire_many(lookalike, holder="h").allowed
         assert gate.release(lookalike, "h") == 1
     claimed = gate.acquire_many([api], claim=booked.reservation, grace=0.05)
-    assert claimed.early  # still this booking's slot: not voided by a new epoch
+    assert claimed.early  # still this booking's start: not voided by a new epoch
     room = WaitingRoom(client, prefix)
     room.park("entry", b"{}", "task-1", delay_us=10_000_000)  # no WRONGTYPE
     assert room.state().parked == 1

@@ -21,7 +21,7 @@ from ..clock import T0, StepClock
 
 
 def test_at_most_n_holders_and_a_release_frees_a_seat(cgate: Gate) -> None:
-    """Two slots: a and b hold, c is refused; after a releases, c gets the booked start."""
+    """Two seats: a and b hold, c is refused; after a releases, c gets the booked start."""
     two = Concurrency("llm-inflight", 2)
     assert cgate.acquire_many([two], holder="a").allowed
     assert cgate.acquire_many([two], holder="b").allowed
@@ -102,12 +102,12 @@ def test_full_limit_paces_waiters_by_the_average_run(cgate: Gate, clock: StepClo
 
 def test_waiters_are_paced_by_the_oldest_run_before_any_ended(cgate: Gate, clock: StepClock
                                                                ) -> None:
-    """No run has ended yet: the step follows the holders' age, from 50 ms to 1 s / slots."""
+    """No run has ended yet: the step follows the holders' age, from 50 ms to 1 s / seats."""
     two = Concurrency("pool", 2)
     assert cgate.acquire_many([two], holder="a").allowed
     assert cgate.acquire_many([two], holder="b").allowed
     first = cgate.acquire_many([two], holder="w1", reserve=60)
-    assert first.start == T0 + 25_000  # nothing known: 50 ms / 2 slots
+    assert first.start == T0 + 25_000  # nothing known: 50 ms / 2 seats
     clock.us = T0 + 600_000  # a and b have run 0.6 s: runs are at least that long
     later = cgate.acquire_many([two], holder="w2", reserve=60)
     assert later.start == T0 + 600_000 + 300_000
@@ -138,7 +138,7 @@ def test_pause_stops_every_caller_until_it_ends(cgate: Gate, clock: StepClock) -
     assert cgate.inspect(rate).paused == 0.0
 
 
-def test_pause_voids_slots_booked_before_it(cgate: Gate, clock: StepClock) -> None:
+def test_pause_voids_starts_booked_before_it(cgate: Gate, clock: StepClock) -> None:
     """A task booked for 0.5 s from now may not start in a 2 s pause: it books after it."""
     rate = Limit("provider", parse_rate("2/s"))
     assert cgate.acquire_many([rate]).allowed
@@ -152,7 +152,7 @@ def test_pause_voids_slots_booked_before_it(cgate: Gate, clock: StepClock) -> No
 
 
 def test_pause_of_a_concurrency_limit(cgate: Gate, clock: StepClock) -> None:
-    """A paused concurrency limit with free slots admits nobody until the pause ends."""
+    """A paused concurrency limit with free seats admits nobody until the pause ends."""
     four = Concurrency("inflight", 4)
     assert cgate.pause([four], 1.5) == 1.5
     d = cgate.acquire_many([four], holder="a", reserve=60)
@@ -197,13 +197,13 @@ def test_settle_rejects_bad_actual_costs(cgate: Gate, bad: object) -> None:
         cgate.settle(tokens, bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("slots", "lease", "match"), [
+@pytest.mark.parametrize(("seats", "lease", "match"), [
     (0, 30, "invalid concurrency 0"), (True, 30, "invalid concurrency True"),
     (2, 0, "invalid lease 0"), (2, "30", "invalid lease '30'")])
-def test_bad_concurrency_limits_name_the_value(slots: object, lease: object, match: str) -> None:
-    """Slots must be an int >= 1, the lease seconds in range."""
+def test_bad_concurrency_limits_name_the_value(seats: object, lease: object, match: str) -> None:
+    """Seats must be an int >= 1, the lease seconds in range."""
     with pytest.raises(ValueError, match=match):
-        Concurrency("x", slots, lease=lease)  # type: ignore[arg-type]
+        Concurrency("x", seats, lease=lease)  # type: ignore[arg-type]
 
 
 def test_concurrency_needs_a_holder(cgate: Gate) -> None:
@@ -230,7 +230,7 @@ def test_settle_outside_a_worker_run_does_nothing() -> None:
         settle(-1)
 
 
-def test_settled_charge_moves_the_slots_booked_before_it(cgate: Gate, clock: StepClock
+def test_settled_charge_moves_the_starts_booked_before_it(cgate: Gate, clock: StepClock
                                                          ) -> None:
     """Booked at the estimates' pace, a booked start moves by what a settlement charged on top.
 
@@ -259,7 +259,7 @@ def test_settled_charge_moves_the_slots_booked_before_it(cgate: Gate, clock: Ste
     assert fourth.start == T0 + 600_000  # after the shifted third (0.5 s), one interval on
 
 
-def test_no_refund_while_slots_are_booked_past_the_burst(cgate: Gate, clock: StepClock
+def test_no_refund_while_starts_are_booked_past_the_burst(cgate: Gate, clock: StepClock
                                                          ) -> None:
     """A refund with starts booked ahead would hand their times out twice: it waits."""
     rate = Limit("tokens", parse_rate("10/s"), cost=1)
@@ -316,7 +316,7 @@ def test_a_report_of_plenty_changes_nothing_and_costs_no_call(
         2_500_000, 2_600_000, 2_700_000]
 
 
-def test_a_report_moves_the_slots_booked_before_it(cgate: Gate, clock: StepClock) -> None:
+def test_a_report_moves_the_starts_booked_before_it(cgate: Gate, clock: StepClock) -> None:
     """A booked start is a start the provider has not seen: 1 left until 1 s, and one start
     booked 0.1 s out, so the booked start moves to the last interval before the reset and
     nothing else starts before it."""

@@ -160,12 +160,13 @@ def test_store_errors_are_counted(app: Celery) -> None:
 
 
 def test_rate_change_keeps_state_and_never_bursts(client: redis.Redis, prefix: str) -> None:
-    """A limit's rate changed in code: the bucket is kept, no burst; bookings keep their slots."""
+    """A limit's rate changed in code: the bucket is kept, no burst; bookings keep their
+    booked starts."""
     clock = StepClock()
     gate = Gate(client, prefix=prefix, clock=clock)
     old = Limit("api", parse_rate("10/s"))
     assert gate.acquire_many([old]).allowed
-    booked = [gate.acquire_many([old], reserve=60) for _ in range(5)]  # slots 0.1 .. 0.5 s
+    booked = [gate.acquire_many([old], reserve=60) for _ in range(5)]  # starts 0.1 .. 0.5 s
     assert [d.retry_after for d in booked] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
     faster = Limit("api", parse_rate("100/s"))
     # Workers restarted with 100/s: a new task queues behind the existing
@@ -232,21 +233,21 @@ def test_lowered_rate_voids_bookings_made_at_the_old_pace(app: Celery) -> None:
 def test_command_shows_and_resets_concurrency_leases(
     capp: ModuleType, records: redis.Redis, redis_base: str
 ) -> None:
-    """`status` lists a concurrency limit's held slots and pause; `reset` drops the leases."""
+    """`status` lists a concurrency limit's held seats and pause; `reset` drops the leases."""
     gate = Gate.from_url(f"{redis_base}/{databases.STORE}")  # the test app's store, default prefix
-    one = Concurrency("one-slot", 1)
+    one = Concurrency("one-seat", 1)
     assert gate.acquire_many([one], holder="task-1").allowed
     gate.pause([one], 30)
-    status = throttle_cli(["status", "--json", "one-slot"], redis_base)
-    table = throttle_cli(["status", "one-slot"], redis_base)
-    reset = throttle_cli(["reset", "one-slot"], redis_base)
+    status = throttle_cli(["status", "--json", "one-seat"], redis_base)
+    table = throttle_cli(["status", "one-seat"], redis_base)
+    reset = throttle_cli(["reset", "one-seat"], redis_base)
     for done in (status, table, reset):
         assert done.returncode == 0, done.stderr
     (row,) = json.loads(status.stdout)["limits"]
-    assert (row["limit"], row["concurrency"], row["held"]) == ("one-slot", 1, 1)
+    assert (row["limit"], row["concurrency"], row["held"]) == ("one-seat", 1, 1)
     assert 25 <= row["paused_s"] <= 30
-    assert re.search(r"^one-slot\s+1 at once\s+-\s+1/1 held\s+paused \d+\.\d{3}s "
-                     r"after a provider's 429\s+-\s+tests.celery_app.one_slot$", table.stdout,
+    assert re.search(r"^one-seat\s+1 at once\s+-\s+1/1 held\s+paused \d+\.\d{3}s "
+                     r"after a provider's 429\s+-\s+tests.celery_app.one_seat$", table.stdout,
                      flags=re.MULTILINE), table.stdout
     assert "leases reset" in reset.stdout
     assert gate.inspect_leases(one).held == 0

@@ -109,7 +109,7 @@ def _check_no_quota_429(provider: mock.MockProvider, done: list[Any], calls: int
     assert max_in_window(provider.accepted, 1.0) <= QUOTA
 
 
-def test_openai_sdk_retries_wait_for_their_slot(
+def test_openai_sdk_retries_wait_for_their_start(
         provider: mock.MockProvider, redis_url: str, prefix: str) -> None:
     """40 chat completions from 8 threads through one OpenAI client (default retries) at 9/s
     under a quota of 10/s, the provider refusing everything for 0.6 s mid-run: every call
@@ -123,7 +123,7 @@ def test_openai_sdk_retries_wait_for_their_slot(
     _check_no_quota_429(provider, done, 40)
 
 
-def test_anthropic_sdk_retries_wait_for_their_slot(
+def test_anthropic_sdk_retries_wait_for_their_start(
         provider: mock.MockProvider, redis_url: str, prefix: str) -> None:
     """24 messages from 6 threads through one Anthropic client: the same."""
     with Gate.from_url(redis_url, prefix=prefix) as gate:
@@ -136,7 +136,7 @@ def test_anthropic_sdk_retries_wait_for_their_slot(
 
 
 @pytest.mark.parametrize("sdk", ["openai", "anthropic"])
-def test_async_sdks_wait_for_their_slot(
+def test_async_sdks_wait_for_their_start(
         provider: mock.MockProvider, redis_url: str, prefix: str, sdk: str) -> None:
     """30 concurrent calls of AsyncOpenAI / AsyncAnthropic through async_gated_client: the
     same, with the gate made for the client's event loop."""
@@ -243,7 +243,7 @@ def test_a_task_s_admission_is_its_first_request_s_start(redis_url: str, prefix:
     assert len(sent) == 3
 
 
-def test_a_task_let_go_late_in_its_slot_s_grace_has_less_admission_to_spend(
+def test_a_task_let_go_late_in_its_start_s_grace_has_less_admission_to_spend(
         app: Celery) -> None:
     """A task booked at 2/s and run 0.1 s after its booked start is admitted (its grace is 0.25 s),
     but its admission counts from the booked start: a request sent now would leave more than the

@@ -1,6 +1,6 @@
 """Waiting for a start outside Celery (waiting.py): Gate.wait/admitted/limit and their async twins.
 
-Real Redis and real time (rates of 20/s keep the tests short).  Booked slots
+Real Redis and real time (rates of 20/s keep the tests short).  Booked starts
 are the gate's own numbers, so spacing is checked on them exactly; the
 callers' clocks only bound the totals.
 """
@@ -50,13 +50,13 @@ def sgate(client: redis.Redis, prefix: str) -> Gate:
 
 def _spaced(decisions: list[Decision]) -> None:
     """Every waiter got its own booked start, at least one interval after the one before."""
-    slots = sorted(d.reservation.start for d in decisions if d.reservation is not None)
-    assert len(slots) == len(set(slots)) == len(decisions) - 1  # the first started at once
-    assert all(b - a >= INTERVAL_US for a, b in itertools.pairwise(slots))
+    starts = sorted(d.reservation.start for d in decisions if d.reservation is not None)
+    assert len(starts) == len(set(starts)) == len(decisions) - 1  # the first started at once
+    assert all(b - a >= INTERVAL_US for a, b in itertools.pairwise(starts))
 
 
-def test_waiters_in_threads_get_distinct_spaced_slots_without_a_herd(sgate: Gate) -> None:
-    """10 threads wait on 20/s: 10 distinct slots 50 ms apart, ~2 decisions each, ~0.45 s."""
+def test_waiters_in_threads_get_distinct_spaced_starts_without_a_herd(sgate: Gate) -> None:
+    """10 threads wait on 20/s: 10 distinct starts 50 ms apart, ~2 decisions each, ~0.45 s."""
     decisions: list[Decision] = []
     start = time.monotonic()
     threads = [threading.Thread(target=lambda: decisions.append(sgate.wait([RATE], timeout=5)))
@@ -99,7 +99,7 @@ def _admitted_ahead(gate: Gate, grace: float) -> tuple[Any, Decision, Decision] 
     return steps, booked, admitted
 
 
-def test_a_waiter_woken_late_for_its_admitted_slot_claims_it_again(sgate: Gate) -> None:
+def test_a_waiter_woken_late_for_its_admitted_start_claims_it_again(sgate: Gate) -> None:
     """Admitted for its booked start just ahead (it claimed early), a waiter sleeps until it; woken
     past the grace it does not start then but claims again: the gate finds the booked start lost
     and decides afresh.  Woken in time, it starts."""
@@ -128,8 +128,8 @@ def test_a_waiter_woken_late_for_its_admitted_slot_claims_it_again(sgate: Gate) 
         time.sleep(0.1)  # (the next round starts on a free limit)
 
 
-def test_a_near_slot_costs_one_script_call_and_a_far_one_two(sgate: Gate) -> None:
-    """Slots within NEAR are admitted in the call that books them (the waiter sleeps and
+def test_a_near_start_costs_one_script_call_and_a_far_one_two(sgate: Gate) -> None:
+    """Starts within NEAR are admitted in the call that books them (the waiter sleeps and
     starts); a booked start further away is booked, then claimed.  (A wide grace: a late wake-up
     would claim again, a third call, which is not what this counts.)"""
     assert NEAR >= 2 * INTERVAL_US / 1e6
@@ -148,9 +148,9 @@ def test_a_near_slot_costs_one_script_call_and_a_far_one_two(sgate: Gate) -> Non
     assert Counting.calls == 2
 
 
-def test_a_near_admission_woken_late_claims_its_slot_again(sgate: Gate) -> None:
-    """Admitted for a near slot as it was booked, a waiter woken past the grace does not
-    start then: it claims that slot again, which the gate finds lost and decides afresh."""
+def test_a_near_admission_woken_late_claims_its_start_again(sgate: Gate) -> None:
+    """Admitted for a near start as it was booked, a waiter woken past the grace does not
+    start then: it claims that start again, which the gate finds lost and decides afresh."""
     assert sgate.acquire_many([RATE]).allowed  # the next start is 50 ms away
     steps = plan([RATE], timeout=5, grace=0.02)
     ask = next(steps)
@@ -177,7 +177,7 @@ def test_a_near_admission_woken_late_claims_its_slot_again(sgate: Gate) -> None:
     assert done.value.value.decision is fresh
 
 
-def test_async_waiters_get_distinct_spaced_slots(redis_url: str, prefix: str) -> None:
+def test_async_waiters_get_distinct_spaced_starts(redis_url: str, prefix: str) -> None:
     """The same with 10 coroutines on AsyncGate."""
     async def main() -> list[Decision]:
         gate = AsyncGate.from_url(redis_url, prefix=prefix)
@@ -193,7 +193,8 @@ def test_async_waiters_get_distinct_spaced_slots(redis_url: str, prefix: str) ->
 
 
 def test_a_wait_past_the_timeout_fails_at_once_and_books_nothing(sgate: Gate) -> None:
-    """1/s, slot taken: a 0.2 s timeout raises ThrottleTimeout naming the limit, at once."""
+    """1/s, the next start taken: a 0.2 s timeout raises ThrottleTimeout naming the limit, at
+    once."""
     slow = Limit("slow", parse_rate("1/s"))
     assert sgate.acquire_many([slow]).allowed
     before = sgate.inspect(slow).next_free
@@ -206,7 +207,7 @@ def test_a_wait_past_the_timeout_fails_at_once_and_books_nothing(sgate: Gate) ->
     assert isinstance(ThrottleTimeout("x"), TimeoutError)
 
 
-def test_an_interrupted_waiter_gives_its_slot_back(sgate: Gate) -> None:
+def test_an_interrupted_waiter_gives_its_booked_start_back(sgate: Gate) -> None:
     """KeyboardInterrupt while waiting for a start booked 1 s away: that start is free again."""
     slow = Limit("slow", parse_rate("1/s"))
     assert sgate.acquire_many([slow]).allowed
@@ -266,9 +267,9 @@ def test_a_caller_that_waits_elsewhere_gets_the_refusal_back(sgate: Gate) -> Non
         steps.send(sgate.acquire_many([slow], reserve=5))
 
 
-def test_a_new_slot_takes_its_grace_from_the_limits_it_is_booked_in(sgate: Gate) -> None:
+def test_a_new_booked_start_takes_its_grace_from_the_limits_it_is_booked_in(sgate: Gate) -> None:
     """``grace`` as a function of the booking: the claim of a start booked in every limit
-    carries that slot's grace, and the sleep wakes half of it early."""
+    carries that start's grace, and the sleep wakes half of it early."""
     slow = Limit("slow-grace", parse_rate("2/s"))
     assert sgate.acquire_many([slow]).allowed
     steps = plan([slow], near=0.0, grace=lambda booked: 0.1 if booked else 0.02)
@@ -313,7 +314,7 @@ def test_drive_gives_back_the_booking_its_sleep_held(sgate: Gate) -> None:
     assert sgate.inspect(slow).next_free <= free_at
 
 
-def test_a_cancelled_coroutine_gives_its_slot_back(redis_url: str, prefix: str) -> None:
+def test_a_cancelled_coroutine_gives_its_booked_start_back(redis_url: str, prefix: str) -> None:
     """asyncio cancellation of a waiter: its booking is returned; the next waiter gets it."""
     slow = Limit("slow", parse_rate("1/s"))
 
@@ -332,7 +333,7 @@ def test_a_cancelled_coroutine_gives_its_slot_back(redis_url: str, prefix: str) 
             await gate.aclose()
 
     while_booked, after = asyncio.run(main())
-    assert while_booked > 1.5  # the waiter's slot (~0.9 s) was taken: next free after it
+    assert while_booked > 1.5  # the waiter's booked start (~0.9 s) was taken: next free after it
     assert after < 1.0  # given back
 
 

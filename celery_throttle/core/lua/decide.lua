@@ -324,7 +324,7 @@ for i = 1, n do
   end
 end
 if waiting_on_lease then
-  -- Nothing is booked: rate slots held for a task that may not get its
+  -- Nothing is booked: rate starts held for a task that may not get its
   -- lease then would be lost.  It comes back at its paced time and asks.
   if horizon < 0 then
     return { 0, wait, blocking, 0, now, 0, 0, 0 }

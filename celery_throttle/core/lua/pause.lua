@@ -5,7 +5,7 @@
 celery_throttle pause.lua: admit nothing in the limits given for a while (a
 provider answered 429 with Retry-After).  A rate bucket keeps its pause in
 its value (bucket.lua), a concurrency limit in its meta hash; a longer pause
-already set is kept.  Slots booked before the pause ends are void
+already set is kept.  Starts booked before the pause ends are void
 (decide.lua).
 
 KEYS and the limits' ARGV: limits.lua.

@@ -94,7 +94,7 @@ class Limit:
         return _key_bytes(turns_key, prefix, self.name, self.key)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Concurrency:
     """At most ``seats`` holders of ``name`` (and ``key``) at once, each on a lease.
 
@@ -113,7 +113,30 @@ class Concurrency:
     #: A concurrency limit spaces no starts.
     interval_us: ClassVar[int] = 0
 
-    def __post_init__(self) -> None:
+    def __init__(self, name: str, seats: int | None = None, key: object = None,
+                 lease: float = DEFAULT_LEASE, *, slots: int | None = None) -> None:
+        """``slots``: deprecated (0.1.0's name of ``seats``)."""
+        if slots is not None:
+            if seats is not None:
+                raise TypeError("Concurrency() takes seats or slots (its former name), "
+                                "not both")
+            _renamed("Concurrency(slots=...)", "Concurrency(seats=...)")
+            seats = slots
+        if seats is None:
+            raise TypeError("Concurrency() needs seats: how many may hold it at once")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "seats", seats)
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "lease", lease)
+        self._validate()
+
+    @property
+    def slots(self) -> int:
+        """Deprecated (0.1.0's name): :attr:`seats`."""
+        _renamed("Concurrency.slots", "Concurrency.seats")
+        return self.seats
+
+    def _validate(self) -> None:
         validate_name(self.name)
         positive_int("concurrency", self.seats)
         if self.key is not None:

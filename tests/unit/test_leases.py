@@ -11,8 +11,10 @@ import redis
 
 from celery_throttle import (
     Concurrency,
+    Decision,
     Gate,
     Limit,
+    Reservation,
     parse_rate,
     settle,
 )
@@ -389,3 +391,23 @@ def test_a_renewal_after_a_holder_stops_its_beat_takes_no_seat(gate: Gate) -> No
     assert gate.release([one], "t1") == 1
     heartbeat._heartbeat._renew(held)
     assert gate.inspect_leases(one).held == 0
+
+
+def test_0_1_0_s_names_still_work_with_a_deprecation_warning() -> None:
+    """0.1.0 named a concurrency limit's seats ``slots`` and a booked start a ``slot``: code
+    written for it keeps working, each use warned; a limit given both names, or neither, is
+    refused."""
+    with pytest.warns(DeprecationWarning, match=r"Concurrency\(slots=\.\.\.\) is deprecated"):
+        old = Concurrency("x", slots=2)
+    assert old == Concurrency("x", 2)
+    with pytest.warns(DeprecationWarning, match="Concurrency.slots is deprecated"):
+        assert old.slots == 2
+    with pytest.raises(TypeError, match="not both"):
+        Concurrency("x", 2, slots=2)
+    with pytest.raises(TypeError, match="needs seats"):
+        Concurrency("x")
+    booked = Reservation(T0, booked=1, epoch=T0)
+    with pytest.warns(DeprecationWarning, match="Reservation.slot is deprecated"):
+        assert booked.slot == T0
+    with pytest.warns(DeprecationWarning, match="Decision.slot is deprecated"):
+        assert Decision(False, 0.5, reservation=booked).slot == T0

@@ -19,7 +19,8 @@ sixths ... five sixths of the duration (moved by up to ``duration/36`` by the
 seed): a node is SIGKILLed (back 3 s later), the store is SIGKILLed (back
 after 5 s), the other node is SIGKILLed (back 3 s later), the broker is
 SIGKILLed (back after 4 s), a node is stopped with SIGTERM and started again.
-Then up to ``--drain`` seconds for every task to run.
+Then up to ``--drain`` seconds for every task to run.  ``SOAK_PREFETCH`` in the
+environment sets the nodes' ``worker_prefetch_multiplier`` (Celery's 4 by default).
 
 Each combination of broker (a Redis with AOF, ``appendfsync always``, or a
 RabbitMQ node: both keep their messages on disk) and store (its own Redis with
@@ -80,6 +81,8 @@ RECOVERY_SPAN = 10.0  # seconds after a fault's end in which its longest gap is 
 PACE_SPAN = 5.0  # seconds per figure of the rate limit's pace over the run
 AFTER_STORE_LOSS = 3.0  # seconds after the store is back that the window check leaves out
 ACK_LOST = 2.0  # a run that ended this long before a kill may not have been acknowledged
+#: The workers' worker_prefetch_multiplier: $SOAK_PREFETCH, else Celery's own (4).
+PREFETCH = int(os.environ.get("SOAK_PREFETCH", "4"))
 #: (duration, drain, visibility timeout), seconds: the full run and --quick's.
 FULL, QUICK = (180.0, 240.0, 20.0), (72.0, 90.0, 8.0)
 
@@ -217,7 +220,8 @@ def _run(broker_kind: str, store_kind: str, throttle: bool, seed: int, duration:
     with servers(broker_kind, store_kind) as run:
         env = {"SOAK_BROKER": run.broker_url, "SOAK_STORE": f"{run.store.url}/0",
                "SOAK_RECORDS": records_url, "SOAK_THROTTLE": "1" if throttle else "0",
-               "SOAK_VISIBILITY": f"{visibility:g}", "PYTHONPATH": str(ROOT)}
+               "SOAK_VISIBILITY": f"{visibility:g}", "SOAK_PREFETCH": str(PREFETCH),
+               "PYTHONPATH": str(ROOT)}
         os.environ.update(env)
         sys.modules.pop(APP, None)
         mod = __import__(APP, fromlist=["app"])
@@ -475,7 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     plan += [(b, "aof", False) for b in brokers]
     print(f"Over-limit traffic ({DEMAND}x each limit) for {duration:.0f} s under five "
           f"faults, then up to {drain:.0f} s to drain; 2 nodes x 4 prefork processes, "
-          f"acks_late, visibility timeout {visibility:g} s.  Per limit: published / never ran "
+          f"acks_late, visibility timeout {visibility:g} s, prefetch multiplier {PREFETCH}.  "
+          "Per limit: published / never ran "
           "/ ran to the end twice / run again after a kill (mid-run, or before its ack: "
           "acks_late's own).  Unreceived: a task that never ran and that no worker logged "
           "as received (the broker lost it before any worker saw it).  Started, never "

@@ -9,7 +9,8 @@ those records alone.
 Configured from the environment: SOAK_BROKER (the broker URL), SOAK_STORE
 (the throttle's store), SOAK_RECORDS (the records and results server),
 SOAK_THROTTLE ("0": the same tasks without ``@throttled``, Celery alone),
-SOAK_VISIBILITY (the broker's visibility timeout, seconds; 20 by default).
+SOAK_VISIBILITY (the broker's visibility timeout, seconds; 20 by default),
+SOAK_PREFETCH (``worker_prefetch_multiplier``; Celery's own, 4, by default).
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ RATE, TENANT_RATE, SEATS, SEAT_SECONDS = 10, 2, 3, 0.3
 THROTTLE = os.environ.get("SOAK_THROTTLE", "1") == "1"
 RECORDS = os.environ.get("SOAK_RECORDS", "redis://127.0.0.1:6379")
 VISIBILITY = float(os.environ.get("SOAK_VISIBILITY", "20"))
+PREFETCH = int(os.environ.get("SOAK_PREFETCH", "4"))
 
 app = Celery("soak", broker=os.environ.get("SOAK_BROKER", f"{RECORDS}/0"),
              backend=f"{RECORDS}/1")
 app.conf.update(
     task_acks_late=True,
+    worker_prefetch_multiplier=PREFETCH,
     task_reject_on_worker_lost=True,
     # A stranded message (its node killed) comes back after the visibility
     # timeout; the sweep looks every sixth of it, so the drain stays bounded.

@@ -33,7 +33,15 @@ def test_one_process_pools_keep_the_bound_and_use_the_limit(
     times = [r["t"] for r in rows]
     assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # each once
     assert states == ["SUCCESS"] * 100
-    worst = check_window_bound(times, rate=20, burst=1, period=1.0)
+    # The starts the throttle gave, on the store's clock (a copy dispatched from its line
+    # carries its start): the window bound, exactly.
+    given = [r["slot"] / 1e6 for r in rows if r.get("slot")]
+    assert len(given) >= 50
+    check_window_bound(given, rate=20, burst=1, period=1.0)
+    # What a provider would see, each run's first line: a thread scheduled late after its
+    # start adds to that (in a full suite, two test workers on 2 cores, one run's first
+    # line came about 50 ms after its start: 7 in a 0.25 s window): one start more allowed.
+    worst = check_window_bound(times, rate=20, burst=2, period=1.0)
     used = (len(times) - 1) / (times[-1] - times[0]) / 20
     in_line = sum(1 for r in rows if r["deferrals"])
     print(f"\n{pool}: limit used {used:.3f}, worst windows {worst}, {in_line} waited in line")

@@ -256,9 +256,9 @@ def test_a_line_found_empty_is_not_asked_again_for_a_moment(app: Celery) -> None
     arrivals.empty[("arrive", "")] = time.monotonic() + 60  # (the moment, made long)
     _someone_in_line(app)
     assert not arrivals.lined_up(_received(app, task, 2))
-    queues = runtime_for(app).room.lines
-    assert len(queues.next_in_line(10, "arrive")) == 1
+    lines = runtime_for(app).room.lines
+    assert len(lines.next_in_line(10, "arrive")) == 1
     arrivals.empty[("arrive", "")] = 0.0  # (the moment passed)
     assert arrivals.lined_up(_received(app, task, 3))
-    assert len(queues.next_in_line(10, "arrive")) == 2
+    assert len(lines.next_in_line(10, "arrive")) == 2
     assert ("arrive", "") not in arrivals.empty

@@ -62,18 +62,18 @@ def test_bad_input_is_refused_naming_it(client: redis.Redis, prefix: str) -> Non
 def test_waiting_tasks_are_dispatched_at_the_live_rate(client: redis.Redis,
                                                       prefix: str) -> None:
     """Ten tasks in line at 1/s leave at 20/s once the limit is set to 20/s."""
-    queues = Lines(client, prefix)
+    lines = Lines(client, prefix)
     limit = Limit("api", parse_rate("1/s"))
     sec, usec = client.time()
     now = int(sec) * 1_000_000 + int(usec)
     for i in range(10):
-        queues.enqueue(f"e{i}", b"m", f"t{i}", limits=[limit], blocking=limit,
-                       place_us=now + i)
+        lines.enqueue(f"e{i}", b"m", f"t{i}", limits=[limit], blocking=limit,
+                      place_us=now + i)
     LiveLimits(client, prefix).set("api", "20/s")
     out: list[Served] = []
     start = time.monotonic()
     while len(out) < 10 and time.monotonic() - start < 3:
-        wait, served = queues.serve_due(50, 60_000_000)
+        wait, served = lines.serve_due(50, 60_000_000)
         out += served
         if not served:
             time.sleep(min(wait or 0.01, 0.05))

@@ -303,15 +303,30 @@ def test_node_dies_between_republish_and_ack_acks_late(
         # The double is there, and is caught: the stranded original, or its newer copy,
         # whichever comes second.  Every result may be in before it comes (when the
         # dead node held no other message, the restored original is the last to
-        # arrive, after the visibility timeout and the transport's next sweep).
-        until("the second copy dropped", lambda: _caught(logs(survivors + doomed)), timeout=30)
+        # arrive, after the visibility timeout and the transport's next sweep).  On
+        # Redis, the newer copy may also be the one message kombu lost at the kill
+        # (checked below): no double then, so wait for the drop only so long.
+        restored_by = _crash_time(records) + 8 + 1 + 10  # visibility, a sweep, slack
+        until("the second copy dropped, or the time for it past",
+              lambda: _caught(logs(survivors + doomed)) or time.time() > restored_by,
+              timeout=40)
         # A stranded duplicate, if any, starts within the next sweep; one whose first run
         # the kill cut short is allowed (checked below): at most one per pool process.
         rows = no_start_beyond(records, 104, 2.0)
         text = logs(survivors + doomed)
     crashed = _crash_time(records)
     runs = Counter(r["id"] for r in rows)
-    _lost_at_the_kill({r.id for r in results} - set(runs), text, crashed, started=0)
+    lost = {r.id for r in results} - set(runs)
+    _lost_at_the_kill(lost, text, crashed, started=0)
+    if not _caught(text):
+        # No double came: one of the re-scheduled task's two copies was the message
+        # kombu's Redis transport had popped and not yet recorded at the kill (the new
+        # copy, published a moment before it, is the likeliest), so that is the one
+        # message lost, and the task ran once from the other.  RabbitMQ loses none.
+        republished = json.loads(records.get("crashed") or "{}").get("id")
+        assert broker == "redis", text[-3000:]
+        assert not lost, lost
+        assert runs[republished] == 1, (runs[republished], text[-3000:])
     unfinished = {r.id: r.state for r in results if r.id in runs and r.state != "SUCCESS"}
     assert not unfinished
     # Run twice only if the first run was cut short by the kill (acks_late's

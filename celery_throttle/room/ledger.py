@@ -13,25 +13,28 @@ restore needs is worked out by reading the log back (:func:`replay`):
   delivered again puts its entry again, and its ``drop`` must not cancel the
   first put's;
 * ``drop(entry, mark)``: the store refused that put (the task waits
-  elsewhere);
-* ``take(entry, token, room)``: a copy of ``entry`` dispatched as ``token``
-  in the store's epoch ``room`` is about to ask the store whether it may go
-  on (appended and confirmed *before* it asks: a copy that went on always
-  has its take in the log);
-* ``restored(epoch)``: a restore for the store's epoch ``epoch`` read the log
-  up to here.
+  elsewhere); it counts wherever it is read, before its put too (the two
+  may be appended to two generations of the log: ``streams.py``);
+* ``take(entry, token, at)``: a copy of ``entry`` dispatched as ``token``
+  is about to ask the store whether it may go on (appended and confirmed
+  *before* it asks: a copy that went on always has its take in the log;
+  ``at``: when, in ms, so that a compaction keeps recent takes only);
+* ``mark(token)``: nothing changes; a reader appends one and reads up to it,
+  so that it has read every record confirmed before it began.
 
 An entry is *live* (still waiting, to be written back by a restore) from its
-first put until its take or its put's drop.  A take counts only if it is not
-from before a restore the log has already seen (``room`` older than the last
-``restored`` epoch before it): such a copy was dispatched by a store that
-has since been lost, and a restore after that record puts its entry back
-in line whatever the copy does; it is refused on arrival.  A counted take
-is final: the entry is not live again, whatever is put for it later (a
-compaction's copy of a put that raced with it, a redelivery of a message
-that already went on).  Each taken entry also keeps the token of its first
-counted take: that copy, and a redelivery of it, goes on after a restore;
-any other copy is refused.
+first put until its first take or its put's drop.  A take is final: the entry
+is not live again, whatever is put for it later (a compaction's copy of a
+put that raced with the take, a redelivery of a message that went on).  The
+token of an entry's first take is kept too: after a restore, that copy (and
+the broker's redelivery of it) goes on, any other copy of the entry is
+refused.
+
+A copy refused by the store has taken nothing there, but its take is in
+the log: that is safe because the store refuses a copy only when another
+copy took the entry, and a copy dispatched before the store's loss asks
+only once the restore is done (``parking.py``): its entry is then back in
+its line, and its take, after the restore's mark, is the one that counts.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Literal
 
 __all__ = ["Record", "Replay", "replay"]
 
-Op = Literal["put", "drop", "take", "restored"]
+Op = Literal["put", "drop", "take", "mark"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,35 +55,35 @@ class Record:
     op: Op
     entry: str = ""
     mark: str = ""  # put, drop: which put
-    token: str = ""  # take: the dispatch that published the copy
-    epoch: int = 0  # take: the store's epoch it was dispatched in; restored: restored for
+    token: str = ""  # take: the dispatch that published the copy; mark: the reader's
+    at: int = 0  # take: when (ms since the Unix epoch, the writer's clock)
     value: bytes = b""  # put: what a restore writes back (keeper.in_line_kept's form)
 
 
 @dataclass(slots=True)
 class Replay:
     """What the ledger says, read up to some point: the waiting tasks (``live``: entry ->
-    (mark, value)) and the copies that took theirs (``taken``: entry -> token)."""
+    (mark, value)) and the copies that took theirs (``taken``: entry -> (token, at)))."""
 
     live: dict[str, tuple[str, bytes]] = field(default_factory=dict)
-    taken: dict[str, str] = field(default_factory=dict)
-    floor: int = 0  # the newest epoch restored for: takes dispatched before it do not count
+    taken: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # Dropped puts (entry, mark): a drop may be read before its put (two generations).
+    dropped: set[tuple[str, str]] = field(default_factory=set)
 
     def apply(self, record: Record) -> None:
         """Add one record, read after every record applied before it."""
         entry = record.entry
         if record.op == "put":
-            if entry not in self.live and entry not in self.taken:
+            if entry not in self.live and entry not in self.taken \
+                    and (entry, record.mark) not in self.dropped:
                 self.live[entry] = (record.mark, record.value)
         elif record.op == "drop":
+            self.dropped.add((entry, record.mark))
             if self.live.get(entry, ("",))[0] == record.mark:
                 del self.live[entry]
-        elif record.op == "take":
-            if record.epoch >= self.floor and entry not in self.taken:
-                self.live.pop(entry, None)
-                self.taken[entry] = record.token
-        elif record.op == "restored":
-            self.floor = max(self.floor, record.epoch)
+        elif record.op == "take" and entry not in self.taken:
+            self.live.pop(entry, None)
+            self.taken[entry] = (record.token, record.at)
 
 
 def replay(records: Iterable[Record], into: Replay | None = None) -> Replay:

@@ -10,14 +10,14 @@ def put(entry: str, mark: str = "m1", value: bytes = b"msg") -> Record:
     return Record("put", entry, mark=mark, value=value)
 
 
-def take(entry: str, token: str = "t1", epoch: int = 100) -> Record:
-    return Record("take", entry, token=token, epoch=epoch)
+def take(entry: str, token: str = "t1", at: int = 5) -> Record:
+    return Record("take", entry, token=token, at=at)
 
 
 def test_a_task_waits_from_its_put_until_its_take() -> None:
     found = replay([put("a", value=b"A"), put("b", value=b"B"), take("a")])
     assert found.live == {"b": ("m1", b"B")}
-    assert found.taken == {"a": "t1"}
+    assert found.taken == {"a": ("t1", 5)}
 
 
 def test_a_drop_cancels_its_own_put_only() -> None:
@@ -28,12 +28,15 @@ def test_a_drop_cancels_its_own_put_only() -> None:
     found = replay([put("a", "m1"), Record("drop", "a", "m1")])
     assert found.live == {}
     assert found.taken == {}
+    # Read before its put (the two in different generations of the log), it still counts.
+    found = replay([Record("drop", "a", "m1"), put("a", "m1"), put("b", "m1")])
+    assert set(found.live) == {"b"}
 
 
 def test_the_first_counted_take_names_the_copy_that_goes_on() -> None:
     # A dispatcher died after publishing; the entry was dispatched again: two copies take.
-    found = replay([put("a"), take("a", "t1"), take("a", "t2")])
-    assert found.taken == {"a": "t1"}
+    found = replay([put("a"), take("a", "t1"), take("a", "t2", at=6)])
+    assert found.taken == {"a": ("t1", 5)}
     assert found.live == {}
 
 
@@ -42,30 +45,13 @@ def test_a_taken_entry_stays_taken_whatever_is_put_for_it_later() -> None:
     # message that went on: neither makes it wait again.
     found = replay([put("a", "m1"), take("a"), put("a", "m1"), put("a", "m2")])
     assert found.live == {}
-    assert found.taken == {"a": "t1"}
+    assert found.taken == {"a": ("t1", 5)}
 
 
-def test_a_take_from_a_store_lost_before_the_last_restore_does_not_count() -> None:
-    # The store (epoch 100) was lost; a restore for epoch 200 read the log to its record
-    # and wrote "a" back in line.  A copy dispatched in epoch 100 arriving after that
-    # is refused (its entry waits in line again): its take must not end the entry,
-    # which a later restore must write back again.
-    found = replay([put("a"), Record("restored", epoch=200), take("a", "old", epoch=100)])
+def test_a_mark_changes_nothing() -> None:
+    found = replay([put("a"), Record("mark", token="reader"), take("b")])
     assert found.live == {"a": ("m1", b"msg")}
-    assert found.taken == {}
-    # A copy dispatched after the restore counts, as does one from the lost epoch
-    # that took before the restore read the log (it went on, or will).
-    found = replay([put("a"), put("b"), take("b", "old", epoch=100),
-                    Record("restored", epoch=200), take("a", "new", epoch=200)])
-    assert found.live == {}
-    assert found.taken == {"a": "new", "b": "old"}
-
-
-def test_restores_only_raise_the_floor() -> None:
-    found = replay([Record("restored", epoch=300), Record("restored", epoch=200),
-                    put("a"), take("a", epoch=250)])
-    assert found.floor == 300
-    assert "a" in found.live
+    assert found.taken == {"b": ("t1", 5)}
 
 
 def test_a_replay_goes_on_where_another_ended() -> None:

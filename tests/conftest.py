@@ -193,6 +193,7 @@ def broker(request: pytest.FixtureRequest, capp: ModuleType,
     from kombu import Connection
 
     from celery_throttle.room.dispatcher import lane_of
+    from celery_throttle.room.streams import StreamLog
 
     url = request.getfixturevalue("rabbitmq_url")
     with Connection(url) as conn:
@@ -202,6 +203,12 @@ def broker(request: pytest.FixtureRequest, capp: ModuleType,
                 channel.queue_purge(name)
             with contextlib.suppress(Exception):
                 channel.close()
+    # The ledger of an earlier test's waiting tasks (room/logged.py): this test's store
+    # starts empty, and its first dispatcher would restore them.
+    ledger = StreamLog(lambda: Connection(url, transport_options={"confirm_publish": True}),
+                       capp.app.conf.throttle_prefix)
+    ledger.delete()
+    ledger.close()
     monkeypatch.setenv("CT_BROKER", url)  # the worker processes inherit it
     app = capp.app
     saved = app.conf["broker_url"]

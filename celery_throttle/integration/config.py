@@ -84,10 +84,11 @@ SETTINGS: dict[str, tuple[object, str]] = {
         '`"always"`: on any store (see [where a waiting task waits](waiting.md))'),
     "throttle_keep_beside_broker": (True,
         "where the store alone would lose waiting tasks (no `appendonly`, not the broker's "
-        "server) and the broker is a Redis server: tasks wait in the store anyway, each with "
-        "a copy kept beside the broker's queues and restored from there if the store comes "
-        "back empty; `False`: such waits are re-published with a countdown (see [kept beside "
-        "the broker](waiting.md#kept-beside-the-broker))"),
+        "server) and the broker is a Redis server or RabbitMQ: tasks wait in the store anyway, "
+        "each kept on the broker too (a copy beside a Redis broker's queues, a record in a log "
+        "on RabbitMQ) and restored from there if the store comes back empty; `False`: such "
+        "waits are re-published with a countdown (see [kept beside the "
+        "broker](waiting.md#kept-beside-the-broker))"),
     "throttle_enforce": (True,
         "`False`: shadow mode for every limit of the app: each decision is made and counted "
         "(would have waited, how long, for which limit) but every task runs at once; "
@@ -165,6 +166,7 @@ class Config:
     # it is a Redis server (compared by server id, room/durability.py).
     store_is_broker: bool = False
     broker_redis_url: str | None = field(default=None, repr=False)  # may carry a password
+    broker_amqp: bool = False  # the broker is RabbitMQ (waiting tasks kept in its log)
     # How the broker orders priorities (AMQP brokers
     # deliver a higher number first, kombu's Redis and others a lower one).
     high_priority_first: bool = False
@@ -329,6 +331,7 @@ def read_config(app: Celery) -> Config:
                                  get("throttle_keep_beside_broker")),
         store_is_broker=url == broker,
         broker_redis_url=broker if _is_server(broker) else None,
+        broker_amqp=_amqp(conf.broker_url),
         priority_ageing=_at_least_one("throttle_priority_ageing",
                                       get("throttle_priority_ageing")),
         high_priority_first=_amqp(conf.broker_url),

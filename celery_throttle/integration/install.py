@@ -128,7 +128,7 @@ def install(app: Celery) -> Celery:
                 dispatcher = Dispatcher(app, config.connect, config.prefix,
                                         timeout=config.dispatch_timeout,
                                         lead=config.dispatch_lead, revoked=_revoked,
-                                        keeper=lambda: keeper_of(config))
+                                        keeper=lambda: keeper_of(config, app))
                 dispatcher.start()
                 dispatchers.append(dispatcher)
                 revokes.listen(app, dispatcher.cancel)

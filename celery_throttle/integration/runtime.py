@@ -22,7 +22,8 @@ from ..core.gate import Gate
 from ..core.live import LiveLimits
 from ..core.logs import Every
 from ..room.durability import Durability, server_ids
-from ..room.keeper import Keeper
+from ..room.keeper import Keeper, Kept
+from ..room.logged import LoggedKeeper
 from ..room.parking import WaitingRoom
 from ..values import LONGEST_WAIT
 from .config import Config, read_config
@@ -79,7 +80,7 @@ def runtime_for(app: Celery) -> Runtime:
                                     health_check_interval=30)
             rt = Runtime(config, Gate(client, prefix=config.prefix),
                          WaitingRoom(client, config.prefix, replicas=config.park_replicas,
-                                     keeper=keeper_of(config)),
+                                     keeper=keeper_of(config, app)),
                          # (A pointer outlives the longest wait, in line or booked.)
                          CopyPointer(client, config.prefix, config.visibility_timeout
                                      + max(config.horizon, LONGEST_WAIT) + 60),
@@ -95,13 +96,16 @@ def durability_of(config: Config, client: Any) -> Durability:
     return Durability(client, anywhere=config.park_anywhere, replicas=config.park_replicas,
                       same_url=config.store_is_broker,
                       broker_id=lambda: _broker_id(config.broker_redis_url),
-                      beside_broker=_keeps(config))
+                      beside_broker=_keeps(config),
+                      where=("in a log on the broker (RabbitMQ)" if config.broker_amqp else
+                             "beside the broker's queues, on its Redis server"))
 
 
 def _beside(config: Config) -> bool:
-    """Is there a place beside the broker's queues for waiting tasks: a Redis broker that
-    is not the store's URL?"""
-    return config.broker_redis_url is not None and not config.store_is_broker
+    """Is there a place on the broker for waiting tasks: a Redis broker that is not the
+    store's URL (``room/keeper.py``), or RabbitMQ (``room/logged.py``)?"""
+    return (config.broker_redis_url is not None and not config.store_is_broker) \
+        or config.broker_amqp
 
 
 def _keeps(config: Config) -> bool:
@@ -110,18 +114,25 @@ def _keeps(config: Config) -> bool:
     return config.keep_beside_broker and _beside(config)
 
 
-def keeper_of(config: Config) -> Keeper | None:
-    """A keeper on the broker's Redis server, with a client of its own; None where there is
-    no such server.  Made whatever the setting says: a copy kept while it was on is still
-    taken by its task's arrival, and restored after a loss of the store, once it is off.
-    A taken entry's marker outlives any copy of it still on its way: an hour, or the
-    broker's visibility timeout (a redelivery) if longer."""
+def keeper_of(config: Config, app: Celery) -> Kept | None:
+    """Where waiting tasks are kept on the broker, with clients of its own: beside a Redis
+    broker's queues (``room/keeper.py``), or in a log on RabbitMQ (``room/logged.py``);
+    None where there is no such place.  Made whatever the setting says: a task kept while
+    it was on is still taken by its arrival, and restored after a loss of the store, once
+    it is off.  A taken entry's marker outlives any copy of it still on its way: an hour,
+    or the broker's visibility timeout (a redelivery) if longer."""
     if not _beside(config):
         return None
+    ttl_ms = int(max(KEPT_MARKER_S, config.visibility_timeout + 60) * 1000)
+    if config.broker_amqp:
+        options = {**(app.conf.broker_transport_options or {}), "confirm_publish": True}
+        store = config.connect(socket_timeout=5, socket_connect_timeout=2,
+                               health_check_interval=30)
+        return LoggedKeeper(store, lambda: app.connection_for_write().clone(
+            transport_options=options), config.prefix, marker_ttl_ms=ttl_ms)
     client = connect(cast(str, config.broker_redis_url), socket_timeout=5,
                      socket_connect_timeout=2, health_check_interval=30)
-    ttl_s = max(KEPT_MARKER_S, config.visibility_timeout + 60)
-    return Keeper(cast(redis.Redis, client), config.prefix, marker_ttl_ms=int(ttl_s * 1000))
+    return Keeper(cast(redis.Redis, client), config.prefix, marker_ttl_ms=ttl_ms)
 
 
 def _broker_id(url: str | None) -> str | None:
@@ -147,4 +158,4 @@ def forget(app: Celery) -> None:
         rt.counts.stop()  # the counts of the last second, while the client is open
         rt.gate.client.close()
         if rt.room.keeper is not None:
-            rt.room.keeper.client.close()
+            rt.room.keeper.close()

@@ -59,7 +59,7 @@ from ..values import to_us
 from .entries import Served
 from .envelope import Envelope
 from .header import HEADER, START
-from .keeper import Keeper
+from .keeper import Kept
 from .keys import room_key
 from .native import NativeThread
 from .parking import Parked, WaitingRoom
@@ -126,7 +126,7 @@ class Dispatcher:
     def __init__(self, app: Celery, connect: Callable[..., Any], prefix: str, *,
                  timeout: float, lead: float = 0.0,
                  revoked: Callable[[str], bool] = lambda task_id: False,
-                 keeper: Callable[[], Keeper | None] = lambda: None) -> None:
+                 keeper: Callable[[], Kept | None] = lambda: None) -> None:
         """``connect(**options)`` makes a client of the store (the app's ``Config.connect``);
         ``timeout``: seconds after which a dispatched task that never arrived is due again;
         ``lead``: a task of a limit's line is dispatched this much before its start, besides
@@ -235,13 +235,15 @@ class Dispatcher:
         the broker's queues were not restored for it, they wait in the store again, where
         they waited (in their line, or parked due now)."""
         epoch = self.room.last_epoch
-        if self.room.keeper is None or epoch == self._restored:
+        if self.room.keeper is None:
             return
-        handed = self.room.restore_kept(epoch)
-        self._restored = epoch
-        if handed:
-            logger.warning("throttle: the store came back without its data: %d waiting "
-                           "task(s) kept beside the broker's queues wait again", handed)
+        if epoch != self._restored:
+            handed = self.room.restore_kept(epoch)
+            self._restored = epoch
+            if handed:
+                logger.warning("throttle: the store came back without its data: %d waiting "
+                               "task(s) kept on the broker wait again", handed)
+        self.room.keeper.maintain()
 
     def _cancel_revoked(self) -> None:
         """Revoked tasks that wait leave: those in line are published uncharged now."""
@@ -310,7 +312,7 @@ class Dispatcher:
         finally:
             self.client.close()
             if self.room.keeper is not None:
-                self.room.keeper.client.close()
+                self.room.keeper.close()
             if self._connection is not None:
                 self._connection.release()
 

@@ -105,12 +105,15 @@ class Durability:
     def __init__(self, client: redis.Redis | RedisCluster, *, anywhere: bool, replicas: int,
                  same_url: bool, broker_id: Callable[[], str | None],
                  beside_broker: bool = False,
+                 where: str = "beside the broker's queues, on its Redis server",
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``beside_broker``: a store that is not safe alone may keep waiting tasks with a
-        copy on the broker's Redis server (there is one, and the setting allows it)."""
+        copy on the broker (there is a place for it, and the setting allows it), ``where``
+        (in words for a log)."""
         self.client = client
         self.anywhere = anywhere
         self.beside_broker = beside_broker
+        self.where = where
         self.replicas = replicas
         self.same_url = same_url
         self.broker_id = broker_id
@@ -138,8 +141,7 @@ class Durability:
                 return self._current
             if not found.safe and self.beside_broker:
                 found = Verdict(True, f"{found.reason}, so each waiting task is also kept "
-                                      "beside the broker's queues, on its Redis server",
-                                kept=True)
+                                      f"{self.where}", kept=True)
             before, self._known = self._known, found
             self._current, self._due = found, self.clock() + RECHECK_S
         if before is not None and (before.safe, before.kept) != (found.safe, found.kept):

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import redis
 
@@ -48,7 +48,7 @@ from ..core.scripts import script
 from ..values import text
 from .keys import room_key
 
-__all__ = ["RESTORE_BATCH", "Keeper", "LinePlace", "in_line_kept", "read_kept"]
+__all__ = ["RESTORE_BATCH", "Keeper", "Kept", "LinePlace", "in_line_kept", "read_kept"]
 
 # The first byte of a kept task in line (a parked task's is its stored envelope's, never
 # this one): then where it waits (JSON), a newline, the record its line stores.
@@ -85,6 +85,41 @@ def read_kept(raw: bytes) -> tuple[LinePlace | None, bytes]:
 
 #: The most kept messages read and parked again per round trip.
 RESTORE_BATCH = 500
+
+
+class Kept(Protocol):
+    """Where waiting tasks are kept when the store alone would lose them: beside a Redis
+    broker's queues (:class:`Keeper`), or in a log on a RabbitMQ broker
+    (``logged.LoggedKeeper``)."""
+
+    def put(self, entry: str, value: bytes) -> str | None:
+        """Keep ``entry``'s value (before the store has it); a handle for :meth:`drop`, or
+        None when it was kept already (the same message delivered again)."""
+
+    def drop(self, entry: str, handle: str) -> None:
+        """Forget that put (the store refused it: the task waits elsewhere)."""
+
+    def take(self, entry: str, token: str, epoch: int) -> int:
+        """A copy of ``entry`` dispatched as ``token`` in the store's epoch ``epoch``
+        arrives: 1 it goes on, 0 it is a duplicate, -1 the store decides."""
+
+    def count(self) -> int | None:
+        """How many waiting tasks are kept (None: not counted cheaply)."""
+
+    def clear(self) -> None:
+        """Forget every kept task (the waiting room was purged)."""
+
+    def restored_for(self) -> str:
+        """The store epoch the kept tasks were last restored for ("" never)."""
+
+    def restore(self, epoch: str, park: Callable[[list[tuple[str, bytes]]], None]) -> int:
+        """Hand every kept value to ``park`` (in batches), then note ``epoch``; how many."""
+
+    def maintain(self) -> None:
+        """Called by the dispatcher's loop: housekeeping, if any is due."""
+
+    def close(self) -> None:
+        """Close the clients (another is opened when needed)."""
 # A bound on the rounds of one restore (HSCAN may return fewer than asked).
 _MOST_ROUNDS = 100_000
 
@@ -101,26 +136,35 @@ class Keeper:
         self.kept, self.seen = room_key(prefix, "kept"), room_key(prefix, "kept:seen")
         self._take = client.register_script(script(__package__, "keep.lua"))
 
-    def put(self, entry: str, message: bytes) -> bool:
+    def put(self, entry: str, value: bytes) -> str | None:
         """Keep ``entry``'s message, or :func:`in_line_kept`'s value (before the store has
-        it), unless the entry is kept already; True when this call kept it.
+        it), unless the entry is kept already; its handle (the entry) when this call kept
+        it.
 
         An entry kept already is the same message copy delivered again: its first
         kept value is the one the store holds (the store refuses the second), and a
         restore must write back what the copy pointer expects, not the second's."""
-        return bool(self.client.hsetnx(self.kept, entry, message))
+        return entry if self.client.hsetnx(self.kept, entry, value) else None
 
-    def drop(self, entry: str) -> None:
+    def drop(self, entry: str, handle: str) -> None:
         """Forget ``entry``'s kept copy (the store refused it: it waits elsewhere)."""
         self.client.hdel(self.kept, entry)
 
-    def take(self, entry: str, token: str) -> int:
+    def take(self, entry: str, token: str, epoch: int = 0) -> int:
         """A copy of ``entry`` dispatched as ``token`` arrives: 1 it goes on, 0 it is a
-        duplicate, -1 unknown here (the store decides)."""
+        duplicate, -1 unknown here (the store decides).  (Decided here whatever the
+        store's ``epoch``.)"""
         return int(self._take(keys=[self.kept, task_key(self.prefix, "kept", entry)],
                               args=[entry, token, self.marker_ttl_ms]))
 
-    def count(self) -> int:
+    def maintain(self) -> None:
+        """Nothing to do: a taken copy is deleted as it is taken."""
+
+    def close(self) -> None:
+        """Close the client to the broker's server."""
+        self.client.close()
+
+    def count(self) -> int | None:
         """How many waiting tasks are kept."""
         return int(self.client.hlen(self.kept))
 

@@ -48,7 +48,7 @@ from ..core.scripts import script
 from ..values import US_PER_SECOND, from_us, text
 from .entries import Served, Weights, entry_id, lines_of
 from .envelope import Envelope
-from .keeper import Keeper, LinePlace, in_line_kept, read_kept
+from .keeper import Kept, LinePlace, in_line_kept, read_kept
 from .keys import room_key
 from .lines import MAX_AHEAD_US, Lines
 
@@ -94,7 +94,7 @@ class WaitingRoom:
     """The waiting room of one key prefix, on one Redis client."""
 
     def __init__(self, client: redis.Redis | RedisCluster, prefix: str, *,
-                 replicas: int = 0, keeper: Keeper | None = None) -> None:
+                 replicas: int = 0, keeper: Kept | None = None) -> None:
         """``keeper``: where waiting tasks are also kept, beside the broker's queues, when
         the store alone would lose them (``keeper.py``; used for writes that ask for it)."""
         self.client = client
@@ -172,12 +172,12 @@ class WaitingRoom:
         try:
             reply = write()
         except BaseException:
-            if fresh:
-                with contextlib.suppress(redis.RedisError):
-                    self.keeper.drop(entry)
+            if fresh is not None:
+                with contextlib.suppress(Exception):  # (the keeper's own failure, whatever)
+                    self.keeper.drop(entry, fresh)
             raise
-        if fresh and not waits(reply):
-            self.keeper.drop(entry)
+        if fresh is not None and not waits(reply):
+            self.keeper.drop(entry, fresh)
         return reply
 
     def _replicated(self, script: Script, keys: Sequence[str | bytes],
@@ -242,7 +242,7 @@ class WaitingRoom:
         """
         took = -1
         if kept and self.keeper is not None:
-            took = self.keeper.take(entry, token)
+            took = self.keeper.take(entry, token, epoch)
             if took == 0:
                 return 0
         marker = task_key(self.prefix, "arrived", entry)

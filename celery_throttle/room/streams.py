@@ -26,11 +26,12 @@ confirmed by the broker before it returns (publisher confirms).  RabbitMQ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from amqp import Message
@@ -43,6 +44,8 @@ __all__ = ["READ_TIMEOUT_S", "StreamLog", "index_name", "stream_name"]
 
 #: The longest one read of the log may take (seconds): past it, the read fails.
 READ_TIMEOUT_S = 120.0
+# Reads of the log started over at most (a generation deleted while it is read).
+_READS = 5
 # Records read per credit round (a stream consumer needs a prefetch count).
 _PREFETCH = 1000
 # The index is trimmed to this size (its records are tens of bytes), in segments of
@@ -50,6 +53,10 @@ _PREFETCH = 1000
 _INDEX_BYTES = 1_000_000
 _INDEX_SEGMENT_BYTES = 100_000
 _STREAM = {"x-queue-type": "stream"}
+_NO_ROUTE = 312  # a mandatory publish no queue took
+# Pauses between two tries of an append while the broker is unreachable (s).
+_RETRY_FIRST_S = 0.2
+_RETRY_MOST_S = 2.0
 
 
 def index_name(prefix: str) -> str:
@@ -90,15 +97,17 @@ class StreamLog:
 
     def __init__(self, connect: Callable[[], Any], prefix: str, *,
                  current: Callable[[], int | None] = lambda: None,
-                 refresh_s: float = 5.0) -> None:
+                 refresh_s: float = 5.0, retry_s: float = 60.0) -> None:
         """``connect()``: a new kombu ``Connection`` to the broker, with publisher confirms
         (``transport_options={"confirm_publish": True}``); ``current()``: the current
         generation as the store knows it (None: unknown, the index says), asked again
-        every ``refresh_s`` seconds."""
+        every ``refresh_s`` seconds; ``retry_s``: how long an append is tried again
+        while the broker is unreachable."""
         self.connect = connect
         self.prefix = prefix
         self.current = current
         self.refresh_s = refresh_s
+        self.retry_s = retry_s
         self.index = index_name(prefix)
         self._conn: Any = None
         self._pid = 0
@@ -172,7 +181,10 @@ class StreamLog:
         with self._lock:
             now = time.monotonic()
             if not self._generation or now - self._checked >= self.refresh_s:
-                known = self.current()
+                try:
+                    known = self.current()
+                except Exception:  # (the store is down: the last one known, else the index)
+                    known = self._generation
                 self._generation = known if known else self.generations()[-1]
                 self._checked = now
             return self._generation
@@ -181,16 +193,32 @@ class StreamLog:
 
     def append(self, records: Sequence[Record]) -> None:
         """Append ``records`` to the current generation, in order; return once the broker
-        has confirmed them all (raises if it could not)."""
+        has confirmed them all.  A lost connection is tried again on a new one for up to
+        ``retry_s`` (a broker's restart), then this raises.  (Appended twice, a record
+        means what it meant once: ``ledger.py``.)"""
+        deadline = time.monotonic() + self.retry_s
+        pause = _RETRY_FIRST_S
         with self._lock:
-            try:
-                self._append(records)
-            except ChannelError:  # (no route: the generation was deleted by a compaction)
-                self._generation = 0
-                self._append(records)
-            except Exception:
-                self._reset()  # (the next call connects again)
-                raise
+            while True:
+                try:
+                    self._append(records)
+                    return
+                except Exception as exc:
+                    if isinstance(exc, ChannelError) and exc.reply_code == _NO_ROUTE \
+                            and time.monotonic() < deadline:
+                        # Its generation was deleted (a compaction, a purge): on to the
+                        # current one, as the index says (the store's copy may be older).
+                        with contextlib.suppress(Exception):
+                            self._generation = self.generations()[-1]
+                            self._checked = time.monotonic()
+                            continue
+                    # The connection is lost, or a stream is not back yet after the
+                    # broker's restart ("down or inaccessible"): the next try connects again.
+                    self._reset()
+                    if time.monotonic() + pause > deadline:
+                        raise
+                    time.sleep(pause)
+                    pause = min(pause * 2, _RETRY_MOST_S)
 
     def _append(self, records: Sequence[Record], generation: int = 0) -> None:
         channel = self._channel()
@@ -205,19 +233,35 @@ class StreamLog:
         """Everything appended before this call, replayed (every live generation, oldest
         first, each read up to a mark appended to it now)."""
         with self._lock:
+            return self._replay(0)
+
+    def _replay(self, below: int) -> Replay:
+        """Every live generation (only those before ``below``, unless 0), replayed.  One
+        deleted meanwhile (a compaction carried it into a new one first) starts it over."""
+        for _ in range(_READS):
             found = Replay()
             for generation in self._generations():
-                replay(self._read(stream_name(self.prefix, generation)), into=found)
-            return found
+                if below and generation >= below:
+                    continue
+                records = self._read(stream_name(self.prefix, generation))
+                if records is None:
+                    break
+                replay(records, into=found)
+            else:
+                return found
+        raise RuntimeError(f"the ledger's generations kept changing over {_READS} reads")
 
-    def _read(self, name: str) -> Iterable[Record]:
-        return [_record(m) for m in self._read_messages(name)]
+    def _read(self, name: str) -> list[Record] | None:
+        """The records of stream ``name`` (None: it was deleted)."""
+        messages = self._read_messages(name)
+        return None if messages is None else [_record(m) for m in messages]
 
     def _read_headers(self, name: str) -> list[dict[str, Any]]:
-        return [m.headers or {} for m in self._read_messages(name)]
+        return [m.headers or {} for m in self._read_messages(name) or ()]
 
-    def _read_messages(self, name: str) -> list[Any]:
-        """Every message of stream ``name`` before a mark appended now (not the mark)."""
+    def _read_messages(self, name: str) -> list[Any] | None:
+        """Every message of stream ``name`` before a mark appended now (not the mark);
+        None when there is no such stream."""
         channel = self._channel()
         token = secrets.token_hex(8)
         try:
@@ -226,7 +270,7 @@ class StreamLog:
                                           delivery_mode=2),
                                   exchange="", routing_key=name, mandatory=True)
         except ChannelError:
-            return []  # (deleted meanwhile: nothing in it counts any more)
+            return None
         reader = self._conn.channel()
         found: list[Any] = []
         done = [False]
@@ -274,13 +318,14 @@ class StreamLog:
             old = self._generations()
             new = (old[-1] if old else 0) + 1
             self._begin(new)
+            # The one after it is declared now, a period before it is used: RabbitMQ may
+            # not start again a stream it was killed within about 2 s of declaring.
+            self._declare(self._channel(), stream_name(self.prefix, new + 1))
             self._generation, self._checked = new, time.monotonic()
         on_begun(new)
         time.sleep(switch_s)  # (the writers' lock is not held meanwhile)
         with self._lock:
-            found = Replay()
-            for generation in old:
-                replay(self._read(stream_name(self.prefix, generation)), into=found)
+            found = self._replay(new)
             since = now_ms() - keep_takes_ms
             carried = [Record("take", entry, token=token, at=at)
                        for entry, (token, at) in found.taken.items() if at >= since]
@@ -301,7 +346,8 @@ class StreamLog:
     def delete(self) -> None:
         """Delete every generation and the index (the waiting room was purged)."""
         with self._lock:
-            for generation in self._generations():
+            found = self._generations()
+            for generation in [*found, (found[-1] if found else 0) + 1]:  # (and the next)
                 self._channel().queue_delete(stream_name(self.prefix, generation))
             self._channel().queue_delete(self.index)
             self._generation = 0

@@ -73,14 +73,16 @@ def test_a_separate_store_without_persistence_is_not_safe(plain: RedisServer,
 
 def test_a_separate_store_without_persistence_keeps_tasks_beside_a_redis_broker(
         plain: RedisServer, other: RedisServer) -> None:
-    """By default the same store is safe with a copy kept on the broker's server; an AMQP
-    broker has no such place, a store down none either."""
+    """By default the same store is safe with a copy kept on the broker's server, or in a
+    log on a RabbitMQ broker (room/logged.py); a store down is not safe."""
     verdict = _durability(f"{plain.url}/0", f"{other.url}/0").verdict()
     assert (verdict.safe, verdict.kept) == (True, True)
     assert "appendonly no" in verdict.reason
     assert "kept beside the broker's queues" in verdict.reason
-    assert not _durability(f"{plain.url}/0", "amqp://guest@127.0.0.1:1//",
-                           throttle_keep_beside_broker=True).safe()
+    on_rabbitmq = _durability(f"{plain.url}/0", "amqp://guest@127.0.0.1:1//",
+                              throttle_keep_beside_broker=True).verdict()
+    assert (on_rabbitmq.safe, on_rabbitmq.kept) == (True, True)
+    assert "kept in a log on the broker (RabbitMQ)" in on_rabbitmq.reason
     assert not _durability("redis://127.0.0.1:1/0", f"{other.url}/0",
                            throttle_keep_beside_broker=True).safe()
     # A store that is safe alone needs no copy.
@@ -88,9 +90,13 @@ def test_a_separate_store_without_persistence_keeps_tasks_beside_a_redis_broker(
                        throttle_keep_beside_broker=True).verdict().kept is False
 
 
-def test_a_non_redis_broker_needs_a_persistent_store(plain: RedisServer) -> None:
-    """An AMQP broker: a store without persistence is not safe."""
-    assert not _durability(f"{plain.url}/0", "amqp://guest@127.0.0.1:1//").safe()
+def test_a_broker_with_no_place_to_keep_tasks_needs_a_persistent_store(
+        plain: RedisServer) -> None:
+    """A broker that is neither Redis nor RabbitMQ (SQS), or RabbitMQ with the setting off: a
+    store without persistence is not safe."""
+    assert not _durability(f"{plain.url}/0", "sqs://key:secret@").safe()
+    assert not _durability(f"{plain.url}/0", "amqp://guest@127.0.0.1:1//",
+                           throttle_keep_beside_broker=False).safe()
 
 
 def test_a_store_that_appends_to_disk_is_safe(other: RedisServer) -> None:

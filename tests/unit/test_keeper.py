@@ -48,7 +48,9 @@ def _room(store: redis.Redis, broker: redis.Redis) -> WaitingRoom:
 def _kept(room: WaitingRoom) -> int:
     """How many copies the room's keeper holds."""
     assert room.keeper is not None
-    return room.keeper.count()
+    found = room.keeper.count()
+    assert found is not None
+    return found
 
 
 def _restart(store: redis.Redis) -> None:
@@ -186,7 +188,7 @@ def test_with_the_setting_off_kept_copies_are_still_taken_and_restored(
     app.conf.update(throttle_redis_url=_url(store), throttle_keep_beside_broker=False,
                     throttle_prefix=PREFIX)
     config = read_config(app)
-    keeper = keeper_of(config)
+    keeper = keeper_of(config, app)
     assert keeper is not None
     assert not durability_of(config, store).verdict().safe
     room = WaitingRoom(store, PREFIX, keeper=keeper)
@@ -197,7 +199,7 @@ def test_with_the_setting_off_kept_copies_are_still_taken_and_restored(
     _, (copy,) = room.take_due(10, TIMEOUT_US)
     assert room.arrive("e", copy.token, copy.epoch, kept=True) > 0
     assert _kept(room) == 0
-    keeper.client.close()
+    keeper.close()
 
 
 def _url(client: redis.Redis) -> str:

@@ -7,7 +7,8 @@ room and goes on; any later copy (a dispatcher died after publishing, and the
 entry was dispatched again) is refused.  An acks_late task may be redelivered
 by the broker after a crash mid-run (acks_late's at-least-once): that
 redelivery carries the same token as the copy that went on, which a marker
-remembers, and may go on again.
+remembers, and may go on again.  A restore from the ledger writes the same
+marker for each entry a copy took before the store's loss.
 
 KEYS[1]  the messages hash
 KEYS[2]  the claimed set
@@ -69,8 +70,14 @@ if redis.call('HDEL', KEYS[1], entry) == 1 then
   end
   return now
 end
-if tonumber(ARGV[3]) > 0 and redis.call('GET', KEYS[3]) == ARGV[2] then
-  return now
+local went = redis.call('GET', KEYS[3])
+if went then
+  -- The copy that went on (an acks_late one's marker, or a restore's from the
+  -- ledger: room/logged.py): its redelivery goes on again, any other is refused.
+  if went == ARGV[2] then
+    return now
+  end
+  return 0
 end
 if redis.call('GET', KEYS[4]) ~= ARGV[4] then
   -- The store lost its data (restart without persistence, flush) since the

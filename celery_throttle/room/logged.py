@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
+
 from ..core.keys import epoch_key, task_key
 from ..core.logs import logger
 from ..values import text
@@ -41,7 +43,7 @@ from .keys import room_key
 from .ledger import Record
 from .streams import StreamLog
 
-__all__ = ["COMPACT_S", "RESTORE_WAIT_S", "LoggedKeeper"]
+__all__ = ["COMPACT_S", "RESTORE_WAIT_S", "LedgerUnavailable", "LoggedKeeper"]
 
 #: Seconds between two compactions of the ledger (one node at a time).
 COMPACT_S = 300.0
@@ -56,6 +58,13 @@ _CHECK_S = 30.0
 _POLL_S = 0.05
 
 
+class LedgerUnavailable(redis.ConnectionError):
+    """The log on the broker could not be written (the broker down longer than an append
+    retries, or refusing the stream).  A ``redis.ConnectionError``, as a failure of the
+    keeper beside a Redis broker is: callers handle it as a failed write of the waiting
+    room (the task waits as a countdown instead, or the store-down policy applies)."""
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -64,11 +73,13 @@ class LoggedKeeper:
     """The waiting tasks of one key prefix, kept in a log on the RabbitMQ broker."""
 
     def __init__(self, store: Any, connect: Callable[[], Any], prefix: str, *,
-                 marker_ttl_ms: int, switch_s: float = _SWITCH_S) -> None:
+                 marker_ttl_ms: int, switch_s: float = _SWITCH_S,
+                 retry_s: float = 60.0) -> None:
         """``store``: a client of the store (its own); ``connect()``: a new kombu
         ``Connection`` to the broker with publisher confirms; ``marker_ttl_ms``: how long
         a taken entry's copy may still come (a redelivery), so its take is kept;
-        ``switch_s``: how long a compaction waits for the writers to move on."""
+        ``switch_s``: how long a compaction waits for the writers to move on; ``retry_s``:
+        how long an append is tried again while the broker is unreachable."""
         self.client = store
         self.prefix = prefix
         self.marker_ttl_ms = marker_ttl_ms
@@ -77,7 +88,8 @@ class LoggedKeeper:
         self.current = room_key(prefix, "ledger:gen")
         self.compacting = room_key(prefix, "ledger:compacting")
         self.connect = connect
-        self.log = StreamLog(connect, prefix, current=self._generation, refresh_s=_REFRESH_S)
+        self.log = StreamLog(connect, prefix, current=self._generation, refresh_s=_REFRESH_S,
+                             retry_s=retry_s)
         self._checked = 0.0
         self._compactor: threading.Thread | None = None
 
@@ -88,20 +100,29 @@ class LoggedKeeper:
     def put(self, entry: str, value: bytes) -> str | None:
         """Append ``entry``'s put; its mark (for :meth:`drop`)."""
         mark = secrets.token_hex(8)
-        self.log.append([Record("put", entry, mark=mark, value=value)])
+        self._append(Record("put", entry, mark=mark, value=value))
         return mark
 
     def drop(self, entry: str, handle: str) -> None:
         """Append the drop of the put marked ``handle``."""
-        self.log.append([Record("drop", entry, mark=handle)])
+        self._append(Record("drop", entry, mark=handle))
 
     def take(self, entry: str, token: str, epoch: int) -> int:
         """Append the take of ``entry`` by the copy ``token`` (dispatched in ``epoch``);
         -1: the store decides.  A copy from before the store's loss waits for the
         restore first (at most :data:`RESTORE_WAIT_S`)."""
         self._await_restore(epoch)
-        self.log.append([Record("take", entry, token=token, at=_now_ms())])
+        self._append(Record("take", entry, token=token, at=_now_ms()))
         return -1
+
+    def _append(self, record: Record) -> None:
+        try:
+            self.log.append([record])
+        except redis.RedisError:
+            raise
+        except Exception as exc:
+            raise LedgerUnavailable(f"the waiting tasks' log on the broker: "
+                                    f"{type(exc).__name__}: {exc}") from exc
 
     def _await_restore(self, epoch: int) -> None:
         deadline = time.monotonic() + RESTORE_WAIT_S

@@ -54,6 +54,9 @@ _INDEX_BYTES = 1_000_000
 _INDEX_SEGMENT_BYTES = 100_000
 _STREAM = {"x-queue-type": "stream"}
 _NO_ROUTE = 312  # a mandatory publish no queue took
+# Refusals an append does not try again: access refused, precondition failed (a
+# broker without streams: RabbitMQ before 3.9), not allowed.
+_REFUSED = (403, 406, 530)
 # Pauses between two tries of an append while the broker is unreachable (s).
 _RETRY_FIRST_S = 0.2
 _RETRY_MOST_S = 2.0
@@ -204,6 +207,9 @@ class StreamLog:
                     self._append(records)
                     return
                 except Exception as exc:
+                    if isinstance(exc, ChannelError) and exc.reply_code in _REFUSED:
+                        self._reset()
+                        raise  # (no right to the stream, or no streams on this broker)
                     if isinstance(exc, ChannelError) and exc.reply_code == _NO_ROUTE \
                             and time.monotonic() < deadline:
                         # Its generation was deleted (a compaction, a purge): on to the
@@ -289,8 +295,8 @@ class StreamLog:
 
         try:
             reader.basic_qos(0, _PREFETCH, False)
-            reader.basic_consume(name, callback=take,
-                                 arguments={"x-stream-offset": "first"})
+            tag = reader.basic_consume(name, callback=take,
+                                       arguments={"x-stream-offset": "first"})
             deadline = time.monotonic() + READ_TIMEOUT_S
             while not done[0]:
                 left = deadline - time.monotonic()
@@ -301,6 +307,9 @@ class StreamLog:
                     self._conn.drain_events(timeout=min(left, 1.0))
                 except TimeoutError:
                     continue
+            # Records appended after the mark are still on their way: the cancel takes
+            # them in (ignored) before its answer, so the close finds none in flight.
+            reader.basic_cancel(tag)
         finally:
             reader.close()
         return found

@@ -225,3 +225,18 @@ def test_purge_deletes_the_log(
     room.purge()
     room.park("q", b"m", "t2", delay_us=1_000_000, kept=True)
     assert _live(connect, prefix) == {"q"}
+
+
+def test_a_log_that_cannot_be_written_fails_the_write_as_the_store_would(
+    store: redis.Redis, prefix: str
+) -> None:
+    """The broker unreachable longer than an append tries: the wait fails as a failed store
+    write (a ``redis.ConnectionError``: its caller sends the task back as a countdown),
+    and nothing waits in the store without its record."""
+    dead = lambda: Connection("amqp://guest:guest@127.0.0.1:1//",  # noqa: E731
+                              connect_timeout=0.2)
+    room = WaitingRoom(store, prefix, keeper=LoggedKeeper(store, dead, prefix,
+                                                          marker_ttl_ms=60_000, retry_s=0.5))
+    with pytest.raises(redis.ConnectionError, match="the waiting tasks' log on the broker"):
+        room.park("p", b"m", "t", delay_us=1_000_000, kept=True)
+    assert store.hlen(f"{{{prefix}}}:room:messages") == 0

@@ -377,3 +377,12 @@ class RabbitMQ(Servers):
             subprocess.run([epmd, "-kill"], env=self.env, capture_output=True, timeout=10,
                            check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def restart_empty(store: redis.Redis) -> None:
+    """Kill the store of ``tests/unit/conftest.py``'s ``store`` fixture (it keeps nothing on
+    disk, so it comes back empty) and start it again; its client reconnects."""
+    server = store.server  # type: ignore[attr-defined]
+    server.kill()
+    server.start()
+    store.connection_pool.disconnect()

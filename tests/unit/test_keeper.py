@@ -16,19 +16,10 @@ from celery_throttle.integration.runtime import durability_of, keeper_of
 from celery_throttle.room.keeper import Keeper
 from celery_throttle.room.parking import WaitingRoom
 
+from ..servers import restart_empty
+
 TIMEOUT_US = 60_000_000
 PREFIX = "kept"
-
-
-@pytest.fixture
-def store() -> Iterator[redis.Redis]:
-    from celery_throttle.testing import RedisServer
-
-    with RedisServer() as server:
-        client = redis.Redis.from_url(f"{server.url}/0")
-        client.server = server  # type: ignore[attr-defined]  # (killed and started by tests)
-        yield client
-        client.close()
 
 
 @pytest.fixture
@@ -53,14 +44,6 @@ def _kept(room: WaitingRoom) -> int:
     return found
 
 
-def _restart(store: redis.Redis) -> None:
-    """Kill the store (no persistence: it comes back empty) and start it again."""
-    server = store.server  # type: ignore[attr-defined]
-    server.kill()
-    server.start()
-    store.connection_pool.disconnect()
-
-
 def test_a_kept_task_is_restored_once_after_the_store_comes_back_empty(
     store: redis.Redis, broker: redis.Redis
 ) -> None:
@@ -78,7 +61,7 @@ def test_a_kept_task_is_restored_once_after_the_store_comes_back_empty(
     room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 3  # (never restored for: all are handed)
     assert room.restore_kept(room.last_epoch) is None  # the same epoch: nothing to do
-    _restart(store)
+    restart_empty(store)
     assert store.hlen(f"{{{PREFIX}}}:room:messages") == 0
     assert room.take_due(10, TIMEOUT_US)[1] == []
     other = _room(store, broker)  # another node's dispatcher may be the one to notice
@@ -104,7 +87,7 @@ def test_the_first_copy_to_arrive_takes_the_kept_copy_whatever_the_store_lost(
     room = _room(store, broker)
     room.park("e", b"m", "t", at_us=1, kept=True)
     _, (before,) = room.take_due(10, TIMEOUT_US)
-    _restart(store)
+    restart_empty(store)
     room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 1
     _, (after,) = room.take_due(10, TIMEOUT_US)
@@ -116,7 +99,7 @@ def test_the_first_copy_to_arrive_takes_the_kept_copy_whatever_the_store_lost(
     # The other order: the copy from before the restart arrives first, and is the one.
     room.park("f", b"m", "t2", at_us=1, kept=True)
     _, (first,) = room.take_due(10, TIMEOUT_US)
-    _restart(store)
+    restart_empty(store)
     assert room.arrive("f", first.token, first.epoch, kept=True) > 0  # (before the restore)
     room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 0  # taken already: nothing to restore
@@ -162,7 +145,7 @@ def test_a_copy_delivered_again_leaves_the_first_kept_copy(
     assert [s.entry for s in served] == ["e"]
     assert room.enqueue("e", b"third", "t", behind=True, **line) == -1  # type: ignore[arg-type]
     assert _kept(room) == 1
-    _restart(store)
+    restart_empty(store)
     room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 1
     assert [(t.entry, t.message) for t in room.lines.next_in_line(10)] == [("e", b"first")]
@@ -174,7 +157,7 @@ def test_purge_forgets_the_kept_copies(store: redis.Redis, broker: redis.Redis) 
     room.park("p", b"m", "t", delay_us=1_000_000, kept=True)
     room.purge()
     assert _kept(room) == 0
-    _restart(store)
+    restart_empty(store)
     room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 0
 
@@ -193,7 +176,7 @@ def test_with_the_setting_off_kept_copies_are_still_taken_and_restored(
     assert not durability_of(config, store).verdict().safe
     room = WaitingRoom(store, PREFIX, keeper=keeper)
     room.park("e", b"m", "t", delay_us=3_600_000_000, kept=True)  # (kept while it was on)
-    _restart(store)
+    restart_empty(store)
     room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 1
     _, (copy,) = room.take_due(10, TIMEOUT_US)

@@ -19,18 +19,9 @@ from celery_throttle.room.logged import LoggedKeeper
 from celery_throttle.room.parking import WaitingRoom
 from celery_throttle.room.streams import StreamLog
 
+from ..servers import restart_empty
+
 TIMEOUT_US = 60_000_000
-
-
-@pytest.fixture
-def store() -> Iterator[redis.Redis]:
-    from celery_throttle.testing import RedisServer
-
-    with RedisServer() as server:
-        client = redis.Redis.from_url(f"{server.url}/0")
-        client.server = server  # type: ignore[attr-defined]  # (killed and started by tests)
-        yield client
-        client.close()
 
 
 @pytest.fixture
@@ -64,14 +55,6 @@ def _room(rooms: list[WaitingRoom], store: redis.Redis, connect: Any, prefix: st
     return room
 
 
-def _restart(store: redis.Redis) -> None:
-    """Kill the store (no persistence: it comes back empty) and start it again."""
-    server = store.server  # type: ignore[attr-defined]
-    server.kill()
-    server.start()
-    store.connection_pool.disconnect()
-
-
 def _live(connect: Any, prefix: str) -> set[str]:
     reader = StreamLog(connect, prefix)
     try:
@@ -97,7 +80,7 @@ def test_a_kept_task_is_restored_once_after_the_store_comes_back_empty(
     room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 3  # (never restored for: all are handed)
     assert room.restore_kept(room.last_epoch) is None  # the same epoch: nothing to do
-    _restart(store)
+    restart_empty(store)
     assert store.hlen(f"{{{prefix}}}:room:messages") == 0
     assert room.take_due(10, TIMEOUT_US)[1] == []
     other = _room(rooms, store, connect, prefix)  # another node's dispatcher may notice
@@ -124,7 +107,7 @@ def test_a_copy_from_before_the_loss_waits_for_the_restore_and_goes_on_once(
     room = _room(rooms, store, connect, prefix)
     room.park("e", b"m", "t", at_us=1, kept=True)
     _, (before,) = room.take_due(10, TIMEOUT_US)
-    _restart(store)
+    restart_empty(store)
     answers: list[int] = []
     arriving = threading.Thread(target=lambda: answers.append(
         room.arrive("e", before.token, before.epoch, kept=True)))
@@ -139,7 +122,7 @@ def test_a_copy_from_before_the_loss_waits_for_the_restore_and_goes_on_once(
     _, after = room.take_due(10, TIMEOUT_US)
     assert after == []  # its entry was taken back out of its line
     assert _live(connect, prefix) == set()
-    _restart(store)
+    restart_empty(store)
     room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 0
 
@@ -154,7 +137,7 @@ def test_a_task_taken_before_the_loss_is_not_restored_and_only_its_copy_goes_on(
     room.park("e", b"m", "t", at_us=1, kept=True)
     _, (first,) = room.take_due(10, TIMEOUT_US)
     assert room.arrive("e", first.token, first.epoch, kept=True) > 0
-    _restart(store)
+    restart_empty(store)
     room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 0
     assert room.arrive("e", first.token, first.epoch, kept=True) > 0  # its redelivery
@@ -179,7 +162,7 @@ def test_a_write_the_store_refuses_leaves_nothing_to_restore(
     store.connection_pool.disconnect()
     assert room.park("p", b"first", "t", delay_us=1_000_000, kept=True) > 0
     assert room.park("p", b"again", "t", delay_us=1_000_000, kept=True) == 0
-    _restart(store)
+    restart_empty(store)
     room.take_due(10, TIMEOUT_US)
     assert room.restore_kept(room.last_epoch) == 1
     _, due = room.take_due(10, TIMEOUT_US)
@@ -211,7 +194,7 @@ def test_a_compaction_keeps_every_waiting_task_and_runs_on_one_node_at_a_time(
     finally:
         reader.close()
     assert store.get(f"{{{prefix}}}:room:ledger:gen") == b"2"
-    _restart(store)
+    restart_empty(store)
     one.take_due(10, TIMEOUT_US)
     assert one.restore_kept(one.last_epoch) == 2
 

@@ -167,9 +167,12 @@ class Config:
     store_is_broker: bool = False
     broker_redis_url: str | None = field(default=None, repr=False)  # may carry a password
     broker_amqp: bool = False  # the broker is RabbitMQ (waiting tasks kept in its log)
-    # How the broker orders priorities (AMQP brokers
-    # deliver a higher number first, kombu's Redis and others a lower one).
-    high_priority_first: bool = False
+
+    @property
+    def high_priority_first(self) -> bool:
+        """How the broker orders priorities: AMQP brokers deliver a higher number first,
+        kombu's Redis and others a lower one."""
+        return self.broker_amqp
 
     def connect(self, **options: Any) -> redis.Redis | RedisCluster:
         """A new client of the store (one server, Sentinel's master, or a Cluster)."""
@@ -334,7 +337,6 @@ def read_config(app: Celery) -> Config:
         broker_amqp=_amqp(conf.broker_url),
         priority_ageing=_at_least_one("throttle_priority_ageing",
                                       get("throttle_priority_ageing")),
-        high_priority_first=_amqp(conf.broker_url),
         fair_weights=_fair_weights(get("throttle_fair_weights")),
         dispatch_lead=_dispatch_lead(get("throttle_dispatch_lead")),
         pool_check_interval=_seconds("throttle_pool_check_interval",

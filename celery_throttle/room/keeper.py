@@ -86,6 +86,9 @@ def read_kept(raw: bytes) -> tuple[LinePlace | None, bytes]:
 #: The most kept messages read and parked again per round trip.
 RESTORE_BATCH = 500
 
+# A bound on the rounds of one restore (HSCAN may return fewer than asked).
+_MOST_ROUNDS = 100_000
+
 
 class Kept(Protocol):
     """Where waiting tasks are kept when the store alone would lose them: beside a Redis
@@ -120,8 +123,6 @@ class Kept(Protocol):
 
     def close(self) -> None:
         """Close the clients (another is opened when needed)."""
-# A bound on the rounds of one restore (HSCAN may return fewer than asked).
-_MOST_ROUNDS = 100_000
 
 
 class Keeper:

@@ -8,10 +8,18 @@ are named in ``core/keys.py``.
 
 from __future__ import annotations
 
-__all__ = ["room_key"]
+from ..core.keys import task_key
+
+__all__ = ["arrival_marker", "room_key"]
 
 
 def room_key(prefix: str, part: str) -> str:
     """A waiting-room key: ``parked``, ``messages``, ``claimed``, ``ready``, ``trip``,
     ``notes``, ``kept``, or a dispatcher's own ``bell:<id>``."""
     return f"{{{prefix}}}:room:{part}"
+
+
+def arrival_marker(prefix: str, entry: str) -> str:
+    """The token of the copy of ``entry`` that went on (``lua/arrive.lua``): written by an
+    acks_late arrival, and by a restore from the ledger (``logged.py``)."""
+    return task_key(prefix, "arrived", entry)

@@ -35,11 +35,11 @@ from typing import Any
 
 import redis
 
-from ..core.keys import epoch_key, task_key
+from ..core.keys import epoch_key
 from ..core.logs import logger
 from ..values import text
 from .keeper import RESTORE_BATCH
-from .keys import room_key
+from .keys import arrival_marker, room_key
 from .ledger import Record
 from .streams import StreamLog
 
@@ -168,7 +168,7 @@ class LoggedKeeper:
             pipe = self.client.pipeline(transaction=False)
             for entry, token in taken[i:i + RESTORE_BATCH]:
                 # (Only where no copy went on since: the store's own marker wins.)
-                pipe.set(task_key(self.prefix, "arrived", entry), token,
+                pipe.set(arrival_marker(self.prefix, entry), token,
                          px=self.marker_ttl_ms, nx=True)
             pipe.execute()
         self.client.set(self.current, self.log.generation())

@@ -49,7 +49,7 @@ from ..values import US_PER_SECOND, from_us, text
 from .entries import Served, Weights, entry_id, lines_of
 from .envelope import Envelope
 from .keeper import Kept, LinePlace, in_line_kept, read_kept
-from .keys import room_key
+from .keys import arrival_marker, room_key
 from .lines import MAX_AHEAD_US, Lines
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
@@ -245,7 +245,7 @@ class WaitingRoom:
             took = self.keeper.take(entry, token, epoch)
             if took == 0:
                 return 0
-        marker = task_key(self.prefix, "arrived", entry)
+        marker = arrival_marker(self.prefix, entry)
         wait = task_key(self.prefix, "wait", task_id) if task_id else self.notes
         now = int(self._arrive(keys=[self.messages, self.claimed, marker, self.epoch,
                                       self.trip, self.notes, wait],

@@ -154,7 +154,8 @@ class LoggedKeeper:
         """Hand every waiting task the ledger has to ``park`` (batches of (entry, value)),
         mark each recently taken one with the copy that took it, and note ``epoch``."""
         # (On a connection of its own: the puts of this process's arrivals go on.)
-        reader = StreamLog(self.connect, self.prefix, current=self._generation)
+        reader = StreamLog(self.connect, self.prefix, current=self._generation,
+                           retry_s=self.log.retry_s)
         try:
             found = reader.read()
         finally:
@@ -196,7 +197,8 @@ class LoggedKeeper:
         return self._compactor is None or not self._compactor.is_alive()
 
     def _compact(self) -> None:
-        compactor = StreamLog(self.connect, self.prefix, current=self._generation)
+        compactor = StreamLog(self.connect, self.prefix, current=self._generation,
+                              retry_s=self.log.retry_s)
         try:
             generation = compactor.compact(
                 switch_s=self.switch_s, keep_takes_ms=self.marker_ttl_ms,

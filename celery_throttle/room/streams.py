@@ -32,7 +32,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from amqp import Message
 from amqp.exceptions import ChannelError, NotFound
@@ -41,6 +41,8 @@ from ..core.logs import logger
 from .ledger import Record, Replay, replay
 
 __all__ = ["READ_TIMEOUT_S", "StreamLog", "index_name", "stream_name"]
+
+T = TypeVar("T")
 
 #: The longest one read of the log may take (seconds): past it, the read fails.
 READ_TIMEOUT_S = 120.0
@@ -104,8 +106,8 @@ class StreamLog:
         """``connect()``: a new kombu ``Connection`` to the broker, with publisher confirms
         (``transport_options={"confirm_publish": True}``); ``current()``: the current
         generation as the store knows it (None: unknown, the index says), asked again
-        every ``refresh_s`` seconds; ``retry_s``: how long an append is tried again
-        while the broker is unreachable."""
+        every ``refresh_s`` seconds; ``retry_s``: how long an append, a read or a
+        deletion is tried again while the broker is unreachable."""
         self.connect = connect
         self.prefix = prefix
         self.current = current
@@ -152,12 +154,14 @@ class StreamLog:
 
     def generations(self) -> list[int]:
         """The live generations, oldest first (one is begun if there is none)."""
-        with self._lock:
-            found = self._generations()
-            if not found:
-                self._begin(1)
-                found = [1]
-            return found
+        return self._tried(self._listed)
+
+    def _listed(self) -> list[int]:
+        found = self._generations()
+        if not found:
+            self._begin(1)
+            found = [1]
+        return found
 
     def _generations(self) -> list[int]:
         channel = self._channel()
@@ -181,31 +185,36 @@ class StreamLog:
 
     def generation(self) -> int:
         """The generation appends go to now."""
-        with self._lock:
-            now = time.monotonic()
-            if not self._generation or now - self._checked >= self.refresh_s:
-                try:
-                    known = self.current()
-                except Exception:  # (the store is down: the last one known, else the index)
-                    known = self._generation
-                self._generation = known if known else self.generations()[-1]
-                self._checked = now
-            return self._generation
+        return self._tried(self._now_appended)
+
+    def _now_appended(self) -> int:
+        now = time.monotonic()
+        if not self._generation or now - self._checked >= self.refresh_s:
+            try:
+                known = self.current()
+            except Exception:  # (the store is down: the last one known, else the index)
+                known = self._generation
+            self._generation = known if known else self._listed()[-1]
+            self._checked = now
+        return self._generation
 
     # -- writing -------------------------------------------------------------------------
 
     def append(self, records: Sequence[Record]) -> None:
         """Append ``records`` to the current generation, in order; return once the broker
-        has confirmed them all.  A lost connection is tried again on a new one for up to
-        ``retry_s`` (a broker's restart), then this raises.  (Appended twice, a record
-        means what it meant once: ``ledger.py``.)"""
+        has confirmed them all (tried again as :meth:`_tried` says).  (Appended twice, a
+        record means what it meant once: ``ledger.py``.)"""
+        self._tried(lambda: self._append(records))
+
+    def _tried(self, action: Callable[[], T]) -> T:
+        """``action()``, tried again on a new connection for up to ``retry_s`` while the
+        broker is unreachable or a stream not ready, then raising; a refusal raises now."""
         deadline = time.monotonic() + self.retry_s
         pause = _RETRY_FIRST_S
         with self._lock:
             while True:
                 try:
-                    self._append(records)
-                    return
+                    return action()
                 except Exception as exc:
                     if isinstance(exc, ChannelError) and exc.reply_code in _REFUSED:
                         self._reset()
@@ -215,11 +224,13 @@ class StreamLog:
                         # Its generation was deleted (a compaction, a purge): on to the
                         # current one, as the index says (the store's copy may be older).
                         with contextlib.suppress(Exception):
-                            self._generation = self.generations()[-1]
+                            self._generation = self._listed()[-1]
                             self._checked = time.monotonic()
                             continue
-                    # The connection is lost, or a stream is not back yet after the
-                    # broker's restart ("down or inaccessible"): the next try connects again.
+                    # The connection is lost; or a stream is not back yet after the
+                    # broker's restart ("down or inaccessible"), or not started yet just
+                    # after its declaration ("stream not found", an internal error when
+                    # two nodes declare it at once): the next try connects again.
                     self._reset()
                     if time.monotonic() + pause > deadline:
                         raise
@@ -228,7 +239,7 @@ class StreamLog:
 
     def _append(self, records: Sequence[Record], generation: int = 0) -> None:
         channel = self._channel()
-        name = stream_name(self.prefix, generation or self.generation())
+        name = stream_name(self.prefix, generation or self._now_appended())
         for record in records:
             channel.basic_publish(_message(record), exchange="", routing_key=name,
                                   mandatory=True)
@@ -238,8 +249,7 @@ class StreamLog:
     def read(self) -> Replay:
         """Everything appended before this call, replayed (every live generation, oldest
         first, each read up to a mark appended to it now)."""
-        with self._lock:
-            return self._replay(0)
+        return self._tried(lambda: self._replay(0))
 
     def _replay(self, below: int) -> Replay:
         """Every live generation (only those before ``below``, unless 0), replayed.  One
@@ -275,8 +285,10 @@ class StreamLog:
                                                                     "token": token},
                                           delivery_mode=2),
                                   exchange="", routing_key=name, mandatory=True)
-        except ChannelError:
-            return None
+        except ChannelError as exc:
+            if exc.reply_code == _NO_ROUTE:
+                return None
+            raise  # (not "no such stream": not started yet, say; the caller tries again)
         reader = self._conn.channel()
         found: list[Any] = []
         done = [False]
@@ -354,12 +366,14 @@ class StreamLog:
 
     def delete(self) -> None:
         """Delete every generation and the index (the waiting room was purged)."""
-        with self._lock:
+        def delete() -> None:
             found = self._generations()
             for generation in [*found, (found[-1] if found else 0) + 1]:  # (and the next)
                 self._channel().queue_delete(stream_name(self.prefix, generation))
             self._channel().queue_delete(self.index)
             self._generation = 0
+
+        self._tried(delete)
 
     def __repr__(self) -> str:
         return f"StreamLog(prefix={self.prefix!r})"

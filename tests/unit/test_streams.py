@@ -58,6 +58,41 @@ def test_an_empty_log_reads_empty(log: StreamLog) -> None:
     assert found.taken == {}
 
 
+def test_nodes_reading_a_log_just_deleted_at_once_each_read_it(connect: Any) -> None:
+    """Two nodes declaring a deleted log's streams again at the same moment: the broker may
+    answer one of them "stream not found" or an internal error for a moment (2 rounds of
+    15 failed before reads were tried again); each read is tried again and succeeds."""
+    prefix = f"t{secrets.token_hex(4)}"
+    for _ in range(20):
+        first = StreamLog(connect, prefix)
+        first.append([put("a")])
+        first.delete()
+        first.close()
+        errors: list[BaseException] = []
+        found: list[dict[str, Any]] = []
+
+        def read(found: list[dict[str, Any]] = found,
+                 errors: list[BaseException] = errors) -> None:
+            node = StreamLog(connect, prefix)
+            try:
+                found.append(dict(node.read().live))
+            except Exception as exc:
+                errors.append(exc)
+            finally:
+                node.close()
+
+        threads = [threading.Thread(target=read) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert errors == []
+        assert found == [{}, {}]  # (the deleted put is gone with its log)
+    last = StreamLog(connect, prefix)
+    last.delete()
+    last.close()
+
+
 def test_a_compaction_keeps_what_waits_and_recent_takes_and_deletes_the_rest(
     log: StreamLog, connect: Any
 ) -> None:

@@ -265,7 +265,9 @@ def test_a_task_re_published_to_wait_outlives_the_broker_killed_at_once(
     conf = {"throttle_max_sleep": 0.01, **COUNTDOWNS}  # every wait is re-published
     with worker_nodes(redis_base, ("w1",), conf=conf, fault="defer.after_republish",
                       env={"CT_FAULT_KILLS": str(own_rabbitmq.proc.pid)}) as nodes:
-        results = [capp.steady.delay(i) for i in range(2)]  # 20/s: the second waits 50 ms
+        # 1/s: the second waits a second.  (At 20/s its 50 ms wait was sometimes over
+        # before it was decided, on a loaded machine: nothing was re-published.)
+        results = [capp.patient.delay(i) for i in range(2)]
         until("the broker killed after a re-publish", lambda: records.get("crashed"),
               timeout=30)
         own_rabbitmq.kill()  # (reaped: the worker's hook sent the SIGKILL)

@@ -51,7 +51,7 @@ import redis
 from celery import Celery
 from celery.worker.state import REVOKES_MAX
 from kombu import Queue
-from kombu.exceptions import ChannelError
+from kombu.exceptions import ChannelError, OperationalError
 
 from .. import faults
 from ..core.logs import Every, logger
@@ -335,12 +335,20 @@ class Dispatcher:
                 if thread.stopped:
                     break
                 if outage.due():
-                    level = logging.WARNING if isinstance(exc, redis.RedisError | OSError) \
-                        else logging.ERROR
+                    level = logging.WARNING if self._outage(exc) else logging.ERROR
                     logger.log(level, "throttle: dispatcher: %s: %s (claimed tasks not "
                                "published are dispatched again at its next try)",
                                type(exc).__name__, exc)
                 thread.wait(_BACKOFF)
+
+    def _outage(self, exc: Exception) -> bool:
+        """``exc`` says the store or the broker is unreachable (a WARNING: it is tried again
+        and ends with the outage), not that something is wrong (an ERROR)."""
+        errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError,
+                                                    OperationalError)
+        if self._connection is not None:
+            errors += tuple(self._connection.connection_errors)
+        return isinstance(exc, errors)
 
     def __repr__(self) -> str:
         return f"Dispatcher(prefix={self.room.prefix!r}, dispatched={self.dispatched})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -353,6 +354,44 @@ def test_a_publish_the_broker_refuses_is_due_again_at_the_next_try(
     if dispatcher._connection is not None:
         dispatcher._connection.release()
     dispatcher.client.close()
+    app.close()
+
+
+def test_a_broker_outage_is_logged_as_a_warning_not_an_error(
+    redis_url: str, client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The dispatcher meets a broker that refuses connections: it says so once as a WARNING
+    (it tries again, and the outage ends on its own), never as an ERROR."""
+    from celery import Celery
+
+    from celery_throttle.room.dispatcher import Dispatcher
+    from celery_throttle.room.envelope import Envelope
+    from celery_throttle.testing import free_port
+
+    app = Celery("down", broker=f"amqp://guest:guest@127.0.0.1:{free_port()}//",
+                 set_as_current=False)
+    app.conf.task_publish_retry_policy = {"max_retries": 0}
+    app.conf.broker_connection_timeout = 1
+    dispatcher = Dispatcher(app, lambda **o: redis.Redis.from_url(redis_url, **o), prefix,
+                            timeout=60)
+    room = WaitingRoom(client, prefix)
+    message = Envelope(b"[]", "application/json", "utf-8", "", "celery", {}).dumps()
+    room.park("e", message, "t", at_us=_now_us(client) - 1)
+
+    def said() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "throttle: dispatcher:" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING):
+        dispatcher.start()
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not said():
+                time.sleep(0.05)
+        finally:
+            dispatcher.stop()
+    assert said(), "the outage was not logged"
+    assert {r.levelname for r in said()} == {"WARNING"}, [r.getMessage() for r in said()]
+    assert dispatcher.dispatched == 0
     app.close()
 
 

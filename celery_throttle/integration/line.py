@@ -105,7 +105,7 @@ def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[Li
     ahead = runtime.room.enqueue(
         entry, envelope.dumps(), str(request.id),
         **_line_args(task, runtime, list(limits), blocking, now_us, now_us, to_expiry, max_wait),
-        behind=True, kept=kept)
+        behind=True, kept=kept, patient=False)  # (the consumer's thread: it must not wait)
     if ahead < 0:
         return False
     if ahead == 0:  # (nothing to end here: the main process acknowledges the message)

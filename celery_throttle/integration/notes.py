@@ -142,7 +142,7 @@ def forget_revoked(app: Celery, request: Any, *, expired: bool) -> None:
     with contextlib.suppress(redis.RedisError):  # (the room's timeout sends it again)
         if state.entry and state.token:
             runtime.room.arrive(state.entry, state.token, state.room, task_id=task_id,
-                                note_ttl_ms=1, kept=state.kept)
+                                note_ttl_ms=1, kept=state.kept, patient=False)
         runtime.gate.client.delete(_wait_key(runtime, task_id))
     if app.conf.worker_send_task_events:
         try:

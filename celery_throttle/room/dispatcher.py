@@ -62,7 +62,7 @@ from .header import HEADER, START
 from .keeper import Kept
 from .keys import room_key
 from .native import NativeThread
-from .parking import Parked, WaitingRoom
+from .parking import RESTORING_ELSEWHERE, Parked, WaitingRoom
 
 __all__ = ["LANE", "Dispatcher", "add_lanes", "by_lane", "lane_of", "queue_of"]
 
@@ -239,6 +239,8 @@ class Dispatcher:
             return
         if epoch != self._restored:
             handed = self.room.restore_kept(epoch)
+            if handed == RESTORING_ELSEWHERE:
+                return  # (asked again at the next round, until that node is done)
             self._restored = epoch
             if handed:
                 logger.warning("throttle: the store came back without its data: %d waiting "

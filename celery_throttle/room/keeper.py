@@ -95,16 +95,20 @@ class Kept(Protocol):
     broker's queues (:class:`Keeper`), or in a log on a RabbitMQ broker
     (``logged.LoggedKeeper``)."""
 
-    def put(self, entry: str, value: bytes) -> str | None:
+    def put(self, entry: str, value: bytes, *, patient: bool = True) -> str | None:
         """Keep ``entry``'s value (before the store has it); a handle for :meth:`drop`, or
-        None when it was kept already (the same message delivered again)."""
+        None when it was kept already (the same message delivered again).  ``patient``
+        False: the caller is the worker's main process, whose thread also consumes the
+        broker's messages and runs the worker's shutdown; a keeper that would wait for
+        its broker gives up soon instead (``logged.IMPATIENT_S``)."""
 
-    def drop(self, entry: str, handle: str) -> None:
+    def drop(self, entry: str, handle: str, *, patient: bool = True) -> None:
         """Forget that put (the store refused it: the task waits elsewhere)."""
 
-    def take(self, entry: str, token: str, epoch: int) -> int:
+    def take(self, entry: str, token: str, epoch: int, *, patient: bool = True) -> int:
         """A copy of ``entry`` dispatched as ``token`` in the store's epoch ``epoch``
-        arrives: 1 it goes on, 0 it is a duplicate, -1 the store decides."""
+        arrives: 1 it goes on, 0 it is a duplicate, -1 the store decides.  ``patient``:
+        as :meth:`put`'s."""
 
     def count(self) -> int | None:
         """How many waiting tasks are kept (None: not counted cheaply)."""
@@ -137,21 +141,21 @@ class Keeper:
         self.kept, self.seen = room_key(prefix, "kept"), room_key(prefix, "kept:seen")
         self._take = client.register_script(script(__package__, "keep.lua"))
 
-    def put(self, entry: str, value: bytes) -> str | None:
+    def put(self, entry: str, value: bytes, *, patient: bool = True) -> str | None:
         """Keep ``entry``'s message, or :func:`in_line_kept`'s value (before the store has
         it), unless the entry is kept already; its handle (the entry) when this call kept
-        it.
+        it.  (One write, bounded by the client's timeouts: ``patient`` changes nothing.)
 
         An entry kept already is the same message copy delivered again: its first
         kept value is the one the store holds (the store refuses the second), and a
         restore must write back what the copy pointer expects, not the second's."""
         return entry if self.client.hsetnx(self.kept, entry, value) else None
 
-    def drop(self, entry: str, handle: str) -> None:
+    def drop(self, entry: str, handle: str, *, patient: bool = True) -> None:
         """Forget ``entry``'s kept copy (the store refused it: it waits elsewhere)."""
         self.client.hdel(self.kept, entry)
 
-    def take(self, entry: str, token: str, epoch: int = 0) -> int:
+    def take(self, entry: str, token: str, epoch: int = 0, *, patient: bool = True) -> int:
         """A copy of ``entry`` dispatched as ``token`` arrives: 1 it goes on, 0 it is a
         duplicate, -1 unknown here (the store decides).  (Decided here whatever the
         store's ``epoch``.)"""

@@ -43,12 +43,17 @@ from .keys import arrival_marker, room_key
 from .ledger import Record
 from .streams import StreamLog
 
-__all__ = ["COMPACT_S", "RESTORE_WAIT_S", "LedgerUnavailable", "LoggedKeeper"]
+__all__ = ["COMPACT_S", "IMPATIENT_S", "RESTORE_WAIT_S", "LedgerUnavailable",
+           "LoggedKeeper"]
 
 #: Seconds between two compactions of the ledger (one node at a time).
 COMPACT_S = 300.0
 #: The longest a copy dispatched before the store's loss waits for the restore (s).
 RESTORE_WAIT_S = 60.0
+#: The longest a write made in the worker's main process tries the log (s): that thread
+#: also consumes the broker's messages and runs the worker's shutdown, which a broker
+#: gone for good would otherwise hold up for the whole ``retry_s``.
+IMPATIENT_S = 1.0
 # How often a writer asks the store for the ledger's current generation (s), and
 # how long a compaction waits for every writer to have moved to the new one.
 _REFRESH_S = 5.0
@@ -97,39 +102,43 @@ class LoggedKeeper:
         raw = self.client.get(self.current)
         return int(raw) if raw else None
 
-    def put(self, entry: str, value: bytes) -> str | None:
-        """Append ``entry``'s put; its mark (for :meth:`drop`)."""
+    def put(self, entry: str, value: bytes, *, patient: bool = True) -> str | None:
+        """Append ``entry``'s put; its mark (for :meth:`drop`).  Not ``patient``: the log
+        is tried for :data:`IMPATIENT_S` at most."""
         mark = secrets.token_hex(8)
-        self._append(Record("put", entry, mark=mark, value=value))
+        self._append(Record("put", entry, mark=mark, value=value), patient)
         return mark
 
-    def drop(self, entry: str, handle: str) -> None:
+    def drop(self, entry: str, handle: str, *, patient: bool = True) -> None:
         """Append the drop of the put marked ``handle``."""
-        self._append(Record("drop", entry, mark=handle))
+        self._append(Record("drop", entry, mark=handle), patient)
 
-    def take(self, entry: str, token: str, epoch: int) -> int:
+    def take(self, entry: str, token: str, epoch: int, *, patient: bool = True) -> int:
         """Append the take of ``entry`` by the copy ``token`` (dispatched in ``epoch``);
         -1: the store decides.  A copy from before the store's loss waits for the
-        restore first (at most :data:`RESTORE_WAIT_S`)."""
-        self._await_restore(epoch)
-        self._append(Record("take", entry, token=token, at=_now_ms()))
+        restore first (at most :data:`RESTORE_WAIT_S`; not ``patient``, it fails at
+        once: the take would have to wait)."""
+        self._await_restore(epoch, RESTORE_WAIT_S if patient else 0.0)
+        self._append(Record("take", entry, token=token, at=_now_ms()), patient)
         return -1
 
-    def _append(self, record: Record) -> None:
+    def _append(self, record: Record, patient: bool) -> None:
         try:
-            self.log.append([record])
+            self.log.append([record], patience=None if patient else IMPATIENT_S)
         except redis.RedisError:
             raise
         except Exception as exc:
             raise LedgerUnavailable(f"the waiting tasks' log on the broker: "
                                     f"{type(exc).__name__}: {exc}") from exc
 
-    def _await_restore(self, epoch: int) -> None:
-        deadline = time.monotonic() + RESTORE_WAIT_S
+    def _await_restore(self, epoch: int, patience: float) -> None:
+        deadline = time.monotonic() + patience
         while True:
             current, restored = self.client.mget([epoch_key(self.prefix), self.restored])
             if current is not None and (text(current) == str(epoch) or current == restored):
                 return
+            if not patience:
+                raise LedgerUnavailable("the waiting tasks' log is not restored yet")
             if time.monotonic() >= deadline:
                 logger.warning("throttle: the store came back without its data and no node "
                                "restored the waiting tasks within %.0fs; a copy dispatched "

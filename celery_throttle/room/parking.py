@@ -25,7 +25,8 @@ most one token), ``trip`` (the measured trip from dispatch to arrival, which
 dispatches run ahead by) and ``notes`` (hash: task digest -> the wait note
 of a task waiting here; its arrival moves it to a key of its own, with a
 TTL, for ``celery throttle why`` after the start; a task waiting in line
-notes only its entry, ``lines.py``).
+notes only its entry, ``lines.py``), ``restoring`` (the node restoring the kept
+tasks after a loss of the store: :meth:`WaitingRoom.restore_kept`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 REPLICA_WAIT_MS = 500
 #: After a park that reached too few replicas, parks do not wait for this long.
 REPLICA_RETRY_S = 10
+#: How long one node keeps the restore of the kept tasks to itself (ms), unless it ends
+#: first: longer than a read of the whole log (``streams.READ_TIMEOUT_S``) and its writes.
+RESTORE_LOCK_MS = 300_000
+#: :meth:`WaitingRoom.restore_kept`'s answer while another node restores: ask again later.
+RESTORING_ELSEWHERE = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,12 +145,12 @@ class WaitingRoom:
     def enqueue(self, entry: str, message: bytes, task_id: str, *,
                 limits: Sequence[AnyLimit], blocking: AnyLimit, place_us: int, due_us: int = 0,
                 expires_us: int = 0, deadline_us: int = 0, weights: Weights | None = None,
-                behind: bool = False, kept: bool = False) -> int:
+                behind: bool = False, kept: bool = False, patient: bool = True) -> int:
         """``Lines.enqueue`` (the same arguments and reply), acknowledged as a park is: once
         ``throttle_park_replicas`` replicas have it.  ``behind``: only behind the tasks in
         ``blocking``'s line; the reply is then how many were there, 0 when ``entry`` waits
         already, -1 when the line is empty (in both cases nothing was written).  ``kept``:
-        as :meth:`park`'s."""
+        as :meth:`park`'s; ``patient``: as ``Kept.put``'s."""
         keys, args = self.lines.enqueue_call(
             entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
             due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights,
@@ -153,10 +159,11 @@ class WaitingRoom:
                        text(args[6]))
         return int(self._stored(entry, in_line_kept(where, cast(bytes, args[1])), kept,
                                 lambda: int(self._replicated(self.lines.script, keys, args)),
-                                waits=lambda reply: reply >= 0))
+                                waits=lambda reply: reply >= 0, patient=patient))
 
     def _stored(self, entry: str, message: bytes, kept: bool, write: Callable[[], Any],
-                waits: Callable[[Any], bool] = lambda reply: True) -> Any:
+                waits: Callable[[Any], bool] = lambda reply: True,
+                patient: bool = True) -> Any:
         """``write()``'s reply: a store write of a waiting task.  With ``kept``, ``message``
         (what a restore writes back) is kept beside the broker's queues first (so no moment
         finds it in the store alone, which a dispatch could take before the copy is
@@ -168,16 +175,16 @@ class WaitingRoom:
             return write()
         if self.keeper is None:
             raise RuntimeError("a kept waiting task needs the room's keeper")
-        fresh = self.keeper.put(entry, message)
+        fresh = self.keeper.put(entry, message, patient=patient)
         try:
             reply = write()
         except BaseException:
             if fresh is not None:
                 with contextlib.suppress(Exception):  # (the keeper's own failure, whatever)
-                    self.keeper.drop(entry, fresh)
+                    self.keeper.drop(entry, fresh, patient=patient)
             raise
         if fresh is not None and not waits(reply):
-            self.keeper.drop(entry, fresh)
+            self.keeper.drop(entry, fresh, patient=patient)
         return reply
 
     def _replicated(self, script: Script, keys: Sequence[str | bytes],
@@ -227,7 +234,7 @@ class WaitingRoom:
 
     def arrive(self, entry: str, token: str, epoch: int, *, marker_ttl_ms: int = 0,
                task_id: str = "", note_ttl_ms: int = 60_000, kept: bool = False,
-               held_us: int = 0) -> int:
+               held_us: int = 0, patient: bool = True) -> int:
         """May this dispatched copy go on?  0: no, another copy of the entry arrived first;
         else yes, and the server's time (us), which a charged start waits for.
 
@@ -238,11 +245,12 @@ class WaitingRoom:
         beside the broker's queues; which copy goes on is decided there first
         (``Keeper.take``: it knows, whatever the store lost), and the store's
         answer only where it does not.  ``held_us``: how long its node's consumer held
-        it before a pool process got it, left out of the trip it measures.
+        it before a pool process got it, left out of the trip it measures.  ``patient``:
+        as ``Kept.take``'s.
         """
         took = -1
         if kept and self.keeper is not None:
-            took = self.keeper.take(entry, token, epoch)
+            took = self.keeper.take(entry, token, epoch, patient=patient)
             if took == 0:
                 return 0
         marker = arrival_marker(self.prefix, entry)
@@ -263,11 +271,28 @@ class WaitingRoom:
         """The store's epoch is ``epoch``: if the kept copies were not restored for it (the
         store came back without its data), write every one back where it waited
         (``Keeper.restore``): a task in line into its line at its place, a parked one
-        into the timer, due now.  How many were handed over, or None when there was
-        nothing to do."""
+        into the timer, due now.  How many were handed over, None when there was nothing
+        to do, or :data:`RESTORING_ELSEWHERE` while another node does it.
+
+        One node restores at a time (a lock in the store): with many nodes and a deep
+        backlog, each reading the whole log and writing every task back at once would
+        multiply the work by the nodes for nothing (the writes change nothing the
+        second time).  A node that fails, or dies, leaves it to the next to ask."""
         if self.keeper is None or self.keeper.restored_for() == str(epoch):
             return None
+        keeper, lock = self.keeper, room_key(self.prefix, "restoring")
+        if not self.client.set(lock, str(epoch), nx=True, px=RESTORE_LOCK_MS):
+            return RESTORING_ELSEWHERE
+        try:
+            if keeper.restored_for() == str(epoch):
+                return None  # (restored by a node that had the lock a moment ago)
+            return self._restore(keeper, epoch)
+        finally:
+            # (Past the lock's time another node may hold it: it restores again, which
+            # changes nothing.)
+            self.client.delete(lock)
 
+    def _restore(self, keeper: Kept, epoch: int) -> int:
         keys = [self.parked, self.messages, self.wake, self.notes]
 
         def park(batch: list[tuple[str, bytes]]) -> None:
@@ -290,7 +315,7 @@ class WaitingRoom:
             if pipe is not None:
                 pipe.execute()
 
-        return self.keeper.restore(str(epoch), park)
+        return keeper.restore(str(epoch), park)
 
     def cancel(self, task_ids: Sequence[str], timeout_us: int) -> tuple[list[Served], int]:
         """Revoked tasks leave the waiting room at once, wherever they wait: those in line are

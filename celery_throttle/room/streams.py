@@ -200,16 +200,18 @@ class StreamLog:
 
     # -- writing -------------------------------------------------------------------------
 
-    def append(self, records: Sequence[Record]) -> None:
+    def append(self, records: Sequence[Record], patience: float | None = None) -> None:
         """Append ``records`` to the current generation, in order; return once the broker
-        has confirmed them all (tried again as :meth:`_tried` says).  (Appended twice, a
-        record means what it meant once: ``ledger.py``.)"""
-        self._tried(lambda: self._append(records))
+        has confirmed them all (tried again as :meth:`_tried` says, for ``patience``
+        seconds rather than ``retry_s`` if given).  (Appended twice, a record means what it
+        meant once: ``ledger.py``.)"""
+        self._tried(lambda: self._append(records), patience)
 
-    def _tried(self, action: Callable[[], T]) -> T:
-        """``action()``, tried again on a new connection for up to ``retry_s`` while the
-        broker is unreachable or a stream not ready, then raising; a refusal raises now."""
-        deadline = time.monotonic() + self.retry_s
+    def _tried(self, action: Callable[[], T], patience: float | None = None) -> T:
+        """``action()``, tried again on a new connection for up to ``retry_s`` (or
+        ``patience``) seconds while the broker is unreachable or a stream not ready, then
+        raising; a refusal raises now."""
+        deadline = time.monotonic() + (self.retry_s if patience is None else patience)
         pause = _RETRY_FIRST_S
         with self._lock:
             while True:

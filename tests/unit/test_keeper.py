@@ -3,7 +3,10 @@ store that keeps nothing on disk, killed and restarted, and the broker's."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -14,7 +17,7 @@ from celery_throttle.core.rates import parse_rate
 from celery_throttle.integration.config import read_config
 from celery_throttle.integration.runtime import durability_of, keeper_of
 from celery_throttle.room.keeper import Keeper
-from celery_throttle.room.parking import WaitingRoom
+from celery_throttle.room.parking import RESTORING_ELSEWHERE, WaitingRoom
 
 from ..servers import restart_empty
 
@@ -76,6 +79,50 @@ def test_a_kept_task_is_restored_once_after_the_store_comes_back_empty(
     assert [s.entry for s in served] == ["q0"]
     # The task without a kept copy is gone with the store: it was never kept.
     assert _kept(room) == 3  # until each arrives
+
+
+def test_one_node_restores_at_a_time_and_a_dead_one_leaves_it_to_the_next(
+    store: redis.Redis, broker: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two nodes see the store come back empty at once: one restores; the other is told a
+    node is at it (its dispatcher asks again later) and then finds nothing to do.  A node
+    that died restoring holds the others off only until its lock's time is up."""
+    first, second = _room(store, broker), _room(store, broker)
+    for i in range(3):
+        first.park(f"p{i}", b"m", f"t{i}", delay_us=3_600_000_000, kept=True)
+    restart_empty(store)
+    first.take_due(10, TIMEOUT_US)  # (reads the store's new epoch)
+    epoch = first.last_epoch
+    assert first.keeper is not None
+    restore, began, go_on = first.keeper.restore, threading.Event(), threading.Event()
+
+    def slow_restore(*args: Any) -> int:
+        began.set()
+        go_on.wait(10)
+        return restore(*args)
+
+    monkeypatch.setattr(first.keeper, "restore", slow_restore)
+    handed: list[int | None] = []
+    restoring = threading.Thread(target=lambda: handed.append(first.restore_kept(epoch)))
+    restoring.start()
+    assert began.wait(10)
+    assert second.restore_kept(epoch) == RESTORING_ELSEWHERE
+    go_on.set()
+    restoring.join(10)
+    assert handed == [3]
+    assert second.restore_kept(epoch) is None
+    assert store.zcard(f"{{{PREFIX}}}:room:parked") == 3
+    # A node died holding the restore of the next loss: the others wait for its lock only.
+    restart_empty(store)
+    first.take_due(10, TIMEOUT_US)
+    store.set(f"{{{PREFIX}}}:room:restoring", "dead", px=300)
+    assert second.restore_kept(first.last_epoch) == RESTORING_ELSEWHERE
+    deadline = time.monotonic() + 10
+    found = second.restore_kept(first.last_epoch)
+    while found == RESTORING_ELSEWHERE and time.monotonic() < deadline:
+        time.sleep(0.05)
+        found = second.restore_kept(first.last_epoch)
+    assert found == 3
 
 
 def test_the_first_copy_to_arrive_takes_the_kept_copy_whatever_the_store_lost(

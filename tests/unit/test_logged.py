@@ -15,7 +15,7 @@ from kombu import Connection
 
 from celery_throttle.core.limits import Limit
 from celery_throttle.core.rates import parse_rate
-from celery_throttle.room.logged import LoggedKeeper
+from celery_throttle.room.logged import IMPATIENT_S, LoggedKeeper
 from celery_throttle.room.parking import WaitingRoom
 from celery_throttle.room.streams import StreamLog
 
@@ -223,3 +223,29 @@ def test_a_log_that_cannot_be_written_fails_the_write_as_the_store_would(
     with pytest.raises(redis.ConnectionError, match="the waiting tasks' log on the broker"):
         room.park("p", b"m", "t", delay_us=1_000_000, kept=True)
     assert store.hlen(f"{{{prefix}}}:room:messages") == 0
+
+
+def test_the_worker_s_main_process_does_not_wait_for_an_unreachable_log(
+    store: redis.Redis, prefix: str
+) -> None:
+    """A task lined up on arrival is written by the thread that also consumes the broker's
+    messages and runs the worker's shutdown: with the broker gone, its put gives up after
+    ``IMPATIENT_S`` (the pool then gates the task) where a pool process's tries for
+    ``retry_s``; a copy arriving there before the restore fails at once rather than
+    waiting for it."""
+    dead = lambda: Connection("amqp://guest:guest@127.0.0.1:1//",  # noqa: E731
+                              connect_timeout=0.2)
+    keeper = LoggedKeeper(store, dead, prefix, marker_ttl_ms=60_000, retry_s=30.0)
+    room = WaitingRoom(store, prefix, keeper=keeper)
+    limit = Limit("kept", parse_rate("1/h"))
+    began = time.monotonic()
+    with pytest.raises(redis.ConnectionError, match="the waiting tasks' log on the broker"):
+        room.enqueue("q", b"m", "t", limits=[limit], blocking=limit, place_us=1, kept=True,
+                     patient=False)
+    took = time.monotonic() - began
+    assert took < IMPATIENT_S + 5.0 < keeper.log.retry_s, took  # (not the 30 s of retry_s)
+    assert store.hlen(f"{{{prefix}}}:room:messages") == 0
+    restart_empty(store)
+    store.set(f"{{{prefix}}}:epoch", 1)  # (the store's new epoch: never restored for)
+    with pytest.raises(redis.ConnectionError, match="not restored yet"):
+        keeper.take("q", "token", epoch=0, patient=False)

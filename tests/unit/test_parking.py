@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -325,25 +326,34 @@ def test_an_idle_dispatcher_stops_at_once_and_leaves_no_key(redis_url: str, clie
     app.close()
 
 
+def _down(redis_url: str, prefix: str, broker: str) -> tuple[Any, Any, bytes]:
+    """An app whose broker refuses connections (publishes not tried again), its dispatcher,
+    and a message to park for it."""
+    from celery import Celery
+
+    from celery_throttle.room.dispatcher import Dispatcher
+    from celery_throttle.room.envelope import Envelope
+
+    app = Celery("down", broker=broker, set_as_current=False)
+    app.conf.task_publish_retry_policy = {"max_retries": 0}
+    app.conf.broker_connection_timeout = 1
+    dispatcher = Dispatcher(app, lambda **o: redis.Redis.from_url(redis_url, **o), prefix,
+                            timeout=60)
+    return app, dispatcher, Envelope(b"[]", "application/json", "utf-8", "", "celery",
+                                     {}).dumps()
+
+
 def test_a_publish_the_broker_refuses_is_due_again_at_the_next_try(
     redis_url: str, client: redis.Redis, prefix: str
 ) -> None:
     """The broker down: the claimed entry is not held for the dispatch timeout (a minute)
     after it is back, but claimed again at the dispatcher's next try, with a new token."""
-    from celery import Celery
     from kombu.exceptions import OperationalError
 
-    from celery_throttle.room.dispatcher import Dispatcher
-    from celery_throttle.room.envelope import Envelope
     from celery_throttle.testing import free_port
 
-    app = Celery("down", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)
-    app.conf.task_publish_retry_policy = {"max_retries": 0}
-    app.conf.broker_connection_timeout = 1
-    dispatcher = Dispatcher(app, lambda **o: redis.Redis.from_url(redis_url, **o), prefix,
-                            timeout=60)
+    app, dispatcher, message = _down(redis_url, prefix, f"redis://127.0.0.1:{free_port()}/0")
     room = WaitingRoom(client, prefix)
-    message = Envelope(b"[]", "application/json", "utf-8", "", "celery", {}).dumps()
     room.park("e", message, "t", at_us=_now_us(client) - 1)
     room.park("f", message, "t2", at_us=_now_us(client) - 1)
     with pytest.raises(OperationalError):
@@ -362,21 +372,11 @@ def test_a_broker_outage_is_logged_as_a_warning_not_an_error(
 ) -> None:
     """The dispatcher meets a broker that refuses connections: it says so once as a WARNING
     (it tries again, and the outage ends on its own), never as an ERROR."""
-    from celery import Celery
-
-    from celery_throttle.room.dispatcher import Dispatcher
-    from celery_throttle.room.envelope import Envelope
     from celery_throttle.testing import free_port
 
-    app = Celery("down", broker=f"amqp://guest:guest@127.0.0.1:{free_port()}//",
-                 set_as_current=False)
-    app.conf.task_publish_retry_policy = {"max_retries": 0}
-    app.conf.broker_connection_timeout = 1
-    dispatcher = Dispatcher(app, lambda **o: redis.Redis.from_url(redis_url, **o), prefix,
-                            timeout=60)
-    room = WaitingRoom(client, prefix)
-    message = Envelope(b"[]", "application/json", "utf-8", "", "celery", {}).dumps()
-    room.park("e", message, "t", at_us=_now_us(client) - 1)
+    app, dispatcher, message = _down(redis_url, prefix,
+                                     f"amqp://guest:guest@127.0.0.1:{free_port()}//")
+    WaitingRoom(client, prefix).park("e", message, "t", at_us=_now_us(client) - 1)
 
     def said() -> list[logging.LogRecord]:
         return [r for r in caplog.records if "throttle: dispatcher:" in r.getMessage()]

@@ -110,8 +110,31 @@ class LoggedKeeper:
         return mark
 
     def drop(self, entry: str, handle: str, *, patient: bool = True) -> None:
-        """Append the drop of the put marked ``handle``."""
-        self._append(Record("drop", entry, mark=handle), patient)
+        """Append the drop of the put marked ``handle``.  Not ``patient`` and not written
+        within :data:`IMPATIENT_S`: tried on in a thread of its own, for ``retry_s``."""
+        record = Record("drop", entry, mark=handle)
+        try:
+            self._append(record, patient)
+        except LedgerUnavailable:
+            if patient:
+                raise
+            # Until this drop lands, the put stands: a restore would bring back a task
+            # that never waited (the pool runs it now).  Its own connection: this log's
+            # lock is not held through the tries.
+            threading.Thread(target=self._drop_later, args=(record,), daemon=True,
+                             name="celery-throttle-ledger-drop").start()
+
+    def _drop_later(self, record: Record) -> None:
+        log = StreamLog(self.connect, self.prefix, current=self._generation,
+                        retry_s=self.log.retry_s)
+        try:
+            log.append([record])
+        except Exception as exc:
+            logger.warning("throttle: a drop could not be written to the waiting tasks' log "
+                           "(%s: %s): a later loss of the store brings back a task that did "
+                           "not wait there", type(exc).__name__, exc)
+        finally:
+            log.close()
 
     def take(self, entry: str, token: str, epoch: int, *, patient: bool = True) -> int:
         """Append the take of ``entry`` by the copy ``token`` (dispatched in ``epoch``);

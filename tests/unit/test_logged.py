@@ -249,3 +249,41 @@ def test_the_worker_s_main_process_does_not_wait_for_an_unreachable_log(
     store.set(f"{{{prefix}}}:epoch", 1)  # (the store's new epoch: never restored for)
     with pytest.raises(redis.ConnectionError, match="not restored yet"):
         keeper.take("q", "token", epoch=0, patient=False)
+
+
+def test_a_drop_the_main_process_cannot_write_now_is_written_later(
+    store: redis.Redis, rabbitmq_url: str, prefix: str, rooms: list[WaitingRoom]
+) -> None:
+    """A task's arrival finds its line empty, so its put is dropped again; the broker cannot
+    take the drop within ``IMPATIENT_S``: the arrival goes on (the pool gates the task), and
+    the drop is written once the broker is back, so no restore brings the task back."""
+    up = {"broker": False}
+
+    def connect() -> Connection:
+        url = rabbitmq_url if up["broker"] else "amqp://guest:guest@127.0.0.1:1//"
+        return Connection(url, transport_options={"confirm_publish": True},
+                          connect_timeout=0.2)
+
+    up["broker"] = True
+    room = _room(rooms, store, connect, prefix)
+    limit = Limit("kept", parse_rate("1/h"))
+    assert room.keeper is not None
+    put = room.keeper.put  # the put lands; then the broker goes away before the drop
+
+    def put_then_lose_the_broker(entry: str, value: bytes, *, patient: bool = True) -> Any:
+        mark = put(entry, value, patient=patient)
+        up["broker"] = False
+        assert isinstance(room.keeper, LoggedKeeper)
+        room.keeper.log.close()
+        return mark
+
+    room.keeper.put = put_then_lose_the_broker  # type: ignore[method-assign]
+    # The line is empty: nothing is written to the store (-1), and the put is dropped.
+    assert room.enqueue("q", b"m", "t", limits=[limit], blocking=limit, place_us=1,
+                        kept=True, behind=True, patient=False) == -1
+    up["broker"] = True
+    assert _live(connect, prefix) in ({"q"}, set())  # (the drop may have landed already)
+    deadline = time.monotonic() + 20
+    while _live(connect, prefix) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _live(connect, prefix) == set()

@@ -56,10 +56,10 @@ _INDEX_BYTES = 1_000_000
 _INDEX_SEGMENT_BYTES = 100_000
 _STREAM = {"x-queue-type": "stream"}
 _NO_ROUTE = 312  # a mandatory publish no queue took
-# Refusals an append does not try again: access refused, precondition failed (a
+# Refusals not tried again (:meth:`StreamLog._tried`): access refused, precondition failed (a
 # broker without streams: RabbitMQ before 3.9), not allowed.
 _REFUSED = (403, 406, 530)
-# Pauses between two tries of an append while the broker is unreachable (s).
+# Pauses between two tries while the broker is unreachable (s).
 _RETRY_FIRST_S = 0.2
 _RETRY_MOST_S = 2.0
 

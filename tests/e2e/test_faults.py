@@ -6,7 +6,8 @@ import datetime as dt
 import json
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -68,6 +69,40 @@ def test_store_killed_mid_run_defers_then_completes_exactly_once(
     check_window_bound(after, rate=20, burst=2, period=1.0)
 
 
+@dataclass
+class _StoreLoss:
+    waited: int  # tasks waiting in the store when it was killed
+    kept: tuple[int, int]  # ``kept()`` then, and after every task ran
+    starts: list[float]
+    restarted: float
+    text: str  # the nodes' logs
+
+
+def _store_lost_mid_wait(capp: ModuleType, records: redis.Redis, redis_base: str,
+                         store: RedisServer, conf: dict[str, Any],
+                         kept: Callable[[], int] = lambda: 0) -> _StoreLoss:
+    """100 tasks at 10/s (10 s of work) on two nodes; once 20 ran, the store that keeps
+    nothing on disk is SIGKILLed for 4 s.  Every task succeeds, each exactly once."""
+    with worker_nodes(redis_base, ("w1", "w2"), conf=conf) as nodes:
+        results = [capp.sibling.delay(i) for i in range(100)]  # 10 s of work at 10/s
+        read_records(records, expect=20, timeout=20)  # mid-run: the rest wait
+        stored = redis.Redis.from_url(f"{store.url}/0")
+        waited = stored.hlen("{throttle}:room:messages")
+        stored.close()
+        copies = kept()
+        store.kill()
+        time.sleep(4.0)  # the outage
+        restarted = time.time()
+        store.start()
+        states = wait_results(results, timeout=90)
+        rows = read_records(records, expect=100, timeout=10)
+        left = kept()
+        text = logs(nodes)
+    assert states == ["SUCCESS"] * 100
+    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
+    return _StoreLoss(waited, (copies, left), [r["t"] for r in rows], restarted, text)
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["countdown", "kept"])
 def test_store_without_persistence_killed_with_long_waits_loses_none(
     capp: ModuleType, records: redis.Redis, redis_base: str, store: RedisServer, kept: bool
@@ -78,25 +113,11 @@ def test_store_without_persistence_killed_with_long_waits_loses_none(
     stay in the broker (countdowns).  The reason is logged at the start."""
     conf = {"throttle_redis_url": f"{store.url}/0", "throttle_keep_beside_broker": kept}
     broker = redis.Redis.from_url(f"{redis_base}/{databases.BROKER}")
-    with worker_nodes(redis_base, ("w1", "w2"), conf=conf) as nodes:
-        results = [capp.sibling.delay(i) for i in range(100)]  # 10 s of work at 10/s
-        read_records(records, expect=20, timeout=20)  # mid-run: the rest wait
-        stored = redis.Redis.from_url(f"{store.url}/0")
-        waited = stored.hlen("{throttle}:room:messages")
-        stored.close()
-        copies = broker.hlen("{throttle}:room:kept")
-        store.kill()
-        time.sleep(4.0)  # the outage
-        restarted = time.time()
-        store.start()
-        states = wait_results(results, timeout=90)
-        rows = read_records(records, expect=100, timeout=10)
-        left = broker.hlen("{throttle}:room:kept")
-        text = logs(nodes)
+    loss = _store_lost_mid_wait(capp, records, redis_base, store, conf,
+                                kept=lambda: broker.hlen("{throttle}:room:kept"))
     broker.close()
+    waited, (copies, left), text = loss.waited, loss.kept, loss.text
     print(f"\nkilled with {waited} waiting in the store, {copies} kept beside the broker")
-    assert states == ["SUCCESS"] * 100
-    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
     reason = "the store keeps waiting tasks in memory only (appendonly no)"
     if kept:
         assert waited > 50
@@ -108,7 +129,7 @@ def test_store_without_persistence_killed_with_long_waits_loses_none(
         assert waited == 0
         assert copies == 0
         assert f"waiting tasks do not wait in the store: {reason}" in text
-    check_window_bound([r["t"] for r in rows if r["t"] >= restarted], rate=10, burst=2,
+    check_window_bound([t for t in loss.starts if t >= loss.restarted], rate=10, burst=2,
                        period=1.0)
 
 
@@ -119,27 +140,14 @@ def test_store_without_persistence_killed_beside_rabbitmq_brings_every_waiting_t
     """RabbitMQ beside a cache-like store (no AOF), killed for 4 s with 10 s of waits: all
     100 run once.  They waited in the store's line, each recorded in the ledger on the
     broker (room/logged.py), and came back from it into their line."""
-    conf = {"throttle_redis_url": f"{store.url}/0"}
-    with worker_nodes(redis_base, ("w1", "w2"), conf=conf) as nodes:
-        results = [capp.sibling.delay(i) for i in range(100)]  # 10 s of work at 10/s
-        read_records(records, expect=20, timeout=20)  # mid-run: the rest wait
-        stored = redis.Redis.from_url(f"{store.url}/0")
-        waited = stored.hlen("{throttle}:room:messages")
-        stored.close()
-        store.kill()
-        time.sleep(4.0)  # the outage
-        restarted = time.time()
-        store.start()
-        states = wait_results(results, timeout=90)
-        rows = read_records(records, expect=100, timeout=10)
-        text = logs(nodes)
+    loss = _store_lost_mid_wait(capp, records, redis_base, store,
+                                {"throttle_redis_url": f"{store.url}/0"})
+    waited, text = loss.waited, loss.text
     print(f"\nkilled with {waited} waiting in the store")
-    assert states == ["SUCCESS"] * 100
-    assert Counter(r["id"] for r in rows) == Counter(r.id for r in results)  # exactly once
     assert waited > 50
     assert "kept in a log on the broker (RabbitMQ)" in text
     assert "kept on the broker wait again" in text
-    check_window_bound([r["t"] for r in rows if r["t"] >= restarted], rate=10, burst=2,
+    check_window_bound([t for t in loss.starts if t >= loss.restarted], rate=10, burst=2,
                        period=1.0)
 
 

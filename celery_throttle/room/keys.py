@@ -15,7 +15,7 @@ __all__ = ["arrival_marker", "room_key"]
 
 def room_key(prefix: str, part: str) -> str:
     """A waiting-room key: ``parked``, ``messages``, ``claimed``, ``ready``, ``trip``,
-    ``notes``, ``kept``, or a dispatcher's own ``bell:<id>``."""
+    ``notes``, ``kept``, ``restoring``, or a dispatcher's own ``bell:<id>``."""
     return f"{{{prefix}}}:room:{part}"
 
 

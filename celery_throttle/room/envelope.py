@@ -2,7 +2,9 @@
 
 :func:`capture` runs Celery's own publishing path (``apply_async``: routing,
 options, protocol-2 headers, the task's serializer and compression) with a
-stand-in producer that records the publish instead of sending it.  The
+stand-in producer that records the publishes instead of sending them, and
+keeps the task's own message (Celery may publish more through the same
+producer: the ``task-sent`` event of ``task_send_sent_event``).  The
 dispatcher later publishes the recorded body, headers and routing unchanged
 with a real producer: the task's arguments are never deserialized outside
 the worker that runs it, whatever the serializer (json, pickle, msgpack).
@@ -260,10 +262,14 @@ class _Recorder:
         def _reraise_as_library_errors(self) -> Iterator[None]:
             yield
 
+        # Celery reads it where it retries a callback's publish itself (app/amqp.py).
+        recoverable_connection_errors: tuple[type[BaseException], ...] = ()
+
     def __init__(self, ignore_result: bool) -> None:
         self.connection = self._Connection()
         self.ignore_result = ignore_result
-        self.sent: Envelope | None = None
+        self.sent: list[Envelope] = []  # every publish, in order
+        self.tasks: list[Envelope] = []  # those that are a task's message
 
     def publish(self, body: Any, *, exchange: Any = "", routing_key: str = "",
                 serializer: str | None = None, compression: str | None = None,
@@ -284,8 +290,11 @@ class _Recorder:
             properties["delivery_mode"] = delivery_mode
         name = str(getattr(exchange, "name", exchange) or "")
         # A copy that came down the delay ladder goes back where it was first sent.
-        self.sent = Envelope(data, content_type, content_encoding, origin(name, headers),
-                             routing_key or "", strip(headers), properties)
+        envelope = Envelope(data, content_type, content_encoding, origin(name, headers),
+                            routing_key or "", strip(headers), properties)
+        self.sent.append(envelope)
+        if _is_task_message(body, headers):
+            self.tasks.append(envelope)
 
 
 def capture(signature: Any) -> Envelope:
@@ -302,6 +311,21 @@ def capture(signature: Any) -> Envelope:
         kept = bool(getattr(signature.type, "ignore_result", False))
     recorder = _Recorder(bool(kept))
     signature.apply_async(producer=recorder, ignore_result=True)
-    if recorder.sent is None:  # pragma: no cover - Celery always publishes once
-        raise RuntimeError("apply_async published nothing")
-    return recorder.sent
+    if len(recorder.tasks) != 1:
+        raise RuntimeError(
+            f"cannot tell which of the {len(recorder.sent)} messages apply_async published "
+            f"for {signature.task!r} is the task's own ({len(recorder.tasks)} look like a "
+            f"task's; task_send_sent_event={signature.app.conf.task_send_sent_event!r}, "
+            f"task_protocol={signature.app.conf.task_protocol!r}): the task cannot be copied "
+            "to wait")
+    return recorder.tasks[0]
+
+
+def _is_task_message(body: Any, headers: dict[str, Any]) -> bool:
+    """Is this publish a task's message?  Celery publishes others through the same producer
+    (``task_send_sent_event``: the ``task-sent`` event, after the task's message).  A
+    task's message names its task and id: in its headers (protocol 2) or its body
+    (protocol 1); an event has neither (its fields are ``type``, ``uuid``, ``name``...)."""
+    named = headers if "task" in headers else body
+    return (isinstance(named, dict) and isinstance(named.get("task"), str)
+            and isinstance(named.get("id"), str))

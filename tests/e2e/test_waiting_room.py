@@ -6,13 +6,16 @@ test_integration.py; every node here runs with ``throttle_waiting_room``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 import redis
@@ -267,3 +270,66 @@ def test_parked_lists_the_next_tasks_and_purge_needs_yes(
     assert [capp.app.AsyncResult(f"id-{i}").state for i in range(3)] == ["REVOKED"] * 3
     with pytest.raises(TaskRevokedError, match="purged from the waiting room"):
         capp.app.AsyncResult("id-1").get(timeout=5)
+
+
+@contextlib.contextmanager
+def _sent_events(app: Any) -> Iterator[list[str]]:
+    """The ids of the ``task-sent`` events the broker carries meanwhile (a receiver in a
+    thread, listening before this yields: a probe event of its own has come through)."""
+    seen: list[str] = []
+    probes: list[object] = []
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event.get("type") == "task-sent":
+            seen.append(str(event.get("uuid")))
+        elif event.get("type") == "probe-listening":
+            probes.append(event)
+
+    with app.connection_for_read() as conn:
+        receiver = app.events.Receiver(conn, handlers={"*": on_event})
+        thread = threading.Thread(target=lambda: receiver.capture(limit=None, timeout=None,
+                                                                   wakeup=False), daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 20
+            with app.events.default_dispatcher() as dispatcher:
+                while not probes and time.monotonic() < deadline:
+                    dispatcher.send("probe-listening")
+                    time.sleep(0.2)
+            assert probes, "the event receiver never heard its own probe"
+            yield seen
+        finally:
+            receiver.should_stop = True
+            thread.join(10)
+
+
+@pytest.mark.parametrize("worker_events", [False, True], ids=["sent events",
+                                                              "sent and worker events"])
+def test_tasks_waiting_in_line_run_once_when_celery_sends_task_sent_events(
+    capp: ModuleType, records: redis.Redis, redis_base: str,
+    monkeypatch: pytest.MonkeyPatch, worker_events: bool
+) -> None:
+    """With ``task_send_sent_event`` on (and the node's task events), 12 tasks sent at once
+    to a 2/s limit wait in line, are dispatched and each runs once; each send emitted one
+    ``task-sent`` event (the user's), and the waiting room's copies none of their own."""
+    conf: dict[str, object] = {**ROOM, "task_send_sent_event": True,
+                               "worker_send_task_events": worker_events}
+    monkeypatch.setitem(capp.app.conf, "task_send_sent_event", True)
+    with _sent_events(capp.app) as sent, worker_nodes(
+            redis_base, ("w1",), concurrency=2, conf=conf,
+            env={"CT_LINE_RATE": "2/s"}) as nodes:
+        results = [capp.in_line.delay(i) for i in range(12)]
+        rows = read_records(records, expect=12, timeout=30)
+        states = wait_results(results, timeout=20)
+        text = logs(nodes)
+        no_start_beyond(records, 12, 1.0)
+        ids = [r.id for r in results]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not set(ids) <= set(sent):
+            time.sleep(0.05)
+    assert states == ["SUCCESS"] * 12
+    assert Counter(r["id"] for r in rows) == Counter(ids)  # exactly once
+    assert "waits in line" in text
+    assert Counter(sent) == Counter(ids)  # one event per send, none for a copy
+    check_window_bound([r["t"] for r in rows], rate=2, burst=1, period=1.0)
+    assert " ERROR" not in text

@@ -239,3 +239,87 @@ def test_a_received_message_is_published_again_as_it_was_sent(
     assert headers["celery_throttle"] == {"entry": "e1"}
     assert properties["priority"] == 4
     assert properties["correlation_id"] == message.headers["id"]
+
+
+_PUBLISH_SETTINGS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("sent events", {"task_send_sent_event": True}, {}),
+    ("protocol 1", {"task_protocol": 1}, {}),
+    ("protocol 1, sent events", {"task_protocol": 1, "task_send_sent_event": True}, {}),
+    ("pickle, zlib, sent events", {"task_serializer": "pickle", "task_compression": "zlib",
+                                   "task_send_sent_event": True}, {}),
+    ("msgpack, bzip2", {"task_serializer": "msgpack", "task_compression": "bzip2"}, {}),
+    ("routed queue", {"task_routes": {"envelope.routed": {"queue": "routed-q"}},
+                      "task_send_sent_event": True}, {}),
+    ("priority", {"task_send_sent_event": True}, {"priority": 7}),
+    ("transient", {"task_default_delivery_mode": "transient",
+                   "task_send_sent_event": True}, {}),
+]
+
+
+@pytest.mark.parametrize(("settings", "options"), [(s, o) for _, s, o in _PUBLISH_SETTINGS],
+                         ids=[name for name, _, _ in _PUBLISH_SETTINGS])
+def test_a_capture_keeps_the_task_s_own_message_whatever_celery_publishes_beside_it(
+    redis_base: str, settings: dict[str, Any], options: dict[str, Any]
+) -> None:
+    """Under the publish settings an app may set (task-sent events, which Celery publishes
+    through the same producer after the task; protocol 1 and 2; serializers and
+    compression; a routed queue; priority; transient delivery) the capture is the task's
+    message, and published it arrives as the task: its queue, id, arguments, priority and
+    delivery mode."""
+    broker = f"{redis_base}/{databases.SCRATCH}"
+    app = Celery("envelope", broker=broker, set_as_current=False)
+    serializer = str(settings.get("task_serializer", "json"))
+    app.conf.update(accept_content=[serializer], **settings)
+
+    @app.task(name="envelope.routed", shared=False)
+    def routed(a: int, b: int = 2) -> int:
+        return a + b
+
+    queue_name = "routed-q" if "task_routes" in settings else "celery"
+    envelope = Envelope.loads(capture(routed.signature((1,), {"b": 3}, task_id="t-own",
+                                                       **options)).dumps())
+    with Connection(broker) as conn:
+        queue = conn.SimpleQueue(queue_name, accept=[serializer])
+        queue.clear()
+        envelope.publish(conn.Producer())
+        message = queue.get(timeout=5)
+        body = message.decode()
+        headers: dict[str, Any] = dict(message.headers or {})
+        properties: dict[str, Any] = dict(message.properties)
+        queue.close()
+    app.close()
+    assert envelope.routing_key == queue_name
+    if settings.get("task_protocol") == 1:
+        assert (body["task"], body["id"], list(body["args"]), body["kwargs"]) == (
+            "envelope.routed", "t-own", [1], {"b": 3})
+    else:
+        assert (headers["task"], headers["id"]) == ("envelope.routed", "t-own")
+        assert (list(body[0]), body[1]) == ([1], {"b": 3})
+    assert properties.get("priority", 0) == options.get("priority", 0)
+    transient = settings.get("task_default_delivery_mode") == "transient"
+    assert properties["delivery_mode"] == (1 if transient else 2)
+
+
+def test_a_capture_that_cannot_tell_the_task_s_message_is_refused_by_name() -> None:
+    """When Celery publishes more than one message that looks like a task's (an AMQP class
+    of the app's that sends each task twice), the capture refuses, naming the task and the
+    settings that shape what Celery publishes, instead of keeping a guess."""
+    from celery.app.amqp import AMQP
+
+    class Twice(AMQP):
+        def send_task_message(self, producer: Any, name: str, message: Any,
+                              **kwargs: Any) -> Any:
+            sender = self._create_task_sender()  # type: ignore[attr-defined]
+            headers, properties, body, _sent_event = message
+            sender(producer, name, (dict(headers), dict(properties), body, None), **kwargs)
+            return sender(producer, name, message, **kwargs)
+
+    app = Celery("envelope", broker="memory://", set_as_current=False, amqp=Twice)
+
+    @app.task(name="envelope.twice", shared=False)
+    def twice() -> None:
+        return None
+
+    with pytest.raises(RuntimeError, match=r"'envelope\.twice'.*task_send_sent_event"):
+        capture(twice.signature(()))
+    app.close()

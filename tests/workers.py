@@ -233,4 +233,4 @@ class PublishRecorder:
         self.sink.append(self.options)
         if producer is not None:
             producer.publish({"recorded": True}, exchange="", routing_key="recorded",
-                             serializer="json", headers={"id": "recorded"})
+                             serializer="json", headers={"id": "recorded", "task": "recorded"})

@@ -278,6 +278,16 @@ def one_seat(self: Task[Any, Any], seconds: float) -> float:
     return seconds
 
 
+@throttled("1/s", name="cut-off")
+@app.task(bind=True)
+def cut_off(self: Task[Any, Any], i: int, seconds: float) -> int:
+    """Works ``seconds`` after its start: a call a node's crash may cut off (bounded by the
+    test)."""
+    record(self, i=i)
+    time.sleep(seconds)
+    return i
+
+
 @throttled("5/s", name="room")
 @app.task(bind=True, serializer="pickle")
 def parked_pickle(self: Task[Any, Any], i: int, payload: Any = None) -> int:

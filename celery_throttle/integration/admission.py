@@ -281,11 +281,12 @@ def turn(late: float, turn_grace: float) -> Start | None:
 
 def verdict(pointer: str) -> Drop | None:
     """A copy asked the copy pointer whether it may go on (``copies.py``): ``"go"`` lets it
-    on (None); ``"ended"`` (the task's run has ended) and ``"running"`` (another copy of
+    on (None), and so does ``"rerun"`` (a run again after a crash: its start was asked
+    afresh); ``"ended"`` (the task's run has ended) and ``"running"`` (another copy of
     it has started) drop it, saying so; any refusal else (``"stale"``: a newer copy goes
     on; a second ``"late"``) drops it as a stale copy.  (A first ``"late"`` is the
     caller's: it asks the gate again.)"""
-    if pointer == "go":
+    if pointer in ("go", "rerun"):
         return None
     if pointer == "ended":
         return Drop("ended")

@@ -35,9 +35,11 @@ __all__ = ["CopyPointer", "Verdict", "new_copy"]
 #: seats held under the task's id are that copy's); refused after the task's run ended
 #: ("ended": no copy holds seats under its id); refused for a newer copy ("stale": the
 #: seats under the task's id may be that copy's, given at its dispatch); too late for
-#: the start it was admitted for ("late": nothing moved).
-Verdict = Literal["go", "stale", "running", "ended", "late"]
-_VERDICTS: dict[int, Verdict] = {1: "go", 0: "stale", 2: "running", 4: "ended", 3: "late"}
+#: the start it was admitted for ("late": nothing moved); "rerun": it may go on, as a
+#: run again of a copy that started (the broker's redelivery of a run a crash cut off).
+Verdict = Literal["go", "rerun", "stale", "running", "ended", "late"]
+_VERDICTS: dict[int, Verdict] = {1: "go", 5: "rerun", 0: "stale", 2: "running", 4: "ended",
+                                 3: "late"}
 
 
 class CopyPointer:

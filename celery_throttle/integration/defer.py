@@ -41,6 +41,7 @@ from .exits import (
     drop,
     end,
     gone,
+    may_run_again,
     move_pointer,
     pointed_copy,
     room_open,
@@ -88,7 +89,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     run = start_run(request, runtime)
     runtime.counts.start()  # (once per process) the per-second history the dashboard reads
     limits, shadowed = shadow.split(runtime, limits, coded or {})
-    state = WaitState.from_request(request)
+    state = _run_again_uncharged(task, runtime, WaitState.from_request(request))
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
     charged = state.charged  # ... from a limit's line: how (entries.Served.flag)
     arrived_at: int | None = 0  # the server's time when it arrived (0: unknown)
@@ -220,7 +221,8 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     # Only now: a seat freed before the pause was written could let another
     # call through to the provider that just refused.
     release_leases_of(task)
-    new = state.successor(new_copy(), limits, state.since)
+    # (It waits for the provider now, whatever brought it here.)
+    new = replace(state.successor(new_copy(), limits, state.since), rerun=False)
     new = send_back(task, runtime, new, seconds)
     if pointed_copy(task, state):
         move_pointer(task, runtime, state, new.copy)
@@ -314,6 +316,30 @@ def _wait_for_slot(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
         # (still here: the store failed as it joined)
         action = admission.unlined(known, outcome.decision)
     wait_counted_down(task, runtime, limits, state, outcome.decision, action)
+
+
+def _run_again_uncharged(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> WaitState:
+    """``state``, or, when this delivery runs again a copy whose run a crash cut off, that
+    copy without the start it carries (:meth:`WaitState.uncharged`): a new call.
+
+    Only a delivery that may run a started copy again (:func:`~.exits.may_run_again`: the
+    broker flagged it as its redelivery of an acks_late message) asks the copy pointer
+    here, which costs no other start a store call.  A redelivery of a copy that never
+    started (a node killed with it prefetched) goes on as it is.  Store down: as it is (the
+    store-down policy decides its start).
+    """
+    if not (may_run_again(task) and pointed_copy(task, state)):
+        return state
+    request = task.request
+    try:
+        verdict = runtime.copies.check(str(request.id), request.retries, state)
+    except redis.RedisError:
+        return state
+    if verdict != "rerun":
+        return state
+    logger.warning("throttle: task %s[%s] run again after its node died: waits for a start",
+                   task.name, request.id)
+    return state.uncharged()
 
 
 def _seats_still_held(task: Task[Any, Any], runtime: Runtime, concurrent: list[Concurrency],

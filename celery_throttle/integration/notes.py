@@ -51,6 +51,8 @@ def wait_note(task: Task[Any, Any], limit: str, decision: Decision, state: WaitS
                             "deferrals": state.deferrals, "since": state.since}
     if state.booked:
         note["booked"] = True
+    if state.rerun:
+        note["rerun"] = True
     return json.dumps(note, separators=(",", ":"))
 
 
@@ -81,7 +83,7 @@ def read_wait(runtime: Runtime, task_id: str) -> dict[str, Any] | None:
         if note is None:
             return None
     else:
-        note = {"booked": False, **json.loads(raw)}
+        note = {"booked": False, "rerun": False, **json.loads(raw)}
     note["due_in_s"] = round(from_us(note["due"] - now), 3)
     note["waiting_s"] = round(from_us(now - (note["since"] or now)), 3)
     return dict(note)
@@ -99,7 +101,8 @@ def _note_in_line(runtime: Runtime, entry: str, now: int) -> dict[str, Any] | No
         ours = {}
     return {"task": headers.get("task", "?"), "limit": line.limit,
             "due": now + (line.place + 1) * interval, "deferrals": ours.get("deferrals", 0),
-            "since": ours.get("since"), "booked": False, "entry": entry, "place": line.place}
+            "since": ours.get("since"), "booked": False, "rerun": ours.get("rerun") == 1,
+            "entry": entry, "place": line.place}
 
 
 # Wait notes deleted per command (they hash alike: a cluster takes them in one DEL).

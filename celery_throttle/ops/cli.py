@@ -204,7 +204,9 @@ def why(ctx: click.Context, task_id: str, as_json: bool) -> None:
         parked = (f" is number {place + 1} in line" if place is not None else
                   " left its line (dispatched)") + " and"
         when = f"estimated {when}" if due >= 0 else when
-    click.echo(f"task {task_id} ({wait['task']}){parked} waits for limit {wait['limit']!r}: "
+    again = " was run again after its node died, and" if wait.get("rerun") else ""
+    click.echo(f"task {task_id} ({wait['task']}){again}{parked} waits for limit "
+               f"{wait['limit']!r}: "
                f"next start {when}; deferral {wait['deferrals']}, waiting "
                f"{wait['waiting_s']:.1f}s so far"
                + ("; start booked" if wait["booked"] else

@@ -47,6 +47,9 @@ class WaitState:
     # Waiting, its message is also kept on the broker's server (room/keeper.py):
     # its arrival takes that copy there.
     kept: bool = False
+    # Run again after its node died mid-run (WaitState.uncharged): waits for a start of
+    # its own, which ``celery throttle why`` says.
+    rerun: bool = False
     # How long its node's consumer held this copy before the pool got it (us;
     # integration/arrival.py): left out of the trip its arrival measures.
     # Carried by this hop only: never written into a copy's header.
@@ -77,7 +80,8 @@ class WaitState:
                    since=num("since") or None, copy=text("copy"),
                    prev=text("prev"), spacing=tuple(spacing), entry=text("entry", 64),
                    token=text("token", 40), room=num("room"), charged=text("charged", 1),
-                   unmoved=num("unmoved") == 1, kept=num("kept") == 1, held=num("held"))
+                   unmoved=num("unmoved") == 1, kept=num("kept") == 1, held=num("held"),
+                   rerun=num("rerun") == 1)
 
     def successor(self, copy: str, limits: Sequence[AnyLimit], since: int | None,
                   booking: Reservation | None = None) -> WaitState:
@@ -88,7 +92,16 @@ class WaitState:
                          booked=booking.booked if booking else 0,
                          epoch=booking.epoch if booking else 0,
                          shift=booking.shift if booking else 0, deferrals=self.deferrals + 1,
-                         since=since, copy=copy, prev=self.copy_id, spacing=spacing_of(limits))
+                         since=since, copy=copy, prev=self.copy_id, spacing=spacing_of(limits),
+                         rerun=self.rerun)
+
+    def uncharged(self) -> WaitState:
+        """This copy run again after its node died mid-run (the broker's redelivery of an
+        acks_late message): the start it carries (booked, or charged in its line) was
+        spent by the run the crash cut off, which may have called the provider already.
+        So it carries none, and asks for a start as a new call does."""
+        return replace(self, start=None, booked=0, epoch=0, shift=0, spacing=(), charged="",
+                       rerun=True)
 
     def unmoved_successor(self, copy: str) -> WaitState:
         """The copy ``copy`` that re-publishes this one while the store is down.
@@ -140,6 +153,8 @@ class WaitState:
             "prev": self.prev, "spacing": list(self.spacing)}
         if self.unmoved:
             header.update(unmoved=1)
+        if self.rerun:
+            header.update(rerun=1)
         if self.entry:
             header.update(entry=self.entry, token=self.token, room=self.room)
             if self.charged:

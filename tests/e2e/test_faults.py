@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import time
 from collections import Counter
@@ -535,3 +536,43 @@ def test_a_stale_copy_that_must_wait_is_dropped_before_it_is_re_published(
     assert not [line for line in lines if " waits " in line], lines
     runs = Counter(r["id"] for r in read_records(records, expect=4, timeout=5))
     assert runs == Counter(r.id for r in ahead)
+
+
+@pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+def test_a_run_cut_off_by_a_crash_runs_again_only_on_a_start_of_its_own(
+    capp: ModuleType, records: redis.Redis, redis_base: str, broker: str
+) -> None:
+    """acks_late, 1/s, tasks that work 3 s: the node running the second start (a copy its
+    line was charged for) is SIGKILLed mid-run, and RabbitMQ redelivers the run at once.
+    The run again takes a start of its own: no two starts of the limit, the run again
+    included, closer than its interval less the claim grace; every task runs, once more
+    only if a kill cut its run off; the node says why the run again waited."""
+    conf = {**ACKS_LATE}
+    with worker_nodes(redis_base, ("w1",), conf=conf) as first, worker_nodes(
+            redis_base, ("w2",), conf=conf) as second:
+        nodes = first + second
+        results = [capp.cut_off.delay(i, 3.0) for i in range(3)]
+        rows = read_records(records, expect=2, timeout=30)
+        assert len(rows) >= 2, rows
+        killed = rows[1]
+        doomed = next(n for n in nodes if killed["host"].startswith(f"{n.name}@"))
+        doomed.kill()
+        dead = time.time()
+        survivor = next(n for n in nodes if n is not doomed)
+        until("every task done", lambda: all(r.ready() for r in results), timeout=40)
+        rows = no_start_beyond(records, 5, 1.0)
+        text = survivor.log_text()
+    states = [r.state for r in results]
+    assert states == ["SUCCESS"] * 3, states
+    runs = Counter(r["id"] for r in rows)
+    assert runs[killed["id"]] == 2, runs  # acks_late's run again
+    cut = [r for r in rows if r["host"] == killed["host"]]
+    assert all(r["t"] <= dead and runs[r["id"]] == 2 for r in cut), cut  # only cut-off runs
+    again = [r for r in rows if r["id"] == killed["id"]][1]
+    times = sorted(r["t"] for r in rows)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    print(f"\nrun again {again['t'] - killed['t']:.3f}s after the killed start; gaps "
+          f"{[round(g, 3) for g in gaps]}")
+    assert min(gaps) >= 1.0 - 0.25 - 0.05, gaps  # the interval, less 1/s's claim grace
+    assert "run again after its node died: waits for a start" in text
+    assert " ERROR" not in text

@@ -26,7 +26,7 @@ def go(client: redis.Redis, prefix: str):  # type: ignore[no-untyped-def]
     key = f"{{{prefix}}}:copy:task:0"
 
     def call(mine: str, prev: str, then: str) -> bool:
-        return int(script(keys=[key], args=[mine, prev, then, 60_000])) == 1
+        return int(script(keys=[key], args=[mine, prev, then, 60_000])) in (1, 5)
 
     return call
 
@@ -298,3 +298,67 @@ def test_an_acks_late_copy_runs_again_only_when_the_broker_redelivers_it(
     assert _run(job, copy, redelivered=True) == "ran"
     assert starts == ["t-1", "t-1"]
     assert client.get(copy_key(prefix, "t-1", 0)) == b"ran:c1"
+
+
+def test_a_started_copy_delivered_again_is_told_apart_as_a_run_again(
+    client: redis.Redis, prefix: str
+) -> None:
+    """A copy that started, delivered again where it may run again (the broker's redelivery
+    after a crash mid-run), goes on as a run again ("rerun", asked or moved); where it may
+    not, it is refused while the first runs; before its start it is a plain "go"."""
+    from celery_throttle.integration.copies import CopyPointer
+
+    pointer = CopyPointer(client, prefix, 60)
+    c1 = WaitState(copy="c1", prev="-")
+    assert pointer.move("t", 0, WaitState(), "c1") == "go"
+    assert pointer.check("t", 0, c1) == "go"
+    assert pointer.move("t", 0, c1, "ran:") == "go"
+    assert pointer.check("t", 0, c1) == "rerun"
+    assert pointer.move("t", 0, c1, "ran:", once=True) == "running"
+    assert pointer.move("t", 0, c1, "ran:") == "rerun"
+    assert client.get(copy_key(prefix, "t", 0)) == b"ran:c1"
+
+
+def test_a_run_again_after_a_crash_takes_a_start_of_its_own(
+    redis_url: str, client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An acks_late copy booked for a start runs on it; the broker's redelivery of it (its
+    node died mid-run) does not run again on that spent start: it asks the limit afresh
+    and waits for the limit's next start (in line here), saying why in the log and in
+    ``celery throttle why``.  A later delivery of the old copy is refused."""
+    from celery_throttle import Gate, Limit, throttled
+    from celery_throttle.core.rates import parse_rate
+    from celery_throttle.integration.notes import read_wait
+    from celery_throttle.room.header import spacing_of
+
+    from ..conftest import installed_app
+
+    limit = Limit("rerun-rate", parse_rate("4/s"))
+    starts: list[int] = []
+    with installed_app("rerun", redis_url, prefix) as app:
+        @throttled("4/s", name="rerun-rate")
+        @app.task(name="copies.rerun", bind=True, shared=False, acks_late=True)
+        def job(self: Task[Any, Any]) -> str:
+            sec, usec = client.time()
+            starts.append(int(sec) * 1_000_000 + int(usec))
+            return "ran"
+
+        gate = Gate(client, prefix=prefix)
+        assert gate.acquire_many([limit]).allowed  # the start before it
+        booking = gate.acquire_many([limit], reserve=1.0).reservation
+        assert booking is not None
+        copy = WaitState(copy="c1", prev="-", start=booking.start, booked=booking.booked,
+                         epoch=booking.epoch, shift=booking.shift, spacing=spacing_of([limit]))
+        client.set(copy_key(prefix, "t-1", 0), "c1", px=60_000)
+        assert _run(job, copy) == "ran"  # on its booked start (the pointer stays "ran:c1")
+        with caplog.at_level(logging.INFO, logger="celery_throttle"), pytest.raises(Ignore):
+            _run(job, copy, redelivered=True)
+        note = read_wait(runtime_for(app), "t-1")
+        with pytest.raises(Ignore):
+            _run(job, copy)  # (not flagged: another delivery of the same copy)
+    assert len(starts) == 1
+    assert starts[0] >= booking.start
+    assert "run again after its node died: waits for a start" in caplog.text
+    assert "waits in line for limit 'rerun-rate'" in caplog.text
+    assert note is not None
+    assert (note["limit"], note["rerun"]) == ("rerun-rate", True)

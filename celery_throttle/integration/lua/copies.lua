@@ -35,7 +35,9 @@
 -- tells a stale copy from the one that carries the task (a copy
 -- re-published while the store was down names a predecessor the empty store
 -- never heard of): running it beats losing it, as in arrive.lua.
--- Returns 1 if this copy may go on; 3 if it is past ARGV[5] (nothing moved);
+-- Returns 1 if this copy may go on; 5 if it is asked, or starts, as a run again
+-- of a copy that started (its redelivery: the start it carries was spent by the
+-- run the crash cut off); 3 if it is past ARGV[5] (nothing moved);
 -- else 2 if another copy of the task has started and not ended (the
 -- concurrency seats held under the task's id are that copy's), 4 if the
 -- task's run has ended (no other copy holds seats under its id), else 0: the
@@ -54,6 +56,9 @@ if not current or current == mine or rerun
     or (prev ~= '' and (current == prev or current == 'ran:' .. prev)) then
   if ARGV[3] ~= '' then
     redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
+  end
+  if rerun and (ARGV[3] == '' or ARGV[3] == current) then
+    return 5  -- (asked, or starting: not the run itself moving on, re-published or done)
   end
   return 1
 end

@@ -399,8 +399,9 @@ def _outlasting(policy: Mapping[str, Any] | None) -> dict[str, Any]:
     process, which has nothing to take from a broker that is down anyway.
     """
     merged = {**_REPUBLISH_RETRY, **(policy or {})}
-    merged["max_retries"] = max(int(merged.get("max_retries") or 0),
-                                int(_REPUBLISH_RETRY["max_retries"]))
+    if merged.get("max_retries") is not None:  # (None: for ever, as kombu's ensure reads it)
+        merged["max_retries"] = max(int(merged["max_retries"]),
+                                    int(_REPUBLISH_RETRY["max_retries"]))
     merged["interval_max"] = max(float(merged.get("interval_max") or 0.0),
                                  float(_REPUBLISH_RETRY["interval_max"]))
     return merged

@@ -102,22 +102,37 @@ def by_lane(envelope: Envelope) -> Envelope:
 
 
 def add_lanes(queues: Any) -> list[str]:
-    """Consume the lane of every queue this worker consumes (Celery's ``amqp.queues``).
+    """Consume the lane of every queue this worker consumes (Celery's ``amqp.queues``)
+    that a task reaches by its name.
 
     Called after ``-Q`` is applied (``celeryd_after_setup``).  A lane is a
     plain queue on the same exchange, addressed by its name; Redis and AMQP
     brokers route a message published to the default exchange with a
-    queue's name as routing key straight to it.
+    queue's name as routing key straight to it.  Only a queue on a direct
+    exchange has one: Celery sends a task to such a queue by name (the
+    default exchange), and so does the dispatcher its copies (:func:`by_lane`).
+    A task routed by a topic, fanout or headers exchange is copied to that
+    exchange, never to a lane; and a lane bound there would take a copy of
+    whatever the exchange routes to its queue (every message of a fanout or
+    ``Broadcast`` queue, every message a headers binding lets through).  The
+    lane keeps its queue's priorities (``max_priority``) and arguments.
     """
     added = []
     for name, queue in list(queues.consume_from.items()):
-        if name.endswith(LANE) or queue.name is None:
+        if name.endswith(LANE) or queue.name is None or not _by_name(queue):
             continue
         lane = lane_of(name)
         queues.select_add(Queue(lane, exchange=queue.exchange, routing_key=lane,
-                                durable=queue.durable, queue_arguments=queue.queue_arguments))
+                                durable=queue.durable, queue_arguments=queue.queue_arguments,
+                                max_priority=queue.max_priority))
         added.append(lane)
     return added
+
+
+def _by_name(queue: Any) -> bool:
+    """Does Celery send a task to ``queue`` by its name (a direct exchange, or none)?"""
+    exchange = queue.exchange
+    return exchange is None or not exchange.name or (exchange.type or "direct") == "direct"
 
 
 class Dispatcher:
@@ -293,12 +308,11 @@ class Dispatcher:
         if isinstance(item, Served):
             marks.update({"charged": item.flag, START: item.start or None})
         envelope = by_lane(Envelope.loads(item.message).with_header(HEADER, **marks))
-        by_name = not envelope.exchange
-        if by_name:
+        if not envelope.exchange:
             self._lanes.add(envelope.routing_key)
-        # (Workers declare the lane when they consume it; the publish does too.)
-        envelope.publish(producer, queues=queues if by_name else None,
-                         retry_policy=policy)
+        # (Workers declare the lane when they consume it; the publish does too, and an
+        # exchange's queues, so that this connection routes by the exchange's type.)
+        envelope.publish(producer, queues=queues, retry_policy=policy)
 
     def _producer(self) -> Any:
         """A producer on the dispatcher's own broker connection (never the app's pool, whose

@@ -154,17 +154,29 @@ class Envelope:
                 retry_policy: dict[str, Any] | None = None, retry: bool = True) -> None:
         """Publish the message as captured (a kombu ``Producer``); no ETA, no re-serializing.
 
-        ``queues`` (Celery's ``app.amqp.queues``): the queue its routing key names there
-        is declared with it, as ``apply_async`` declares its queue (cached by kombu per
-        channel).  ``retry``: kombu publishes the same message again after a connection
-        error, per ``retry_policy``."""
-        queue = queues.get(self.routing_key) if queues is not None else None
+        ``queues`` (Celery's ``app.amqp.queues``): the queues it goes to are declared with
+        it, as ``apply_async`` declares its queue (cached by kombu per channel): the one
+        its routing key names, or, published to an exchange, every queue bound to that
+        exchange (a Redis broker routes by an exchange's type only once the publishing
+        connection has declared it: an exchange it has not seen is taken as direct, and
+        a topic or fanout route matches nothing).  ``retry``: kombu publishes the same
+        message again after a connection error, per ``retry_policy``."""
         producer.publish(
             self.body, exchange=self.exchange, routing_key=self.routing_key,
             headers=self.headers, content_type=self.content_type,
-            content_encoding=self.content_encoding,
-            declare=[queue] if queue is not None else None,
+            content_encoding=self.content_encoding, declare=self._declared(queues),
             retry=retry, retry_policy=retry_policy, **self.properties)
+
+    def _declared(self, queues: Any) -> list[Any] | None:
+        """The queues of ``queues`` this message goes to (None: none known, declare none)."""
+        if queues is None:
+            return None
+        if not self.exchange:
+            queue = queues.get(self.routing_key)
+            return [queue] if queue is not None else None
+        bound = [q for q in queues.values()
+                 if q.exchange is not None and q.exchange.name == self.exchange]
+        return bound or None
 
 
 @contextlib.contextmanager

@@ -323,3 +323,82 @@ def test_a_capture_that_cannot_tell_the_task_s_message_is_refused_by_name() -> N
     with pytest.raises(RuntimeError, match=r"'envelope\.twice'.*task_send_sent_event"):
         capture(twice.signature(()))
     app.close()
+
+
+def test_a_copy_routed_by_an_exchange_reaches_its_queue_from_a_connection_that_never_saw_it(
+    redis_base: str
+) -> None:
+    """A task routed through a topic exchange (its queue bound by a pattern, declared by a
+    worker's connection): its copy, published from another connection (a dispatcher's, a
+    pool process's), reaches the queue.  The Redis transport knows an exchange's type only
+    from a declaration on its own connection, and routes an exchange it has not seen as a
+    direct one: the pattern matched nothing, and the copy was dropped."""
+    import redis as redis_py
+    from kombu import Exchange, Queue
+
+    broker = f"{redis_base}/{databases.SCRATCH}"
+    tasks = Exchange("tasks", type="topic")
+    imports = Queue("imports", tasks, routing_key="tasks.#")
+    app = Celery("envelope", broker=broker, set_as_current=False)
+    app.conf.update(task_queues=[imports, Queue("celery")],
+                    task_routes={"envelope.imported": {"queue": "imports",
+                                                       "routing_key": "tasks.import"}})
+
+    @app.task(name="envelope.imported", shared=False)
+    def imported(a: int) -> int:
+        return a
+
+    store = redis_py.Redis.from_url(broker)
+    store.delete("imports")
+    envelope = Envelope.loads(capture(imported.signature((1,))).dumps())
+    assert (envelope.exchange, envelope.routing_key) == ("tasks", "tasks.import")
+    with Connection(broker) as worker:  # (what a worker's consumer declares)
+        imports(worker.default_channel).declare()
+    with Connection(broker) as conn:
+        envelope.publish(conn.Producer(), queues=app.amqp.queues)
+    queued = store.llen("imports")
+    store.delete("imports")
+    store.close()
+    app.close()
+    assert queued == 1
+
+
+def test_only_a_queue_reached_by_name_gets_a_lane_and_it_keeps_its_priorities() -> None:
+    """A worker consumes the lane of each queue Celery sends tasks to by name (a direct
+    exchange), with the queue's ``max_priority`` and arguments; none for a queue of a
+    topic, fanout (``Broadcast``) or headers exchange, where a lane bound to the exchange
+    would take a second copy of what it routes there (each broadcast task run twice)."""
+    from celery.app.amqp import Queues
+    from kombu import Exchange, Queue
+    from kombu.common import Broadcast
+
+    from celery_throttle.room.dispatcher import add_lanes
+
+    queues = Queues([
+        Queue("celery"),
+        Queue("urgent", Exchange("urgent"), routing_key="urgent", max_priority=9,
+              queue_arguments={"x-queue-type": "classic"}),
+        Queue("imports", Exchange("tasks", type="topic"), routing_key="tasks.#"),
+        Broadcast("everyone"),
+        Queue("matched", Exchange("by-header", type="headers"), binding_arguments={"a": 1}),
+    ])
+    queues.select(["celery", "urgent", "imports", "everyone", "matched"])
+    assert sorted(add_lanes(queues)) == ["celery.dispatched", "urgent.dispatched"]
+    lane = queues["urgent.dispatched"]
+    assert (getattr(lane, "max_priority", None), lane.queue_arguments) == (
+        9, {"x-queue-type": "classic"})
+    assert lane.exchange.name == "urgent"
+
+
+@pytest.mark.parametrize(("retries", "expected"), [(None, None), (3, 20), (50, 50), (0, 20)])
+def test_a_re_publish_outlasts_a_broker_restart_and_keeps_a_policy_of_for_ever(
+    retries: int | None, expected: int | None
+) -> None:
+    """A task re-published to wait tries the broker at least as long as a restart takes,
+    longer if the app's ``task_publish_retry_policy`` says so, and for ever where it says
+    ``max_retries=None`` (kombu's reading of it), never fewer times."""
+    from celery_throttle.integration.exits import _outlasting
+
+    policy = _outlasting({"max_retries": retries, "interval_max": 0.2})
+    assert policy["max_retries"] == expected
+    assert policy["interval_max"] >= 1.0

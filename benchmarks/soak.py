@@ -37,7 +37,8 @@ and none again after), run to the end twice (a task killed mid-run and run again
 whose run ended up to 2 s before its node or the broker was killed, so that
 its acknowledgement may have been lost, is acks_late's at-least-once:
 counted apart); the most
-starts of the rate limit and of one tenant in any 1 s window, outside the 3 s
+starts of the rate limit and of one tenant in any 1 s window (every start counted, a
+run again after a kill included: it is a call the provider sees), outside the 3 s
 after the store came back (a store that lost its data may admit one more
 burst); the most runs of the concurrency limit at once; the rate limit used
 from its first start to its last; the seats the concurrency limit still holds

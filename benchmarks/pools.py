@@ -14,6 +14,17 @@ runs, and a task that waits in line ends a run too.  With 10 and 3 also with
 checks see it.  The control, Celery alone: 60 tasks with no limit published at 10/s to
 the same nodes (with Celery's checks only), and how late each starts after its publish.
 
+Recycling with seats (``--only seats``): the same two nodes, 60 tasks published at once to
+``"10/s"`` with ``concurrency=4``, each working 0.2 s after its start, with
+``worker_max_tasks_per_child`` unset and 3, taking turns; the ratio of the medians.
+
+A new pool process's cost (``--only cost``): a parent that loaded the app as a worker's
+main process does (its ``worker_init`` and its runtime) forks children one at a time, as
+prefork does; each times ``worker_process_init`` (the throttle's receiver: a new store
+client, the scripts loaded) and then its first three runs of the limited task (``"1000/s"``
+with 4 seats: never waiting), called as a pool process calls it.  The first run's excess
+over the third is what a process pays once, before its first start.
+
 Every run starts fresh workers on emptied databases of one Redis server; the cases take
 turns, run after run.  Used: starts per second from the first to the last, against the
 limit.  Bound held: in every window of a quarter of a second to five seconds, at most
@@ -74,7 +85,8 @@ def _bound_held(times: Sequence[float], rate: float) -> bool:
 
 
 def run(url: str, *, pool: str, concurrency: int, nodes: int, n: int, rate: int, work: float,
-        max_tasks_per_child: int | None = None, pool_check: float | None = None) -> Run:
+        max_tasks_per_child: int | None = None, pool_check: float | None = None,
+        seats: int | None = None) -> Run:
     """One run on fresh workers; the measures."""
     for db in (1, 2, 3, 4):
         redis.Redis.from_url(f"{url}/{db}").flushdb()
@@ -84,6 +96,8 @@ def run(url: str, *, pool: str, concurrency: int, nodes: int, n: int, rate: int,
         env["POOLS_MAX_TASKS_PER_CHILD"] = str(max_tasks_per_child)
     if pool_check is not None:
         env["POOLS_POOL_CHECK"] = str(pool_check)
+    if seats:
+        env["POOLS_SEATS"] = str(seats)
     records = redis.Redis.from_url(f"{url}/4")
     from celery import Celery
 
@@ -197,17 +211,108 @@ def recycle_table(url: str, runs: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def seats_table(url: str, runs: int) -> str:
+    """Prefork with seats, unrecycled and recycled every 3 runs, ``runs`` runs each, taking
+    turns."""
+    cases = (None, 3)
+    got: dict[int | None, list[Run]] = {m: [] for m in cases}
+    for _ in range(runs):
+        for m in cases:
+            got[m].append(run(url, pool="prefork", concurrency=4, nodes=2, n=60, rate=10,
+                              work=0.2, max_tasks_per_child=m, seats=4))
+    plain = statistics.median(r.used for r in got[None])
+    lines = ["| worker_max_tasks_per_child | runs | each ran once | bound held "
+             "| used of 10/s, each run | median | of unrecycled | pool processes (median) |",
+             "|---|---:|---:|---:|---|---:|---:|---:|"]
+    for m in cases:
+        rs = got[m]
+        median = statistics.median(r.used for r in rs)
+        lines.append(
+            f"| {m or 'unset'} | {len(rs)} | {sum(r.ran == 60 and not r.twice for r in rs)} "
+            f"| {sum(r.bound for r in rs)} | {', '.join(f'{r.used:.3f}' for r in rs)} "
+            f"| {median:.3f} | {median / plain:.3f} "
+            f"| {statistics.median(r.processes for r in rs):.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _child_costs(write: int) -> None:
+    """In a forked child: time its init and its first runs, write them (ms, JSON), exit."""
+    import os
+
+    from celery import signals
+
+    from benchmarks import pools_app
+
+    times: dict[str, float] = {}
+    began = time.perf_counter()
+    signals.worker_process_init.send(sender=None)
+    times["worker_process_init"] = time.perf_counter() - began
+    for k in (1, 2, 3):
+        task = pools_app.call
+        task.push_request(id=f"cost-{os.getpid()}-{k}", called_directly=False, retries=0,
+                          delivery_info={"exchange": "", "routing_key": "celery"}, headers={})
+        began = time.perf_counter()
+        try:
+            task.run(k)
+        finally:
+            task.pop_request()
+        times[f"run {k}"] = time.perf_counter() - began
+    os.write(write, json.dumps({k: v * 1000 for k, v in times.items()}).encode())
+    os._exit(0)
+
+
+def process_cost(url: str, children: int) -> str:
+    """What ``children`` new pool processes paid, one after another (ms, median / max)."""
+    import os
+
+    for db in (1, 2, 3, 4):
+        redis.Redis.from_url(f"{url}/{db}").flushdb()
+    os.environ.update({"POOLS_REDIS": url, "POOLS_RATE": "1000", "POOLS_SEATS": "4"})
+    from celery import signals
+
+    from benchmarks import pools_app
+    from celery_throttle.integration.runtime import runtime_for
+
+    signals.worker_init.send(sender=None)
+    runtime_for(pools_app.app).gate.preload()  # (as the node's worker_ready does)
+    got: list[dict[str, float]] = []
+    for _ in range(children):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os.close(read)
+            _child_costs(write)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            raw = pipe.read()
+        os.waitpid(pid, 0)
+        got.append(json.loads(raw))
+    lines = ["| step in a new pool process | ms (median / max) |", "|---|---|"]
+    for step in got[0]:
+        values = [g[step] for g in got]
+        lines.append(f"| {step} | {statistics.median(values):.2f} / {max(values):.2f} |")
+    first = [g["run 1"] - g["run 3"] for g in got]
+    lines.append(f"| first run's excess over the third | {statistics.median(first):.2f} / "
+                 f"{max(first):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print both tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10, help="runs of each case")
-    parser.add_argument("--only", choices=("green", "recycle"), help="one table only")
+    parser.add_argument("--only", choices=("green", "recycle", "seats", "cost"),
+                        help="one table only")
     args = parser.parse_args(argv)
     with redis_server() as url:
-        if args.only != "recycle":
+        if args.only in (None, "green"):
             print(green_table(url, args.runs))
-        if args.only != "green":
+        if args.only in (None, "recycle"):
             print(recycle_table(url, args.runs))
+        if args.only in (None, "seats"):
+            print(seats_table(url, args.runs))
+        if args.only in (None, "cost"):
+            print(process_cost(url, max(args.runs, 10)))
 
 
 if __name__ == "__main__":

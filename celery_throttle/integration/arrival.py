@@ -2,10 +2,12 @@
 
 Two things happen here, where waiting costs no pool process:
 
-* **Lining up.**  A fresh message of a throttled task whose first limit has
-  tasks in line joins that line as it is (one store call, ``enqueue.lua``
-  with "behind", which writes nothing when the line is empty; a line found
-  empty is not asked again for :data:`EMPTY_FOR_S`), its message is
+* **Lining up.**  A fresh message of a throttled task whose first limit, a
+  rate limit, has tasks in line joins that line as it is (one store call,
+  ``enqueue.lua`` with "behind", which writes nothing when the line is
+  empty; a line found empty is not asked again for :data:`EMPTY_FOR_S`;
+  its seats, where it has a concurrency limit too, are given at its
+  turn, as for a task a pool process put in line), its message is
   acknowledged, and no pool process sees it until its turn.  So a backlog
   moves from the broker's queue, in the broker's order, into the line, where
   the line orders it (turns, priorities), as fast as the consumer takes
@@ -23,8 +25,9 @@ Two things happen here, where waiting costs no pool process:
   it (``WaitState.held``): its arrival leaves that out of the trip estimate.
 
 Everything else goes on to the pool as before, where the gate decides: an
-empty line, a message with an ETA, a concurrency limit, a limit in shadow
-mode, and any error (a store that fails is left alone for
+empty line, a message with an ETA, a task whose first limit is a concurrency
+limit (its line is a seat's: nothing to be behind), a limit in shadow mode,
+and any error (a store that fails is left alone for
 :data:`PAUSE_AFTER_ERROR_S`: the consumer must not wait on it message after
 message).
 
@@ -47,7 +50,7 @@ from celery.utils.imports import instantiate
 from celery.worker import state as worker_state
 
 from ..core.keys import key_digest
-from ..core.limits import Limit, rates_of
+from ..core.limits import Limit
 from ..core.logs import logger
 from ..room.dispatcher import queue_of
 from ..room.header import HEADER, START
@@ -182,7 +185,7 @@ class _Arrivals:
         call = call_of(self.task, runtime, args, kwargs,
                        queue_of(str(routing_key)) if routing_key else None)
         limits, shadowed = shadow.split(runtime, call.limits, call.coded)
-        if shadowed or not limits or not all(isinstance(lim, Limit) for lim in limits):
+        if shadowed or not limits or not isinstance(limits[0], Limit):
             return False
         properties = message.properties or {}
         # What the task's run would see as its request, as Celery's own request builds it.
@@ -201,9 +204,8 @@ class _Arrivals:
             return False
         self.task.request_stack.push(context)
         try:
-            lined = join_line_on_arrival(self.task, runtime,
-                                         rates_of(limits),
-                                         call.max_wait, message, self._now_us(runtime))
+            lined = join_line_on_arrival(self.task, runtime, limits, call.max_wait, message,
+                                         self._now_us(runtime))
         finally:
             self.task.request_stack.pop()
         if lined:

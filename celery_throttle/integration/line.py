@@ -81,15 +81,16 @@ def join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     gone()
 
 
-def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[Limit],
+def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
                          max_wait: float | None, message: Any, now_us: int) -> bool:
-    """A fresh message of ``task`` (``task.request`` is its context) whose first limit has
-    tasks in line: put it behind them, as it is, before a pool process runs it
-    (``arrival.py``).  True when it waits in line (or waited already: the broker delivered
-    it again); False when that line is empty or it has expired (nothing written: the pool
-    gates it).  ``now_us``: the store's clock now, as near as the caller knows it.
-    Raises ``redis.RedisError`` when the store fails (nothing is acknowledged: the pool
-    gates it under the store-down policy).
+    """A fresh message of ``task`` (``task.request`` is its context) whose first limit, a
+    rate limit, has tasks in line: put it behind them, as it is, before a pool process
+    runs it (``arrival.py``); its other limits (rates, seats) are taken when its turn
+    comes, as for a task a pool process put in line.  True when it waits in line (or
+    waited already: the broker delivered it again); False when that line is empty or it
+    has expired (nothing written: the pool gates it).  ``now_us``: the store's clock now,
+    as near as the caller knows it.  Raises ``redis.RedisError`` when the store fails
+    (nothing is acknowledged: the pool gates it under the store-down policy).
     """
     request = task.request
     runtime.counts.start()  # (once per process) as admit(): the dashboard's history
@@ -98,6 +99,8 @@ def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[Li
         return False
     state = WaitState()
     blocking = limits[0]
+    if not isinstance(blocking, Limit):
+        raise TypeError(f"the first limit must be a rate limit, not {type(blocking).__name__}")
     new, entry = _next_in_line(task, state, now_us, list(limits))
     kept = kept_beside_broker(runtime)
     envelope = Envelope.of_message(

@@ -274,7 +274,9 @@ def process_cost(url: str, children: int) -> str:
     from celery_throttle.integration.runtime import runtime_for
 
     signals.worker_init.send(sender=None)
-    runtime_for(pools_app.app).gate.preload()  # (as the node's worker_ready does)
+    runtime = runtime_for(pools_app.app)
+    runtime.gate.preload()  # (as the node's worker_ready does: the scripts, the store's
+    runtime.durability.verdict()  # verdict)
     got: list[dict[str, float]] = []
     for _ in range(children):
         read, write = os.pipe()

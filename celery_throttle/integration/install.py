@@ -9,9 +9,12 @@ Receivers (all idempotent, all for this app only):
   path (queue limits apply to undecorated tasks too).  This must happen before
   the worker builds its tracers, which capture ``task.run``.
 * ``worker_process_init``: drop the Redis connection inherited across the
-  prefork fork, freeze the inherited objects for the garbage collector
-  (``throttle_gc_freeze``, ``memory.py``) and load the script in
-  the child.
+  prefork fork (keeping the node's verdict on the store: ``runtime.forget``)
+  and freeze the inherited objects for the garbage collector
+  (``throttle_gc_freeze``, ``memory.py``).  The scripts are not loaded again:
+  the node's main process loaded them at ``worker_ready`` (the server keeps
+  them for every client), and a script the server lost since is loaded by
+  the first call that finds it missing (NOSCRIPT).
 * ``worker_ready``: load the script, log one line listing the limits in force,
   warn if the store may evict bucket keys (:func:`store_warnings`), say
   whether waiting tasks may wait in the store (``room/durability.py``:
@@ -94,9 +97,8 @@ def install(app: Celery) -> Celery:
     def on_process_init(**_: Any) -> None:
         # A client inherited through fork shares its socket with the parent.
         forget(app)
-        if runtime_for(app).config.gc_freeze:  # (the runtime _preload needs anyway)
+        if read_config(app).gc_freeze:
             freeze_inherited()
-        _preload()
 
     def on_ready(sender: Any = None, **_: Any) -> None:
         if _is_ours(sender):

@@ -63,6 +63,8 @@ class Runtime:
 
 _cache: weakref.WeakKeyDictionary[Celery, Runtime] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()  # the threads pool may build the runtime concurrently
+# app -> the store's verdict of the process this one was forked from (forget()).
+_forked: weakref.WeakKeyDictionary[Celery, Durability] = weakref.WeakKeyDictionary()
 
 
 def runtime_for(app: Celery) -> Runtime:
@@ -78,13 +80,17 @@ def runtime_for(app: Celery) -> Runtime:
             # quickly, not hold a worker process for the OS TCP timeout.
             client = config.connect(socket_timeout=5, socket_connect_timeout=2,
                                     health_check_interval=30)
+            durability = durability_of(config, client)
+            inherited = _forked.pop(app, None)
+            if inherited is not None:
+                durability.adopt(inherited)
             rt = Runtime(config, Gate(client, prefix=config.prefix),
                          WaitingRoom(client, config.prefix, replicas=config.park_replicas,
                                      keeper=keeper_of(config, app)),
                          # (A pointer outlives the longest wait, in line or booked.)
                          CopyPointer(client, config.prefix, config.visibility_timeout
                                      + max(config.horizon, LONGEST_WAIT) + 60),
-                         LiveLimits(client, config.prefix), durability_of(config, client),
+                         LiveLimits(client, config.prefix), durability,
                          os.getpid(), CountsWriter(client, config.prefix),
                          Gate(client, prefix=config.prefix + SHADOW_SUFFIX))
             _cache[app] = rt
@@ -151,9 +157,17 @@ def _broker_id(url: str | None) -> str | None:
 
 
 def forget(app: Celery) -> None:
-    """Drop ``app``'s runtime in this process (after fork, at shutdown), closing its client."""
+    """Drop ``app``'s runtime in this process (after fork, at shutdown), closing its client.
+
+    After a fork the parent's runtime is dropped as it is (its client is the parent's),
+    and its store's verdict kept for the runtime this process builds next: a pool
+    process a node forks (a recycled one's replacement) then asks the store nothing
+    about its configuration until the node's own verdict is due again.
+    """
     with _lock:
         rt = _cache.pop(app, None)
+        if rt is not None and rt.pid != os.getpid():
+            _forked[app] = rt.durability
     if rt is not None and rt.pid == os.getpid():
         rt.counts.stop()  # the counts of the last second, while the client is open
         rt.gate.client.close()

@@ -152,6 +152,13 @@ class Durability:
                            found.reason)
         return found
 
+    def adopt(self, other: Durability) -> None:
+        """Answer ``other``'s last verdict until it is due (the process that forked this
+        one checked it: the same store, and the monotonic clock is the machine's).
+        Read without ``other``'s lock, which a thread of the forking process may have
+        held at the fork."""
+        self._current, self._known, self._due = other._current, other._known, other._due
+
     def safe(self) -> bool:
         """May a task wait in the store now?"""
         return self.verdict().safe

@@ -203,3 +203,38 @@ def test_status_says_whether_waiting_tasks_wait_in_the_store(redis_base: str,
             "task is also kept beside the broker's queues, on its Redis server") in kept.stdout
     assert ("waiting room not used: the store keeps waiting tasks in memory only (appendonly "
             "no) and is not the broker's server") in apart.stdout
+
+
+def test_a_forked_process_keeps_the_verdict_of_the_process_that_forked_it(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool process a node forks (a recycled one's replacement) answers the node's verdict
+    on the store until it is due, asking the store nothing about its configuration; a
+    runtime that was this process's own passes nothing on."""
+    import dataclasses
+
+    from celery_throttle.integration import runtime as runtimes
+    from celery_throttle.room import durability as judged
+
+    from ..conftest import installed_app
+
+    with installed_app("forked", redis_url, prefix, throttle_waiting_room=True) as app:
+        node = runtimes.runtime_for(app)
+        known = node.durability.verdict()
+        with runtimes._lock:  # (what a fork leaves: the node's runtime, another pid's)
+            runtimes._cache[app] = dataclasses.replace(node, pid=-1)
+        runtimes.forget(app)
+        asked: list[object] = []
+
+        def judge(*args: object, **_: object) -> Verdict:
+            asked.append(args)
+            return known
+
+        monkeypatch.setattr(judged, "judge", judge)
+        child = runtimes.runtime_for(app)
+        assert child.durability is not node.durability
+        assert child.durability.verdict() is known
+        assert asked == []
+        runtimes.forget(app)  # (its own: closed, nothing passed on)
+        assert app not in runtimes._forked
+        node.gate.client.close()

@@ -11,7 +11,8 @@ Receivers (all idempotent, all for this app only):
 * ``worker_process_init``: drop the Redis connection inherited across the
   prefork fork (keeping the node's verdict on the store: ``runtime.forget``)
   and freeze the inherited objects for the garbage collector
-  (``throttle_gc_freeze``, ``memory.py``).  The scripts are not loaded again:
+  (``throttle_gc_freeze``, ``memory.py``); build its runtime (a new store
+  client) there, off the first task's way.  The scripts are not loaded again:
   the node's main process loaded them at ``worker_ready`` (the server keeps
   them for every client), and a script the server lost since is loaded by
   the first call that finds it missing (NOSCRIPT).
@@ -97,7 +98,9 @@ def install(app: Celery) -> Celery:
     def on_process_init(**_: Any) -> None:
         # A client inherited through fork shares its socket with the parent.
         forget(app)
-        if read_config(app).gc_freeze:
+        # The runtime is built now, not at the first task: its client's connections
+        # and the first decisions' costs stay off that task's way to its start.
+        if runtime_for(app).config.gc_freeze:
             freeze_inherited()
 
     def on_ready(sender: Any = None, **_: Any) -> None:

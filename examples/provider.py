@@ -11,8 +11,15 @@ has it) and ``Retry-After-Ms`` beyond any of them:
   known to the client only from the response's ``usage``.
 
 ``hold(seconds)`` makes it refuse everything for a while, as a provider
-under load does (the test of 429 feedback).  It logs every accepted and
-refused request for the demo's table and chart.
+under load does (the test of 429 feedback).  ``answer_with(kind)`` gives the
+next requests (a count, or for a while) an answer that is not the quota's:
+the provider overloaded (Anthropic's 529, OpenAI's 503), an account out of
+money (OpenAI's 429 ``insufficient_quota``, Anthropic's spend-cap 429 and its
+usage-limit 400), or a bare 429 with no headers at all, as a proxy sends
+it (:data:`ANSWERS`).  ``set_limit()`` changes the quota while it serves, and
+``rate_headers=False`` leaves every rate-limit header out, as most SaaS APIs
+and proxies do.  It logs every accepted and refused request for the demo's
+table and chart.
 
     python -m examples.provider --port 8080 --limit 10 --window 1
 
@@ -41,7 +48,34 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["MockProvider", "RateLimited", "RemoteProvider", "summarize"]
+__all__ = ["ANSWERS", "MockProvider", "RateLimited", "RemoteProvider", "summarize"]
+
+#: The answers :meth:`MockProvider.answer_with` gives on demand, as the providers give
+#: them (bodies as recorded from their APIs, trimmed): kind -> (status, body), the body a
+#: dict, or None for a plain-text one; "overloaded" has one per endpoint shape.
+ANSWERS: dict[str, dict[str, tuple[int, dict[str, Any] | None]]] = {
+    "overloaded": {
+        "/v1/messages": (529, {"type": "error", "error": {"type": "overloaded_error",
+                                                          "message": "Overloaded"}}),
+        "/v1/chat/completions": (503, {"error": {
+            "message": "The server is overloaded or not ready yet.", "type": "server_error",
+            "param": None, "code": None}}),
+        "": (503, {"error": "overloaded"}),
+    },
+    "insufficient_quota": {"": (429, {"error": {
+        "message": "You exceeded your current quota, please check your plan and billing "
+                   "details.", "type": "insufficient_quota", "param": None,
+        "code": "insufficient_quota"}})},
+    "spend_cap": {"": (429, {"type": "error", "error": {
+        "type": "rate_limit_error",
+        "message": "This request would exceed your organization's monthly usage limit. "
+                   "Please go to Plans & Billing to raise it."}})},
+    "usage_limit": {"": (400, {"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": "You have reached your specified API usage limits. You will regain "
+                   "access on 2027-01-01 at 00:00 UTC."}})},
+    "bare": {"": (429, None)},
+}
 
 
 class RateLimited(Exception):
@@ -80,8 +114,11 @@ class MockProvider:
     def __init__(self, *, limit: int = 10, window: float = 1.0, latency: float = 0.05,
                  max_inflight: int | None = None, token_budget: int | None = None,
                  token_window: float = 60.0, bucket: bool = False, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, rate_headers: bool = True) -> None:
         self.limit, self.window, self.latency = limit, window, latency
+        self.rate_headers = rate_headers  # False: no x-ratelimit-*/anthropic-ratelimit-*
+        # answer_with(): (kind, requests left to answer so, or None; until, time.time())
+        self._forced: tuple[str, int | None, float] | None = None
         # bucket=True: the request quota is a token bucket of `limit` refilled at
         # limit/window per second (OpenAI's and Anthropic's own model), instead of
         # a sliding window; the headers report it the same way either way.
@@ -136,6 +173,52 @@ class MockProvider:
             self.calls.clear()
             self.most_inflight = 0
             self._held_until = 0.0
+
+    def set_limit(self, limit: int, window: float | None = None) -> None:
+        """Change the request quota while serving (a provider's tier moving)."""
+        if limit < 1 or (window is not None and window <= 0):
+            raise ValueError(f"a quota of {limit} requests per {window} s")
+        with self._lock:
+            self._refill(time.time())
+            self.limit = limit
+            self.window = self.window if window is None else window
+            self._level = min(self._level, float(limit))
+
+    def answer_with(self, kind: str | None, *, count: int | None = None,
+                    seconds: float | None = None) -> None:
+        """Answer requests with ``kind`` (:data:`ANSWERS`) instead of deciding them: the next
+        ``count`` of them, or all for ``seconds`` (one of the two); None: decide again."""
+        if kind is None:
+            with self._lock:
+                self._forced = None
+            return
+        if kind not in ANSWERS:
+            raise ValueError(f"unknown answer {kind!r}: expected one of {sorted(ANSWERS)}")
+        if (count is None) == (seconds is None):
+            raise ValueError("answer_with: give count or seconds, one of them")
+        until = time.time() + seconds if seconds is not None else math.inf
+        with self._lock:
+            self._forced = (kind, count, until)
+
+    def forced(self, path: str) -> tuple[int, dict[str, Any] | None, str] | None:
+        """The answer :meth:`answer_with` gives this request (status, body, kind), if any;
+        it is counted as a refusal of that kind."""
+        with self._lock:
+            if self._forced is None:
+                return None
+            kind, left, until = self._forced
+            now = time.time()
+            if now >= until:
+                self._forced = None
+                return None
+            if left is not None:
+                self._forced = (kind, left - 1, until) if left > 1 else None
+            self.log.append((now, path, False))
+            self.refused.append(now)
+            self.refusals.append((now, kind))
+        answers = ANSWERS[kind]
+        status, body = answers.get(path) or answers[""]
+        return status, body, kind
 
     def hold(self, seconds: float) -> None:
         """Refuse every request for ``seconds`` from now (429, Retry-After: the rest)."""
@@ -234,11 +317,12 @@ class MockProvider:
             def log_message(self, format: str, *args: Any) -> None:
                 """Quiet: the demo prints its own summary."""
 
-            def _reply(self, code: int, body: dict[str, Any],
+            def _reply(self, code: int, body: dict[str, Any] | None,
                        headers: dict[str, str] | None = None) -> None:
-                data = json.dumps(body).encode()
+                data = json.dumps(body).encode() if body is not None else b"Too Many Requests"
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "application/json" if body is not None
+                                 else "text/plain")
                 self.send_header("Content-Length", str(len(data)))
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
@@ -267,14 +351,20 @@ class MockProvider:
                 if shape is None:
                     self._reply(404, {"error": "not found"})
                     return
+                forced = provider.forced(self.path)
+                if forced is not None:
+                    status, answer, _ = forced
+                    self._reply(status, answer)
+                    return
                 body = json.loads(raw or b"{}")
                 prompt = shape.prompt(body)
                 tokens = max(1, len(prompt) // 4)
                 start = time.time()
                 wait, why = provider.decide(tokens, self.path)
+                limits = shape.headers(provider) if provider.rate_headers else {}
                 if wait is not None:
                     self._reply(429, shape.refusal(why), {
-                        **shape.headers(provider),
+                        **limits,
                         "Retry-After": str(max(1, math.ceil(wait))),
                         "Retry-After-Ms": str(max(1, math.ceil(wait * 1000))),
                     })
@@ -286,7 +376,8 @@ class MockProvider:
                     # Out of flight before the answer leaves: a client that
                     # reads it may start its next call at once.
                     provider.done(start, tokens)
-                self._reply(200, shape.answer(prompt, tokens), shape.headers(provider))
+                self._reply(200, shape.answer(prompt, tokens),
+                            shape.headers(provider) if provider.rate_headers else None)
 
         return Handler
 

@@ -34,14 +34,18 @@ rung too, and a message whose time passed while the broker was down goes on
 when it is back.  At least once: a message whose move the kill interrupted
 may arrive twice (the copy pointer, ``copies.py``, drops the second: it is not
 flagged as the broker's redelivery).  The topology is
-declared once per process and broker, the first time it is used, and each
-destination bound once.  A copy that comes back to a queue addressed by name
-goes to the queue's lane (``dispatcher.by_lane``), ahead of its backlog.
+declared once per connection to the broker, the first time it is used there,
+and each destination bound once per connection: a broker that restarted has
+lost a transient (non-durable) queue's bindings, and one whose data was
+wiped the whole ladder, and a connection made since is a new one.  A copy
+that comes back to a queue addressed by name goes to the queue's lane
+(``dispatcher.by_lane``), ahead of its backlog.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 from kombu.common import maybe_declare
@@ -117,11 +121,12 @@ def target(exchange: str, routing_key: str) -> str:
 
 
 class Ladder:
-    """The ladder on one broker, declared once by this process, and the queues bound to it."""
+    """The ladder on one broker: declared, and the queues bound to it, once per connection."""
 
     def __init__(self) -> None:
-        self._declared = False
-        self._bound: set[str] = set()
+        # connection (py-amqp's) -> the destinations bound on it; a connection is a key
+        # once the ladder is declared on it
+        self._bound: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def send(self, producer: Any, envelope: Any, delay: float, queues: Any) -> None:
@@ -139,14 +144,15 @@ class Ladder:
             producer, retry=False)
 
     def ready(self, channel: Any, to: str) -> None:
-        """Declare the ladder (once) and bind ``to`` (:func:`target`) to its delivery (once),
-        on ``channel``.  A broker that lost them (its data deleted) has them again at the
-        process's next start."""
+        """Declare the ladder and bind ``to`` (:func:`target`) to its delivery, on
+        ``channel``, once per connection (a broker that lost them since, restarted or wiped,
+        is reached by a new connection)."""
         with self._lock:
-            if not self._declared:
+            bound = self._bound.get(channel.connection)
+            if bound is None:
                 _declare(channel)
-                self._declared = True
-            if to not in self._bound:
+                bound = self._bound[channel.connection] = set()
+            if to not in bound:
                 kind, name = to.split(":", 1)
                 match = {"x-match": "all", TO_HEADER: to}
                 if kind == "x":
@@ -155,7 +161,7 @@ class Ladder:
                 else:
                     channel.queue_bind(name, DELIVERY, routing_key="", arguments=match,
                                        nowait=True)
-                self._bound.add(to)
+                bound.add(to)
 
 
 # A classic queue dead-letters a message unconfirmed: a node killed meanwhile loses

@@ -62,3 +62,42 @@ def test_a_copy_that_came_down_the_ladder_goes_back_to_its_first_exchange() -> N
     assert origin("celery_throttle.delay.out", {TO_HEADER: "x:celery"}) == "celery"
     assert origin("celery_throttle.delay.3", {TO_HEADER: "q:celery.dispatched"}) == ""
     assert origin("celery", {TO_HEADER: "x:other"}) == "celery"  # not from the ladder
+
+
+def test_a_queue_bound_before_a_broker_lost_it_is_bound_again_on_a_new_connection(
+        rabbitmq_url: str) -> None:
+    """A transient lane bound to the ladder, then gone with its binding (what a broker's
+    restart leaves of a non-durable queue): on the next connection the lane is declared
+    again by its worker, and a copy sent down the ladder is bound to it again and arrives.
+    Bound once per process, it was dropped, the publish confirmed all the same."""
+    import secrets
+    import time
+
+    from kombu import Connection, Queue
+
+    from celery_throttle.room.envelope import Envelope
+    from celery_throttle.room.ladder import Ladder
+
+    ladder = Ladder()
+    lane = f"ladder-test-{secrets.token_hex(4)}.dispatched"
+    to = target("", lane)
+    with Connection(rabbitmq_url) as first:
+        channel = first.channel()
+        Queue(lane, durable=False, routing_key=lane)(channel).declare()
+        ladder.ready(channel, to)
+        channel.queue_delete(lane)  # (gone, and its binding with it)
+    with Connection(rabbitmq_url, transport_options={"confirm_publish": True}) as second:
+        channel = second.channel()
+        Queue(lane, durable=False, routing_key=lane)(channel).declare()  # (its worker's)
+        envelope = Envelope(b'{"x": 1}', "application/json", "utf-8", "", lane,
+                            {"id": "t-1", "task": "t"}, {})
+        ladder.send(second.Producer(channel), envelope, 0.005, {})
+        got = None
+        deadline = time.monotonic() + 10
+        while got is None and time.monotonic() < deadline:
+            got = channel.basic_get(lane, no_ack=True)
+            if got is None:
+                time.sleep(0.05)
+        channel.queue_delete(lane)
+    assert got is not None, "the copy never reached the lane"
+    assert got.headers["id"] == "t-1"

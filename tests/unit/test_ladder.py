@@ -3,6 +3,8 @@ that carry it down, and the queue it comes back to."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from celery_throttle.room.ladder import (
@@ -81,6 +83,7 @@ def test_a_queue_bound_before_a_broker_lost_it_is_bound_again_on_a_new_connectio
     ladder = Ladder()
     lane = f"ladder-test-{secrets.token_hex(4)}.dispatched"
     to = target("", lane)
+    channel: Any
     with Connection(rabbitmq_url) as first:
         channel = first.channel()
         Queue(lane, durable=False, routing_key=lane)(channel).declare()

@@ -8,11 +8,11 @@ Receivers (all idempotent, all for this app only):
 * ``on_after_finalize`` / ``worker_init``: put the gate in every task's call
   path (queue limits apply to undecorated tasks too).  This must happen before
   the worker builds its tracers, which capture ``task.run``.
-* ``worker_process_init``: drop the Redis connection inherited across the
-  prefork fork (keeping the node's verdict on the store: ``runtime.forget``)
-  and freeze the inherited objects for the garbage collector
-  (``throttle_gc_freeze``, ``memory.py``); build its runtime (a new store
-  client) there, off the first task's way.  The scripts are not loaded again:
+* ``worker_process_init``: build the process's own runtime (a new store
+  client in place of the one inherited across the prefork fork, keeping the
+  node's verdict on the store: ``runtime.runtime_for``), off the first task's
+  way, and freeze the inherited objects for the garbage collector
+  (``throttle_gc_freeze``, ``memory.py``).  The scripts are not loaded again:
   the node's main process loaded them at ``worker_ready`` (the server keeps
   them for every client), and a script the server lost since is loaded by
   the first call that finds it missing (NOSCRIPT).
@@ -96,10 +96,9 @@ def install(app: Celery) -> Celery:
             run_ended(task)
 
     def on_process_init(**_: Any) -> None:
-        # A client inherited through fork shares its socket with the parent.
-        forget(app)
-        # The runtime is built now, not at the first task: its client's connections
-        # and the first decisions' costs stay off that task's way to its start.
+        # The process's own runtime (runtime_for replaces the one inherited through
+        # fork, whose client shares its socket with the parent), built now rather than
+        # at the first task: its connections stay off that task's way to its start.
         if runtime_for(app).config.gc_freeze:
             freeze_inherited()
 

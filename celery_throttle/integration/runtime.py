@@ -63,8 +63,6 @@ class Runtime:
 
 _cache: weakref.WeakKeyDictionary[Celery, Runtime] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()  # the threads pool may build the runtime concurrently
-# app -> the store's verdict of the process this one was forked from (forget()).
-_forked: weakref.WeakKeyDictionary[Celery, Durability] = weakref.WeakKeyDictionary()
 
 
 def runtime_for(app: Celery) -> Runtime:
@@ -81,9 +79,8 @@ def runtime_for(app: Celery) -> Runtime:
             client = config.connect(socket_timeout=5, socket_connect_timeout=2,
                                     health_check_interval=30)
             durability = durability_of(config, client)
-            inherited = _forked.pop(app, None)
-            if inherited is not None:
-                durability.adopt(inherited)
+            if rt is not None:  # (the runtime of the process this one was forked from)
+                durability.adopt(rt.durability)
             rt = Runtime(config, Gate(client, prefix=config.prefix),
                          WaitingRoom(client, config.prefix, replicas=config.park_replicas,
                                      keeper=keeper_of(config, app)),
@@ -157,19 +154,20 @@ def _broker_id(url: str | None) -> str | None:
 
 
 def forget(app: Celery) -> None:
-    """Drop ``app``'s runtime in this process (after fork, at shutdown), closing its client.
+    """Drop ``app``'s runtime in this process (at shutdown), closing its client.
 
-    After a fork the parent's runtime is dropped as it is (its client is the parent's),
-    and its store's verdict kept for the runtime this process builds next: a pool
-    process a node forks (a recycled one's replacement) then asks the store nothing
-    about its configuration until the node's own verdict is due again.
+    The runtime of the process this one was forked from is left as it is (its client
+    is that process's): :func:`runtime_for` builds this process's own in its place,
+    keeping its store's verdict, so that a pool process a node forks (a recycled one's
+    replacement) asks the store nothing about its configuration until the node's own
+    verdict is due again.
     """
     with _lock:
-        rt = _cache.pop(app, None)
-        if rt is not None and rt.pid != os.getpid():
-            _forked[app] = rt.durability
-    if rt is not None and rt.pid == os.getpid():
-        rt.counts.stop()  # the counts of the last second, while the client is open
-        rt.gate.client.close()
-        if rt.room.keeper is not None:
-            rt.room.keeper.close()
+        rt = _cache.get(app)
+        if rt is None or rt.pid != os.getpid():
+            return
+        del _cache[app]
+    rt.counts.stop()  # the counts of the last second, while the client is open
+    rt.gate.client.close()
+    if rt.room.keeper is not None:
+        rt.room.keeper.close()

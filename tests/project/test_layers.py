@@ -178,8 +178,6 @@ PROCESS_STATE = {
     "integration.runtime._cache": "each app's runtime (settings, client) in this process, "
                                   "weakly keyed",
     "integration.runtime._lock": "the threads pool may build a runtime concurrently",
-    "integration.runtime._forked": "the store's verdict of the process this one was forked "
-                                   "from, for the runtime it builds next",
     "integration.throttled._shared_specs": "@throttled on shared tasks, by task name: each "
                                            "app's copy gets them",
     "integration.visible._backends": "one result backend per app for the THROTTLED writes "

@@ -2,13 +2,17 @@
 
 Two things happen here, where waiting costs no pool process:
 
-* **Lining up.**  A fresh message of a throttled task whose first limit, a
-  rate limit, has tasks in line joins that line as it is (one store call,
-  ``enqueue.lua`` with "behind", which writes nothing when the line is
-  empty; a line found empty is not asked again for :data:`EMPTY_FOR_S`;
-  its seats, where it has a concurrency limit too, are given at its
-  turn, as for a task a pool process put in line), its message is
-  acknowledged, and no pool process sees it until its turn.  So a backlog
+* **Lining up.**  A fresh message of a throttled task whose first limit is a
+  rate limit joins that limit's line as it is if it would wait there: behind
+  the tasks in line, or, the line empty, when the limit admits no start
+  within the booking horizon, where a pool process would put it in line
+  (one store call, ``enqueue.lua``, which writes nothing otherwise; its
+  seats, where it has a concurrency limit too, are given at its turn, as
+  for a task a pool process put in line).  Its message is acknowledged,
+  and no pool process sees it until its turn.  After a look that found the
+  line empty and a start near, the next messages go to the pool without a
+  look for up to :data:`EMPTY_FOR_S`, each counted as the start it will
+  take, until those starts reach past the horizon.  So a backlog
   moves from the broker's queue, in the broker's order, into the line, where
   the line orders it (turns, priorities), as fast as the consumer takes
   messages in, not as fast as pool processes come free; and a pool whose
@@ -17,7 +21,7 @@ Two things happen here, where waiting costs no pool process:
 * **Holding an early copy.**  A copy dispatched from a line for a start it
   was charged for arrives ahead of that start (the dispatch's lead and trip
   estimate cover the way there).  It is held here, outside Celery's prefetch
-  window as Celery holds an ETA task, until :data:`HANDOFF_S` before its
+  window as Celery holds an ETA task, until a start's length before its
   start, then handed to the pool, whose process sleeps the rest: a process is
   taken for the handoff, not for the lead, so a fast limit's copies do not
   fill the pool (and with it the prefetch window, which would stall the
@@ -57,7 +61,7 @@ from ..room.header import HEADER, START
 from ..room.lines import MAX_AHEAD_US
 from ..values import from_us, to_us
 from . import shadow
-from .line import join_line_on_arrival
+from .line import in_line_horizon, join_line_on_arrival
 from .runtime import Runtime, runtime_for
 from .throttled import ORIGINAL_STRATEGY, call_of
 
@@ -67,16 +71,20 @@ __all__ = ["EMPTY_FOR_S", "HANDOFF_S", "lines_up", "strategy"]
 PAUSE_AFTER_ERROR_S = 5.0
 #: How often the store's clock is read again (it is carried on this process's meanwhile).
 CLOCK_REFRESH_S = 10.0
-#: After a look found a limit's line empty, fresh messages of it go straight to the pool
-#: for this long (seconds): where nothing waits, the look would cost every message a
-#: store call and its message packed.  A line that forms meanwhile is found by the
-#: pool's gate (its decision answers "queued"), which lines the task up there.
+#: After a look found a limit's line empty and its next start near, fresh messages of it
+#: go straight to the pool for up to this long (seconds), while the starts they will
+#: take stay within the booking horizon: where nothing waits, the look would cost every
+#: message a store call and its message packed.  A line that forms meanwhile is found
+#: by the pool's gate (its decision answers "queued"), which lines the task up there.
 EMPTY_FOR_S = 0.05
 #: The most lines remembered as empty (a per-key limit has one per key value).
 EMPTY_LINES = 1024
-#: A dispatched copy is handed to the pool this long before its start (seconds):
-#: the pool's handoff and the process's arrival call fit in it.
-HANDOFF_S = 0.02
+#: A dispatched copy is handed to the pool one start's length (its limits' longest
+#: interval) before its start, at least HANDOFF_S and at most HANDOFF_MAX_S (seconds):
+#: the consumer's timer (tens of ms late on a busy node), the pool's handoff (a process
+#: free, or replaced where processes are recycled) and the process's arrival call fit
+#: in it, while a fast limit's copies keep about one process per start's length asleep.
+HANDOFF_S, HANDOFF_MAX_S = 0.02, 0.1
 
 
 def lines_up(app: Celery) -> bool:
@@ -117,7 +125,9 @@ class _Arrivals:
         self.consumer = consumer
         self.paused_until = 0.0
         self.clock: tuple[float, int] | None = None  # (monotonic, the store's us) when read
-        self.empty: dict[tuple[str, str], float] = {}  # line -> monotonic end of EMPTY_FOR_S
+        # line -> (monotonic end of EMPTY_FOR_S, the limit's next start after the messages
+        # handed on since its look, us, store clock)
+        self.empty: dict[tuple[str, str], tuple[float, int]] = {}
 
     def lined_up(self, message: Any) -> bool:
         """True when ``message`` now waits in line (to be acknowledged), else False."""
@@ -159,7 +169,11 @@ class _Arrivals:
             ahead = from_us(state[START] - self._now_us(runtime_for(self.task.app)))
         except redis.RedisError:
             return 0.0  # (the pool's process sleeps it, as it would)
-        return max(0.0, min(ahead, from_us(MAX_AHEAD_US)) - HANDOFF_S)
+        spacing = state.get("spacing")
+        length = from_us(max(spacing)) if isinstance(spacing, list) and spacing \
+            and all(isinstance(t, int) for t in spacing) else 0.0
+        handoff = min(max(length, HANDOFF_S), HANDOFF_MAX_S)
+        return max(0.0, min(ahead, from_us(MAX_AHEAD_US)) - handoff)
 
     def hold(self, message: Any, seconds: float, handoff: Callable[[], Any]) -> None:
         """Hand ``message`` on (``handoff``) ``seconds`` from now, outside the prefetch window
@@ -200,23 +214,28 @@ class _Arrivals:
         first = limits[0]
         line = (first.name, "" if first.key is None else key_digest(first.key))
         now = time.monotonic()
-        if self.empty.get(line, 0.0) > now:
+        now_us = self._now_us(runtime)
+        step = first.cost * first.rate.interval_us  # (the start a message handed on takes)
+        clear = self.empty.get(line)
+        if clear is not None and clear[0] > now \
+                and clear[1] - now_us <= to_us(in_line_horizon(runtime)):
+            self.empty[line] = (clear[0], max(clear[1], now_us) + step)
             return False
         self.task.request_stack.push(context)
         try:
-            lined = join_line_on_arrival(self.task, runtime, limits, call.max_wait, message,
-                                         self._now_us(runtime))
+            behind = join_line_on_arrival(self.task, runtime, limits, call.max_wait, message,
+                                          now_us)
         finally:
             self.task.request_stack.pop()
-        if lined:
+        if behind.ahead != -1:
             self.empty.pop(line, None)
             self._received(headers, context)
-        else:
-            if len(self.empty) >= EMPTY_LINES:
-                self.empty = {k: t for k, t in self.empty.items() if t > now}
-            if len(self.empty) < EMPTY_LINES:
-                self.empty[line] = now + EMPTY_FOR_S
-        return lined
+            return True
+        if len(self.empty) >= EMPTY_LINES:
+            self.empty = {k: v for k, v in self.empty.items() if v[0] > now}
+        if len(self.empty) < EMPTY_LINES:
+            self.empty[line] = (now + EMPTY_FOR_S, now_us + behind.wait_us + step)
+        return False
 
     def _now_us(self, runtime: Runtime) -> int:
         """The store's clock now (us): read every CLOCK_REFRESH_S, carried on this process's

@@ -50,7 +50,7 @@ from .exits import (
     store_failed,
     wait_counted_down,
 )
-from .line import handed_out_within, join_line
+from .line import in_line_horizon, join_line
 from .notes import NOTE_AFTER_MS
 from .run import Run, rewrite, run_of, start_run
 from .runtime import Runtime
@@ -251,8 +251,7 @@ def _wait_for_slot(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
         max_sleep=admission.longest_sleep(config.max_sleep, config.dispatch_lead,
                                           bool(arrived or state.booked)),
         horizon=admission.booking_horizon(
-            config.horizon, to_expiry, max_wait,
-            min(config.max_sleep, handed_out_within(runtime)) if in_line else None),
+            in_line_horizon(runtime) if in_line else config.horizon, to_expiry, max_wait),
         shortest=config.max_sleep, to_expiry=to_expiry, max_wait=max_wait,
         since=state.since or 0, in_line=in_line)
 

@@ -20,8 +20,9 @@ from celery import Task
 from ..core.limits import AnyLimit, Concurrency, Decision, Limit, seats_of
 from ..room.envelope import Envelope
 from ..room.header import HEADER, WaitState
+from ..room.lines import Behind
 from ..values import from_us, to_us
-from .admission import Drop, JoinLine, Known
+from .admission import Drop, JoinLine, Known, booking_horizon
 from .copies import new_copy
 from .exits import (
     copy_of,
@@ -39,7 +40,11 @@ from .exits import (
 )
 from .runtime import Runtime
 
-__all__ = ["handed_out_within", "join_line", "join_line_on_arrival"]
+__all__ = ["NOT_LINED", "handed_out_within", "in_line_horizon", "join_line",
+           "join_line_on_arrival"]
+
+#: A task not lined up as it arrived (the pool gates it).
+NOT_LINED = Behind(-1, 0)
 
 
 def join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
@@ -82,41 +87,54 @@ def join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
 
 
 def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
-                         max_wait: float | None, message: Any, now_us: int) -> bool:
-    """A fresh message of ``task`` (``task.request`` is its context) whose first limit, a
-    rate limit, has tasks in line: put it behind them, as it is, before a pool process
-    runs it (``arrival.py``); its other limits (rates, seats) are taken when its turn
-    comes, as for a task a pool process put in line.  True when it waits in line (or
-    waited already: the broker delivered it again); False when that line is empty or it
-    has expired (nothing written: the pool gates it).  ``now_us``: the store's clock now,
-    as near as the caller knows it.  Raises ``redis.RedisError`` when the store fails
-    (nothing is acknowledged: the pool gates it under the store-down policy).
+                         max_wait: float | None, message: Any, now_us: int) -> Behind:
+    """A fresh message of ``task`` (``task.request`` is its context) whose first limit is
+    a rate limit: put it in that limit's line, as it is, before a pool process runs it
+    (``arrival.py``), if it would wait there: behind the tasks in line, or, the line
+    empty, when the limit admits no start within the booking horizon (a pool process
+    would put it in line then).  Its other limits (rates, seats) are taken when its
+    turn comes, as for a task a pool process put in line.  Returns where it stands
+    (``Behind``): ``ahead`` -1 when it would not wait or has expired (nothing written:
+    the pool gates it).  ``now_us``: the store's clock now, as near as the caller knows
+    it.  Raises ``redis.RedisError`` when the store fails (nothing is acknowledged: the
+    pool gates it under the store-down policy).
     """
     request = task.request
     runtime.counts.start()  # (once per process) as admit(): the dashboard's history
     to_expiry = seconds_to_expiry(request)
     if not room_open(task, runtime) or (to_expiry is not None and to_expiry <= 0):
-        return False
+        return NOT_LINED
     state = WaitState()
     blocking = limits[0]
     if not isinstance(blocking, Limit):
         raise TypeError(f"the first limit must be a rate limit, not {type(blocking).__name__}")
+    within = booking_horizon(in_line_horizon(runtime), to_expiry, max_wait)
     new, entry = _next_in_line(task, state, now_us, list(limits))
     kept = kept_beside_broker(runtime)
     envelope = Envelope.of_message(
         message, {HEADER: replace(new, entry=entry, kept=kept).to_header()})
-    ahead = runtime.room.enqueue(
+    behind = runtime.room.line_up(
         entry, envelope.dumps(), str(request.id),
         **_line_args(task, runtime, list(limits), blocking, now_us, now_us, to_expiry, max_wait),
-        behind=True, kept=kept, patient=False)  # (the consumer's thread: it must not wait)
-    if ahead < 0:
-        return False
-    if ahead == 0:  # (nothing to end here: the main process acknowledges the message)
+        within_us=to_us(within), kept=kept, patient=False)  # (the consumer's thread)
+    if behind.ahead == -1:
+        return behind
+    if behind.ahead == -2:  # (nothing to end here: the main process acknowledges the message)
         say_dropped(task, Drop("delivered again"))
-        return True
+        return behind
     waits_in_line(task, runtime, state, new, blocking,
-                   from_us(ahead * blocking.cost * blocking.rate.interval_us))
-    return True
+                  from_us(behind.ahead * blocking.cost * blocking.rate.interval_us
+                          + behind.wait_us))
+    return behind
+
+
+def in_line_horizon(runtime: Runtime) -> float:
+    """How far ahead a start may be booked where a task would wait in line (seconds;
+    before its expiry and ``max_wait``): only a start the line would hand out now (a
+    later one waits in line, unbooked, where turns and priorities order it)."""
+    config = runtime.config
+    return booking_horizon(config.horizon, None, None,
+                           min(config.max_sleep, handed_out_within(runtime)))
 
 
 def handed_out_within(runtime: Runtime) -> float:

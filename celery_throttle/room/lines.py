@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import cast
+from typing import NamedTuple, cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -78,7 +78,7 @@ from .entries import (
 from .envelope import in_line, split_record
 from .keys import room_key
 
-__all__ = ["MAX_AHEAD_US", "Lines"]
+__all__ = ["MAX_AHEAD_US", "Behind", "Lines"]
 
 #: The most lines looked at per round, and the waiting tasks read per line.
 LOOK_LINES, LOOK_HEADS = 64, 8
@@ -89,6 +89,16 @@ AHEAD_FOR_S = 1.0
 #: sleeps that long at most in a worker process, until the start it was
 #: charged for.  (A long trip estimate, a node starting up, must not fill it.)
 MAX_AHEAD_US = 500_000
+
+
+class Behind(NamedTuple):
+    """Where a task lined up as it arrives stands (:meth:`Lines.line_up`)."""
+
+    #: Tasks in the line before it; 0: none, it waits for its limit's next start; -1: it
+    #: would not wait (nothing written); -2: it waits already (nothing written).
+    ahead: int
+    #: How long (us) its blocking limit admits no start, read when the line was empty.
+    wait_us: int
 
 
 class Lines:
@@ -125,8 +135,7 @@ class Lines:
 
     def enqueue(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[AnyLimit],
                 blocking: AnyLimit, place_us: int, due_us: int = 0, expires_us: int = 0,
-                deadline_us: int = 0, weights: Weights | None = None,
-                behind: bool = False) -> int:
+                deadline_us: int = 0, weights: Weights | None = None) -> int:
         """Put the task in line for ``blocking`` (one of its ``limits``) at ``place_us``,
         or, when ``blocking`` has a fair key value, at its value's next turn.
 
@@ -139,23 +148,35 @@ class Lines:
         again, not the user's own message, leaves a pointer to its entry in
         the notes hash).  (A worker
         enqueues through ``WaitingRoom.enqueue``, which also waits for the
-        store's replicas.)  ``behind``: only behind tasks already in that line: returns
-        how many there were instead of the time, -1 when none (nothing written).
+        store's replicas.)
         """
         keys, args = self.enqueue_call(
             entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
-            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights,
-            behind=behind)
+            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights)
         return int(self._enqueue(keys=keys, args=args))
+
+    def line_up(self, entry: str, message: bytes, task_id: str, *, limits: Sequence[AnyLimit],
+                blocking: Limit, place_us: int, within_us: int, expires_us: int = 0,
+                deadline_us: int = 0, weights: Weights | None = None) -> Behind:
+        """:meth:`enqueue` a task as it arrives, only if it would wait: behind the tasks in
+        ``blocking``'s line, or, that line empty, when ``blocking`` admits no start
+        within ``within_us`` (a pool process would put it in line then; it waits for
+        that start).  (``WaitingRoom.line_up`` also waits for the replicas.)"""
+        keys, args = self.enqueue_call(
+            entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
+            expires_us=expires_us, deadline_us=deadline_us, weights=weights,
+            within_us=within_us)
+        return behind_of(self._enqueue(keys=keys, args=args))
 
     def enqueue_call(self, entry: str, message: bytes, task_id: str, *,
                      limits: Sequence[AnyLimit], blocking: AnyLimit, place_us: int,
                      due_us: int = 0,
                      expires_us: int = 0, deadline_us: int = 0,
-                     weights: Weights | None = None, behind: bool = False,
+                     weights: Weights | None = None, within_us: int | None = None,
                      ) -> tuple[list[str | bytes], list[str | bytes | int | float]]:
         """The keys and arguments of :meth:`enqueue`'s script (``script``), to run it on
-        another connection (a pipeline that also waits for replicas)."""
+        another connection (a pipeline that also waits for replicas); with ``within_us``,
+        :meth:`line_up`'s."""
         keys: list[str | bytes] = [
             self.messages, blocking.line_in(self.prefix), self.ready, self.wake, self.notes,
             blocking.turns_in(self.prefix)]
@@ -164,8 +185,14 @@ class Lines:
                             expires_us=expires_us, deadline_us=deadline_us, weights=weights)
         note = "" if entry == entry_id(task_id) else key_digest(task_id)
         args: list[str | bytes | int | float] = [
-            entry, in_line(record, message), place_us, due_us, note, fair, repr(units),
-            "1" if behind else ""]
+            entry, in_line(record, message), place_us, due_us, note, fair, repr(units), ""]
+        if within_us is not None:
+            if not isinstance(blocking, Limit):
+                raise TypeError("a task lines up as it arrives behind a rate limit, "
+                                f"not {type(blocking).__name__}")
+            keys.append(blocking.key_in(self.prefix))
+            args[7] = max(within_us, 0)
+            args += blocking.script_args()
         return keys, args
 
     @property
@@ -361,3 +388,7 @@ class Lines:
             self.client.delete(key)
 
 
+def behind_of(reply: object) -> Behind:
+    """:meth:`Lines.line_up`'s reply, from the enqueue script's."""
+    ahead, wait = cast(list[int], reply)
+    return Behind(int(ahead), int(wait))

@@ -43,7 +43,7 @@ from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
 from ..core.keys import bell_key, epoch_key, key_digest, task_key
-from ..core.limits import AnyLimit
+from ..core.limits import AnyLimit, Limit
 from ..core.logs import logger
 from ..core.scripts import script
 from ..values import US_PER_SECOND, from_us, text
@@ -51,7 +51,7 @@ from .entries import Served, Weights, entry_id, lines_of
 from .envelope import Envelope
 from .keeper import Kept, LinePlace, in_line_kept, read_kept
 from .keys import arrival_marker, room_key
-from .lines import MAX_AHEAD_US, Lines
+from .lines import MAX_AHEAD_US, Behind, Lines, behind_of
 
 __all__ = ["Parked", "RoomState", "Waiting", "WaitingRoom"]
 
@@ -145,21 +145,39 @@ class WaitingRoom:
     def enqueue(self, entry: str, message: bytes, task_id: str, *,
                 limits: Sequence[AnyLimit], blocking: AnyLimit, place_us: int, due_us: int = 0,
                 expires_us: int = 0, deadline_us: int = 0, weights: Weights | None = None,
-                behind: bool = False, kept: bool = False, patient: bool = True) -> int:
+                kept: bool = False, patient: bool = True) -> int:
         """``Lines.enqueue`` (the same arguments and reply), acknowledged as a park is: once
-        ``throttle_park_replicas`` replicas have it.  ``behind``: only behind the tasks in
-        ``blocking``'s line; the reply is then how many were there, 0 when ``entry`` waits
-        already, -1 when the line is empty (in both cases nothing was written).  ``kept``:
-        as :meth:`park`'s; ``patient``: as ``Kept.put``'s."""
+        ``throttle_park_replicas`` replicas have it.  ``kept``: as :meth:`park`'s;
+        ``patient``: as ``Kept.put``'s."""
         keys, args = self.lines.enqueue_call(
             entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
-            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights,
-            behind=behind)
-        where = LinePlace(text(keys[1]), text(keys[5]), place_us, text(args[4]), text(args[5]),
-                       text(args[6]))
-        return int(self._stored(entry, in_line_kept(where, cast(bytes, args[1])), kept,
-                                lambda: int(self._replicated(self.lines.script, keys, args)),
-                                waits=lambda reply: reply >= 0, patient=patient))
+            due_us=due_us, expires_us=expires_us, deadline_us=deadline_us, weights=weights)
+        return int(self._in_line(entry, keys, args, kept, patient, lambda reply: True))
+
+    def line_up(self, entry: str, message: bytes, task_id: str, *,
+                limits: Sequence[AnyLimit], blocking: Limit, place_us: int, within_us: int,
+                expires_us: int = 0, deadline_us: int = 0, weights: Weights | None = None,
+                kept: bool = False, patient: bool = True) -> Behind:
+        """``Lines.line_up`` (the same arguments and reply), acknowledged as :meth:`enqueue`
+        is."""
+        keys, args = self.lines.enqueue_call(
+            entry, message, task_id, limits=limits, blocking=blocking, place_us=place_us,
+            expires_us=expires_us, deadline_us=deadline_us, weights=weights,
+            within_us=within_us)
+        return behind_of(self._in_line(entry, keys, args, kept, patient,
+                                       lambda reply: behind_of(reply).ahead != -1))
+
+    def _in_line(self, entry: str, keys: list[str | bytes],
+                 args: list[str | bytes | int | float], kept: bool, patient: bool,
+                 waits: Callable[[Any], bool]) -> Any:
+        """The enqueue script's reply, run with ``keys`` and ``args`` once it is kept (with
+        ``kept``) and until the replicas have it; ``waits(reply)``: the task waits in line
+        (else its kept copy is dropped)."""
+        where = LinePlace(text(keys[1]), text(keys[5]), int(args[2]), text(args[4]),
+                          text(args[5]), text(args[6]))
+        return self._stored(entry, in_line_kept(where, cast(bytes, args[1])), kept,
+                            lambda: self._replicated(self.lines.script, keys, args),
+                            waits=waits, patient=patient)
 
     def _stored(self, entry: str, message: bytes, kept: bool, write: Callable[[], Any],
                 waits: Callable[[Any], bool] = lambda reply: True,

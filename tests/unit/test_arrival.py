@@ -21,7 +21,13 @@ from kombu import Connection
 from kombu.message import Message
 
 from celery_throttle import HEADER, Limit, parse_rate, throttled
-from celery_throttle.integration.arrival import HANDOFF_S, _Arrivals, lines_up, strategy
+from celery_throttle.integration.arrival import (
+    HANDOFF_MAX_S,
+    HANDOFF_S,
+    _Arrivals,
+    lines_up,
+    strategy,
+)
 from celery_throttle.integration.runtime import runtime_for
 from celery_throttle.integration.throttled import ORIGINAL_STRATEGY
 from celery_throttle.room.entries import entry_id
@@ -186,17 +192,21 @@ def test_a_gated_task_s_messages_reach_this_strategy_and_then_its_own(app: Celer
     assert task.__dict__[ORIGINAL_STRATEGY] == "celery.worker.strategy:default"
 
 
-def _dispatched(app: Celery, task: Task[Any, Any], ahead_us: int, charged: str = "c") -> Message:
-    """A copy dispatched from the line for a start ``ahead_us`` from now on the store's clock."""
+def _dispatched(app: Celery, task: Task[Any, Any], ahead_us: int, charged: str = "c",
+                spacing: tuple[int, ...] = ()) -> Message:
+    """A copy dispatched from the line for a start ``ahead_us`` from now on the store's clock
+    (``spacing``: its limits' intervals, us)."""
     sec, usec = runtime_for(app).room.client.time()
     start = int(sec) * 1_000_000 + int(usec) + ahead_us
     return _received(app, task, 1, headers={HEADER: {"entry": "x:-", "deferrals": 1,
-                                                     "charged": charged, START: start}})
+                                                     "charged": charged, START: start,
+                                                     "spacing": list(spacing)}})
 
 
 def test_a_charged_copy_that_arrives_early_is_held_until_just_before_its_start(
         app: Celery) -> None:
-    """Its pool sees it HANDOFF_S before its start, not a process's sleep earlier; meanwhile
+    """Its pool sees it a start's length before its start (at least HANDOFF_S), not a
+    process's sleep earlier; meanwhile
     the prefetch window is one larger (it holds no place there), and the time held travels
     in its header for the trip estimate."""
     task = _task(app)
@@ -234,6 +244,22 @@ def test_only_a_charged_copy_ahead_of_its_start_is_held_and_never_beyond_the_mos
     assert far == MAX_AHEAD_US / 1e6 - HANDOFF_S
 
 
+@pytest.mark.parametrize(("spacing", "handoff"), [
+    ((100_000,), 0.1),  # 10/s: one start's length ahead
+    ((50_000, 0), 0.05),  # 20/s with a concurrency limit (no spacing)
+    ((1_000,), HANDOFF_S),  # 1000/s: the floor
+    ((1_000_000, 20_000), HANDOFF_MAX_S),  # 1/s: the cap
+])
+def test_a_held_copy_is_handed_on_one_start_s_length_before_its_start(
+        app: Celery, spacing: tuple[int, ...], handoff: float) -> None:
+    """A start's length ahead (its limits' longest interval, between the floor and the cap):
+    room for a late timer and a pool process coming free, about one asleep per start."""
+    task = _task(app)
+    arrivals = _Arrivals(task, _consumer())
+    far = arrivals.early_by(_dispatched(app, task, 60_000_000, spacing=spacing))
+    assert far == pytest.approx(MAX_AHEAD_US / 1e6 - handoff)
+
+
 def test_a_store_that_fails_hands_a_charged_copy_on_at_once(
         redis_url: str, prefix: str) -> None:
     """Without the store's clock the consumer does not hold it: its process sleeps the wait."""
@@ -247,18 +273,42 @@ def test_a_store_that_fails_hands_a_charged_copy_on_at_once(
 
 def test_a_line_found_empty_is_not_asked_again_for_a_moment(app: Celery) -> None:
     """Where nothing waits, the consumer does not pay a store call per message: a line found
-    empty sends the limit's fresh messages to the pool for EMPTY_FOR_S (whose gate finds a
-    line formed meanwhile); after that it looks again."""
+    empty, its next start near, sends the limit's fresh messages to the pool for
+    EMPTY_FOR_S (whose gate finds a line formed meanwhile) while the starts they take
+    stay within reach; after that it looks again."""
     task = _task(app)
     arrivals = _Arrivals(task, _consumer())
     assert not arrivals.lined_up(_received(app, task, 1))
-    assert arrivals.empty[("arrive", "")] > time.monotonic()
-    arrivals.empty[("arrive", "")] = time.monotonic() + 60  # (the moment, made long)
+    until, _ = arrivals.empty[("arrive", "")]
+    assert until > time.monotonic()
+    arrivals.empty[("arrive", "")] = (time.monotonic() + 60, 0)  # (the moment, made long)
     _someone_in_line(app)
     assert not arrivals.lined_up(_received(app, task, 2))
     lines = runtime_for(app).room.lines
     assert len(lines.next_in_line(10, "arrive")) == 1
-    arrivals.empty[("arrive", "")] = 0.0  # (the moment passed)
+    arrivals.empty[("arrive", "")] = (0.0, 0)  # (the moment passed)
     assert arrivals.lined_up(_received(app, task, 3))
     assert len(lines.next_in_line(10, "arrive")) == 2
+    assert ("arrive", "") not in arrivals.empty
+
+
+def test_a_task_whose_start_is_out_of_reach_waits_in_an_empty_line_as_it_arrives(
+        app: Celery) -> None:
+    """The line empty but the limit's next start further than a pool process would sleep:
+    the task lines up at once (no pool run only to put it in line), first in line, due at
+    that start.  A message handed on to the pool counts as the start it will take: at
+    1/s the next message is looked at again, not handed on blindly."""
+    task = _task(app)
+    arrivals = _Arrivals(task, _consumer())
+    lines = runtime_for(app).room.lines
+    assert not arrivals.lined_up(_received(app, task, 1))  # (the bucket is empty)
+    _, projected = arrivals.empty[("arrive", "")]
+    assert projected - arrivals._now_us(runtime_for(app)) > 900_000  # (its 1/s start)
+    # The pool's gate admits the first; the second's start is a second away.
+    gate = runtime_for(app).gate
+    assert gate.acquire_many([Limit("arrive", parse_rate(RATE))]).allowed
+    message = _received(app, task, 2)
+    assert arrivals.lined_up(message)
+    (waiting,) = lines.next_in_line(10, "arrive")
+    assert waiting.entry == entry_id(message.headers["id"])
     assert ("arrive", "") not in arrivals.empty

@@ -255,23 +255,53 @@ def test_the_heads_of_the_lines_are_listed_with_their_places(client: redis.Redis
 
 def test_a_task_lined_up_on_arrival_joins_only_a_line_that_has_tasks(
         client: redis.Redis, prefix: str) -> None:
-    """Behind tasks in line: nothing written while the line is empty (-1); behind one task,
-    1 ahead; the same entry again (a message delivered twice), 0 and nothing written."""
+    """Behind tasks in line: nothing written while the line is empty and its limit admits a
+    start within reach (-1, with that wait); behind one task, 1 ahead; the same entry
+    again (a message delivered twice), -2 and nothing written."""
     lines = Lines(client, prefix)
     limit = Limit("api", parse_rate("10/s"))
     now = _now_us(client)
-    assert lines.enqueue("e0", b"m", "t0", limits=[limit], blocking=limit, place_us=now,
-                         behind=True) == -1
+    assert lines.line_up("e0", b"m", "t0", limits=[limit], blocking=limit, place_us=now,
+                         within_us=500_000) == (-1, 0)
     assert lines.waiting() == 0
     assert client.hlen(lines.messages) == 0
     lines.enqueue("e1", b"m", "t1", limits=[limit], blocking=limit, place_us=now)
-    assert lines.enqueue("e2", b"m", "t2", limits=[limit], blocking=limit, place_us=now + 1,
-                         behind=True) == 1
-    assert lines.enqueue("e2", b"m", "t2", limits=[limit], blocking=limit, place_us=now + 1,
-                         behind=True) == 0
+    assert lines.line_up("e2", b"m", "t2", limits=[limit], blocking=limit, place_us=now + 1,
+                         within_us=500_000) == (1, 0)
+    assert lines.line_up("e2", b"m", "t2", limits=[limit], blocking=limit, place_us=now + 1,
+                         within_us=500_000) == (-2, 0)
     assert lines.waiting() == 2
     out = _serve_all(lines, within=3.0, want=2)
     assert [e for e, _, _ in out] == ["e1", "e2"]
+
+
+def test_a_task_lined_up_on_arrival_waits_in_an_empty_line_for_a_start_out_of_reach(
+        client: redis.Redis, prefix: str) -> None:
+    """The line empty, its limit's next start beyond reach (where a pool process would put
+    the task in line): it waits in line, 0 ahead, due at that start, and the dispatch
+    hands it out then; within reach, nothing is written and the reply says how far the
+    start is."""
+    lines = Lines(client, prefix)
+    limit = Limit("slow", parse_rate("2/s"))
+    gate = Gate(client, prefix=prefix)
+    assert gate.acquire_many([limit]).allowed  # (the next start is 0.5 s away)
+    now = _now_us(client)
+    ahead, wait = lines.line_up("e0", b"m", "t0", limits=[limit], blocking=limit,
+                                place_us=now, within_us=600_000)
+    assert ahead == -1
+    assert 400_000 < wait <= 500_000
+    assert lines.waiting() == 0
+    ahead, wait = lines.line_up("e1", b"m", "t1", limits=[limit], blocking=limit,
+                                place_us=now, within_us=100_000)
+    assert ahead == 0
+    assert 400_000 < wait <= 500_000
+    assert lines.waiting() == 1
+    wait_s, served = lines.serve_due(50, TIMEOUT_US)
+    assert served == []
+    assert wait_s is not None
+    assert 0.2 < wait_s <= 0.5
+    out = _serve_all(lines, within=3.0, want=1)
+    assert [e for e, _, _ in out] == ["e1"]
 
 
 def test_a_revoked_task_leaves_at_once_from_behind_tasks_that_wait(client: redis.Redis,

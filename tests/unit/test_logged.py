@@ -152,8 +152,8 @@ def test_a_write_the_store_refuses_leaves_nothing_to_restore(
     delivered again while it waits keeps its first put."""
     room = _room(rooms, store, connect, prefix)
     limit = Limit("kept", parse_rate("1/h"))
-    assert room.enqueue("e", b"m", "t", limits=[limit], blocking=limit, place_us=1,
-                        behind=True, kept=True) == -1
+    assert room.line_up("e", b"m", "t", limits=[limit], blocking=limit, place_us=1,
+                        within_us=500_000, kept=True).ahead == -1
     store.server.kill()  # type: ignore[attr-defined]
     with pytest.raises(redis.ConnectionError):
         room.park("p", b"m", "t", delay_us=1, kept=True)
@@ -279,8 +279,8 @@ def test_a_drop_the_main_process_cannot_write_now_is_written_later(
 
     room.keeper.put = put_then_lose_the_broker  # type: ignore[method-assign]
     # The line is empty: nothing is written to the store (-1), and the put is dropped.
-    assert room.enqueue("q", b"m", "t", limits=[limit], blocking=limit, place_us=1,
-                        kept=True, behind=True, patient=False) == -1
+    assert room.line_up("q", b"m", "t", limits=[limit], blocking=limit, place_us=1,
+                        within_us=500_000, kept=True, patient=False).ahead == -1
     up["broker"] = True
     assert _live(connect, prefix) in ({"q"}, set())  # (the drop may have landed already)
     deadline = time.monotonic() + 20

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .answers import check_response
 from .core.async_gate import AsyncGate
 from .core.gate import Gate
 from .core.limits import Concurrency, Decision, Limit, Reservation
@@ -20,7 +21,6 @@ from .errors import (
     ThrottleError,
     ThrottleStoreError,
     ThrottleTimeout,
-    check_response,
 )
 
 if TYPE_CHECKING:

@@ -27,10 +27,11 @@ from .values import seconds
 
 AnyLimitT = TypeVar("AnyLimitT")
 
-__all__ = ["RateLimited", "ThrottleConfigError", "ThrottleError", "ThrottleStoreError",
-           "ThrottleTimeout", "check_response"]
+__all__ = ["DEFAULT_RETRY_AFTER", "RateLimited", "ThrottleConfigError", "ThrottleError",
+           "ThrottleStoreError", "ThrottleTimeout", "response_of", "retry_after_of",
+           "status_of"]
 
-# Retry-After may be absent or unreadable: hold off this long then.
+#: Seconds a quota's refusal holds off when its headers name none (or none readable).
 DEFAULT_RETRY_AFTER = 1.0
 # A Retry-After beyond this is capped (a misbehaving or hostile header must
 # not park every worker for days).
@@ -90,7 +91,7 @@ class RateLimited(ThrottleError):
 
     ``retry_after``: seconds, or the provider's refusal itself (a response,
     or an SDK's ``RateLimitError``), whose ``Retry-After-Ms``/``Retry-After``
-    are read as :func:`check_response` reads them.
+    are read as :func:`~celery_throttle.check_response` reads them.
     """
 
     def __init__(self, retry_after: float | str | object | None = None, *,
@@ -101,7 +102,7 @@ class RateLimited(ThrottleError):
         elif isinstance(retry_after, str):  # re-created from its message by a result backend
             message, retry_after = retry_after, DEFAULT_RETRY_AFTER
         elif not isinstance(retry_after, int | float):
-            retry_after = retry_after_of(_http_response(retry_after).headers or {})
+            retry_after = retry_after_of(response_of(retry_after).headers or {})
         self.retry_after = min(seconds("retry_after", retry_after), MAX_RETRY_AFTER)
         self.limits = tuple(limits)
         super().__init__(message or f"provider rate limit: retry after {self.retry_after:.3f}s")
@@ -121,35 +122,19 @@ class RateLimited(ThrottleError):
         return (functools.partial(type(self), limits=self.limits), (self.retry_after,))
 
 
-def check_response(response: Any, *, limits: Sequence[str] = ()) -> None:
-    """Raise :class:`RateLimited` if ``response`` is an HTTP 429 (else do nothing).
-
-    ``response``: an httpx, httpx2, requests, aiohttp or urllib response
-    (``status_code`` or ``status``/``code``, and ``headers``), or an error
-    that carries one in ``.response``: the SDKs' ``openai.RateLimitError`` and
-    ``anthropic.RateLimitError``, ``httpx.HTTPStatusError``,
-    ``requests.HTTPError``.  ``Retry-After`` may be seconds or an HTTP date;
-    ``Retry-After-Ms`` / ``retry-after-ms`` (OpenAI's, Anthropic's) wins when
-    present; without either, 1 s.  An object with no HTTP status to read
-    raises ``TypeError`` naming its type.
-    """
-    found = _http_response(response)
-    if _status_of(found) != 429:
-        return
-    raise RateLimited(retry_after_of(getattr(found, "headers", None) or {}), limits=limits)
-
-
-def _status_of(response: Any) -> int | None:
+def status_of(response: Any) -> int | None:
+    """``response``'s HTTP status (``status_code``, ``status`` or ``code``), None without."""
     return next((getattr(response, a) for a in ("status_code", "status", "code")
                  if isinstance(getattr(response, a, None), int)), None)
 
 
-def _http_response(obj: Any) -> Any:
-    """``obj`` if it has an HTTP status, else the response an error carries; else TypeError."""
-    if _status_of(obj) is not None and getattr(obj, "headers", None) is not None:
+def response_of(obj: Any) -> Any:
+    """``obj`` if it has an HTTP status, else the response an error carries; else TypeError
+    naming ``obj``'s type."""
+    if status_of(obj) is not None and getattr(obj, "headers", None) is not None:
         return obj
     inner = getattr(obj, "response", None)
-    if inner is not None and _status_of(inner) is not None:
+    if inner is not None and status_of(inner) is not None:
         return inner
     raise TypeError(f"cannot read an HTTP status and headers from {type(obj).__name__!r}: "
                     "pass the response, or an error carrying it in .response")

@@ -14,11 +14,14 @@ sees every attempt, just before it is sent::
     client = OpenAI(http_client=gated_client("500/m", name="openai", url=REDIS_URL))
 
 Before each attempt the transport waits for a start of its limits
-(:meth:`Gate.wait`: the start is booked, so waiters never herd).  A 429
-answer pauses those limits on every worker and web process for the
+(:meth:`Gate.wait`: the start is booked, so waiters never herd).  An answer
+that says the quota is spent (a 429; read by ``answers.classify``, with the
+body of an error answer, so an answer that says the money is spent counts
+too) pauses those limits on every worker and web process for the
 provider's ``retry-after-ms`` / ``retry-after`` (as :class:`RateLimited`
 does) and is handed back to the client unchanged: the SDK's retry then
 waits in the transport until the pause ends and its own booked start comes.
+An overloaded provider's answer (529, 503) is handed back as it is.
 
 Every other answer's rate-limit headers (OpenAI's ``x-ratelimit-remaining-
 requests``/``-reset-requests``, Anthropic's ``anthropic-ratelimit-requests-
@@ -54,6 +57,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from . import metrics, usage
+from .answers import MAX_BODY, Hook, classify
 from .core import credit
 from .core.async_gate import AsyncGate, LoopGates
 from .core.gate import Gate
@@ -61,7 +65,6 @@ from .core.limits import Limit
 from .core.live import LiveLimits
 from .core.rates import Rate, parse_rate
 from .core.waiting import DEFAULT_GRACE
-from .errors import retry_after_of
 from .provider_headers import reports_of
 
 __all__ = ["AsyncGatedTransport", "GatedTransport", "async_gated_client", "gated_client"]
@@ -151,7 +154,9 @@ class _Gated:
     """
 
     def __init__(self, limits: list[Limit], meters: dict[str, Limit], inner: Any,
-                 timeout: float | None, grace: float, follow: bool) -> None:
+                 timeout: float | None, grace: float, follow: bool,
+                 answers: Hook | None) -> None:
+        self.answers = answers
         self.limits = limits
         self.meters = meters
         self.inner = inner
@@ -189,18 +194,31 @@ class _Gated:
         return _Attempt(wait, stale, charged)
 
     def _needs_body(self, response: Any, attempt: _Attempt) -> bool:
-        """Whether the answer must be read here to settle its tokens (JSON, not a stream)."""
-        kind = str(response.headers.get("content-type", ""))
-        return (bool(attempt.charged) and 200 <= response.status_code < 300
-                and kind.startswith("application/json"))
+        """Whether the answer must be read here: an error's, to read what it means; JSON, to
+        settle its tokens, or for the ``answers`` hook.  Never a stream, nor a body
+        longer than an error's (``answers.MAX_BODY``)."""
+        headers = response.headers
+        kind = str(headers.get("content-type", ""))
+        if kind.startswith("text/event-stream"):
+            return False
+        length = headers.get("content-length")
+        if length is not None and (not str(length).isdigit() or int(length) > MAX_BODY) \
+                and response.status_code >= 300:
+            return False
+        if response.status_code >= 400:
+            return True
+        return kind.startswith("application/json") and (
+            self.answers is not None or (bool(attempt.charged) and response.status_code < 300))
 
     def _after(self, response: Any, attempt: _Attempt, body: bytes | None) -> list[_Step]:
         """The gate calls an answer asks for: a 429 pauses the limits (and its tokens were not
         spent); the headers' reports are followed; the tokens used are settled."""
         steps: list[_Step] = []
-        if response.status_code == 429:
+        answer = classify(response.status_code, response.headers, body, self.answers) \
+            if body is not None or response.status_code >= 400 else None
+        if answer is not None and answer.kind != "overloaded":
             metrics.provider_paused(self.names)
-            steps.append(_Step("pause", (self.every, retry_after_of(response.headers))))
+            steps.append(_Step("pause", (self.every, answer.retry_after)))
             steps += [_Step("settle", (limit, 0)) for _, limit in attempt.charged]
             return steps
         if self.follow:
@@ -210,7 +228,7 @@ class _Gated:
                 if which:
                     steps.append(_Step("follow", (which, report.remaining, report.reset)))
         if body is not None:
-            for part, limit in attempt.charged:
+            for part, limit in attempt.charged if response.status_code < 300 else ():
                 actual = usage.used(body, part)
                 if actual is not None:
                     steps.append(_Step("settle", (limit, actual)))
@@ -245,18 +263,20 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
     wrap it in its connection error).  ``live``: apply the rates set with
     ``celery throttle set`` (default).  ``follow``: follow the provider's
     remaining-requests (and -tokens) headers (default).  ``own_gate``:
-    :meth:`close` closes ``gate`` too.
+    :meth:`close` closes ``gate`` too.  ``answers``: a provider's own signals
+    (``answers.classify``'s hook).
     """
 
     def __init__(self, limits: Sequence[Limit], *, gate: Gate, tokens: Limit | None = None,
                  input_tokens: Limit | None = None, output_tokens: Limit | None = None,
                  transport: Any = None, module: str | None = None,
                  timeout: float | None = None, grace: float = DEFAULT_GRACE, live: bool = True,
-                 follow: bool = True, own_gate: bool = False) -> None:
+                 follow: bool = True, own_gate: bool = False,
+                 answers: Hook | None = None) -> None:
         chosen = _limits_of(None, None, 1, None, limits)
         inner = transport if transport is not None else _http_package(module).HTTPTransport()
         super().__init__(chosen, _meters(tokens, input_tokens, output_tokens), inner, timeout,
-                         grace, follow)
+                         grace, follow, answers)
         self.gate = gate
         self.own_gate = own_gate
         self._live = LiveLimits(gate.client, gate.prefix) if live else None
@@ -298,14 +318,14 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
                  input_tokens: Limit | None = None, output_tokens: Limit | None = None,
                  transport: Any = None, module: str | None = None,
                  timeout: float | None = None, grace: float = DEFAULT_GRACE,
-                 follow: bool = True) -> None:
+                 follow: bool = True, answers: Hook | None = None) -> None:
         if gate is None and url is None:
             raise ValueError("give gate (an AsyncGate) or url (the throttle's Redis)")
         chosen = _limits_of(None, None, 1, None, limits)
         inner = (transport if transport is not None
                  else _http_package(module).AsyncHTTPTransport())
         super().__init__(chosen, _meters(tokens, input_tokens, output_tokens), inner, timeout,
-                         grace, follow)
+                         grace, follow, answers)
         self.gate = gate
         self._loop_gates = LoopGates(url, prefix) if url is not None else None
         self._live = LiveLimits(None, gate.prefix if gate is not None else prefix)
@@ -381,7 +401,7 @@ def gated_client(rate: str | Rate | None = None, *, name: str | None = None, bur
                  url: str | None = None,
                  gate: Gate | None = None, prefix: str = "throttle", module: str | None = None,
                  timeout: float | None = None, follow: bool = True,
-                 **client_options: Any) -> Any:
+                 answers: Hook | None = None, **client_options: Any) -> Any:
     """A sync HTTP client whose every request waits for a start of ``rate`` under ``name``.
 
     For ``OpenAI(http_client=...)`` and ``Anthropic(http_client=...)``.
@@ -395,7 +415,9 @@ def gated_client(rate: str | Rate | None = None, *, name: str | None = None, bur
     ``close()`` closes the gate made for it), or ``gate`` (the caller's).
     ``module``: ``"httpx2"`` (the SDKs', the default when installed) or
     ``"httpx"``.  ``follow``: spend no more than the provider's headers say
-    is left (default).  ``client_options`` go to the client (``timeout``...).
+    is left (default).  ``answers``: a provider's own signals, e.g. a 200 whose
+    JSON says "rate limited" (``celery_throttle.answers``).  ``client_options``
+    go to the client (``timeout``...).
     """
     chosen = _limits_of(rate, name, burst, key, limits)  # (bad input: before any client)
     meters = _token_limits(name, tokens, input_tokens, output_tokens)
@@ -406,7 +428,8 @@ def gated_client(rate: str | Rate | None = None, *, name: str | None = None, bur
             raise ValueError("give url (the throttle's Redis) or gate")
         gate = Gate.from_url(url, prefix=prefix)
     transport = GatedTransport(chosen, gate=gate, **meters, transport=http.HTTPTransport(),
-                               timeout=timeout, follow=follow, own_gate=own)
+                               timeout=timeout, follow=follow, own_gate=own,
+                               answers=answers)
     return http.Client(transport=transport, **client_options)
 
 
@@ -417,12 +440,12 @@ def async_gated_client(rate: str | Rate | None = None, *, name: str | None = Non
                        url: str | None = None, gate: AsyncGate | None = None,
                        prefix: str = "throttle", module: str | None = None,
                        timeout: float | None = None, follow: bool = True,
-                       **client_options: Any) -> Any:
+                       answers: Hook | None = None, **client_options: Any) -> Any:
     """:func:`gated_client` for ``AsyncOpenAI`` and ``AsyncAnthropic``."""
     chosen = _limits_of(rate, name, burst, key, limits)
     meters = _token_limits(name, tokens, input_tokens, output_tokens)
     http = _http_package(module)
     transport = AsyncGatedTransport(chosen, gate=gate, url=url, prefix=prefix, **meters,
                                     transport=http.AsyncHTTPTransport(), timeout=timeout,
-                                    follow=follow)
+                                    follow=follow, answers=answers)
     return http.AsyncClient(transport=transport, **client_options)

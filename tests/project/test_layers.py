@@ -18,6 +18,7 @@ LAYERS = {
     "values": 0,  # the checks of plain values
     "errors": 1, "faults": 1, "provider_headers": 1, "metrics": 1, "testing": 1, "usage": 1,
     "core": 2,
+    "answers": 2,  # what a provider's answer means (over the errors it raises)
     "langchain": 3,  # a chat model's rate limiter on the core's gates
     "transport": 3,  # an HTTP client's transport on the core's gates
     "room": 4,

@@ -210,6 +210,22 @@ def test_a_429_pauses_the_limit_for_the_provider_s_retry_after(
     assert sent - 0.1 <= paused <= sent
 
 
+def test_an_overloaded_provider_s_answer_passes_without_pausing_the_quota(
+        provider: mock.MockProvider, redis_url: str, prefix: str) -> None:
+    """A 529 (anthropic's OverloadedError) is the provider's trouble, not the quota's: the
+    limit is not paused; the answer reaches the SDK as it was."""
+    limit = Limit("busy", parse_rate("100/s"))
+    with Gate.from_url(redis_url, prefix=prefix) as gate, httpx2.Client(
+            transport=GatedTransport([limit], gate=gate)) as http:
+        client = _anthropic(provider.url, http).with_options(max_retries=0)
+        provider.answer_with("overloaded", count=1)
+        with pytest.raises(anthropic.InternalServerError) as caught:
+            _message(client, 0)
+        assert caught.value.status_code == 529
+        assert gate.inspect(limit).paused == 0
+        assert _message(client, 1)
+
+
 def test_a_task_s_admission_is_its_first_request_s_start(redis_url: str, prefix: str) -> None:
     """Under an admission granted for the same bucket, the first request spends it (the
     bucket is charged nothing more); the second is charged; an admission too old is given

@@ -1,0 +1,192 @@
+"""What a provider's answer says about calling it again: one reading for every caller.
+
+A refused call means one of three things, and each asks for a different wait:
+
+* **quota**: the caller's own rate or token quota is spent for now (HTTP 429:
+  OpenAI's and Anthropic's rate limits, a proxy's or a SaaS API's bare 429).
+  It clears within the provider's ``retry-after-ms`` / ``retry-after``
+  (1 s when it names none).
+* **overloaded**: the provider is busy for everyone, not over this quota
+  (Anthropic's 529 ``overloaded_error``, a 503).  Its quota is untouched.
+* **money**: the account may spend no more (OpenAI's 429 ``insufficient_quota``;
+  Anthropic's spend-cap 429, a ``rate_limit_error`` whose message names a usage
+  limit; a 400 that says the usage limits or the credit balance are spent; a
+  proxy's ``budget_exceeded``; a 402).  Waiting a second does not clear it.
+
+:func:`classify` reads a status, its headers and its body (bytes, text, or the
+JSON already decoded) into an :class:`Answer`, or None for an answer that says
+none of these.  A body is read for its error's ``type``, ``code`` and
+``message`` in both providers' shapes (``{"error": {...}}`` and
+``{"type": "error", "error": {...}}``); the message is matched too, because a
+spend cap may carry no code of its own.  A provider's own signals (an HTTP 200
+whose JSON says "rate limited") are read by a ``hook``: ``hook(status, headers,
+body)`` returns a kind (``"quota"``, ``"overloaded"``, ``"money"``) or None to
+leave the answer to the reading here; ``body`` is the decoded JSON, or the text
+when it is not JSON, or None.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .errors import DEFAULT_RETRY_AFTER, RateLimited, response_of, retry_after_of, status_of
+
+__all__ = ["KINDS", "MAX_BODY", "Answer", "Hook", "Kind", "check_response", "classify"]
+
+Kind = Literal["quota", "overloaded", "money"]
+#: The kinds, in the words :func:`classify` and a hook use.
+KINDS: tuple[Kind, ...] = ("quota", "overloaded", "money")
+#: A hook: (status, headers, body) -> a kind, or None to leave the answer to :func:`classify`.
+Hook = Callable[[int, Mapping[str, str], Any], "Kind | None"]
+#: The largest body read to classify an answer (bytes); a longer one is not an error's.
+MAX_BODY = 64 * 1024
+#: The most of a provider's message an :class:`Answer` keeps (characters).
+MAX_MESSAGE = 300
+
+#: Error types and codes that say the money is spent (OpenAI's, LiteLLM's).
+_MONEY_CODES = frozenset({"insufficient_quota", "billing_hard_limit_reached",
+                          "billing_not_active", "budget_exceeded"})
+#: Messages that say so without a code of their own: Anthropic's spend caps ("...exceed
+#: your organization's monthly usage limit", "You have reached your specified API usage
+#: limits"), its "credit balance is too low", OpenAI's "exceeded your current quota".
+#: Not "billing" alone: OpenAI's ordinary rate-limit message links its billing page.
+_MONEY_WORDS = re.compile(r"usage limit|spend(?:ing)? limit|spend cap|credit balance"
+                          r"|exceeded your current quota|budget", re.IGNORECASE)
+#: The statuses of an overloaded provider.
+_OVERLOADED = frozenset({503, 529})
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A refused call read for what it means.
+
+    ``kind``: quota, overloaded or money.  ``retry_after``: the seconds the
+    provider's headers name (a quota's default: 1 s), None when they name none
+    for an overload or a money answer.  ``message``: the provider's own words,
+    cut to :data:`MAX_MESSAGE` characters ("" when it gave none).
+    """
+
+    kind: Kind
+    retry_after: float | None
+    message: str
+
+
+def classify(status: int, headers: Mapping[str, str] | None, body: Any = None,
+             hook: Hook | None = None) -> Answer | None:
+    """What an answer of ``status`` with ``headers`` and ``body`` means (module docstring);
+    None: none of the three (a success, or an error not about the quota).
+
+    ``body``: bytes or text (read as JSON when it is), a decoded JSON value, or
+    None.  ``hook``: a provider's own signals, asked first.
+    """
+    headers = headers or {}
+    decoded = _decoded(body)
+    kind = hook(status, headers, decoded) if hook is not None else None
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"the answers hook returned {kind!r}: expected one of "
+                         f"{list(KINDS)} or None")
+    code, message = _error_of(decoded)
+    if kind is None:
+        kind = _kind(status, code, message)
+    if kind is None:
+        return None
+    named = _named_retry_after(headers)
+    retry_after = (named if named is not None else retry_after_of(headers)) \
+        if kind == "quota" else named
+    return Answer(kind, retry_after, message[:MAX_MESSAGE])
+
+
+def check_response(response: Any, *, limits: Sequence[str] = (),
+                   answers: Hook | None = None) -> None:
+    """Raise :class:`~celery_throttle.RateLimited` if ``response`` says the quota is spent
+    (else do nothing).
+
+    ``response``: an httpx, httpx2, requests, aiohttp or urllib response
+    (``status_code`` or ``status``/``code``, and ``headers``), or an error
+    that carries one in ``.response``: the SDKs' ``openai.RateLimitError`` and
+    ``anthropic.RateLimitError``, ``httpx.HTTPStatusError``,
+    ``requests.HTTPError``.  Its status, headers and body (an SDK error's
+    ``body``, else the response's content when it was read) are read by
+    :func:`classify` (``answers``: a provider's own signals): a 429 for the
+    quota, and an answer that says the money is spent, pause for
+    ``Retry-After-Ms`` / ``Retry-After`` (1 s without); an overloaded
+    provider's answer passes.  An object with no HTTP status to read raises
+    ``TypeError`` naming its type.
+    """
+    found = response_of(response)
+    status = status_of(found)
+    assert status is not None  # (response_of found one)
+    answer = classify(status, getattr(found, "headers", None) or {}, _body_of(response, found),
+                      answers)
+    if answer is None or answer.kind == "overloaded":
+        return
+    raise RateLimited(answer.retry_after if answer.retry_after is not None
+                      else DEFAULT_RETRY_AFTER, limits=limits)
+
+
+def _body_of(given: Any, response: Any) -> Any:
+    """What the answer said: an SDK error's decoded ``body``, else the response's content
+    when it is in memory (a stream's is not read here)."""
+    body = getattr(given, "body", None)
+    if body is not None and not callable(body):
+        return body
+    for name in ("content", "text"):
+        try:
+            value = getattr(response, name, None)
+        except Exception:  # httpx's ResponseNotRead: a stream, left unread
+            continue
+        if isinstance(value, bytes | str):
+            return value
+    return None
+
+
+def _kind(status: int, code: str, message: str) -> Kind | None:
+    money = code in _MONEY_CODES or bool(_MONEY_WORDS.search(message))
+    if (status in (400, 403, 429) and money) or status == 402:
+        return "money"
+    if status == 429:
+        return "quota"
+    if status in _OVERLOADED:
+        return "overloaded"
+    return None
+
+
+def _decoded(body: Any) -> Any:
+    """The body as JSON if it is JSON, else its text (or None)."""
+    if isinstance(body, bytes | bytearray):
+        if len(body) > MAX_BODY:
+            return None
+        body = bytes(body).decode("utf-8", "replace")
+    if isinstance(body, str):
+        try:
+            return json.loads(body)
+        except ValueError:
+            return body
+    return body
+
+
+def _error_of(body: Any) -> tuple[str, str]:
+    """(the error's type or code, lower case; its message) from both providers' shapes."""
+    if not isinstance(body, Mapping):
+        return "", body if isinstance(body, str) else ""
+    error = body.get("error")
+    if isinstance(error, str):
+        return error.lower() if error in _MONEY_CODES else "", error
+    if not isinstance(error, Mapping):
+        return "", str(body.get("message") or "")
+    codes = [str(error.get(k) or "").lower() for k in ("code", "type")]
+    code = next((c for c in codes if c in _MONEY_CODES), codes[0] or codes[1])
+    return code, str(error.get("message") or "")
+
+
+def _named_retry_after(headers: Mapping[str, str]) -> float | None:
+    """The seconds the headers name (as :func:`retry_after_of` reads them), None when they
+    name none."""
+    if not any(headers.get(h) is not None for h in
+               ("retry-after-ms", "Retry-After-Ms", "retry-after", "Retry-After")):
+        return None
+    return retry_after_of(headers)

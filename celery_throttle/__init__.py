@@ -16,6 +16,7 @@ from .core.gate import Gate
 from .core.limits import Concurrency, Decision, Limit, Reservation
 from .core.rates import Rate, parse_rate
 from .errors import (
+    LimitStopped,
     RateLimited,
     ThrottleConfigError,
     ThrottleError,
@@ -66,6 +67,7 @@ __all__ = [
     "Decision",
     "Gate",
     "Limit",
+    "LimitStopped",
     "Rate",
     "RateLimited",
     "Reservation",

@@ -33,7 +33,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import DEFAULT_RETRY_AFTER, RateLimited, response_of, retry_after_of, status_of
+from .errors import (
+    DEFAULT_RETRY_AFTER,
+    LimitStopped,
+    RateLimited,
+    response_of,
+    retry_after_of,
+    status_of,
+)
 
 __all__ = ["KINDS", "MAX_BODY", "Answer", "Hook", "Kind", "check_response", "classify"]
 
@@ -114,9 +121,17 @@ def check_response(response: Any, *, limits: Sequence[str] = (),
     :func:`classify` (``answers``: a provider's own signals): a 429 for the
     quota, and an answer that says the money is spent, pause for
     ``Retry-After-Ms`` / ``Retry-After`` (1 s without); an overloaded
-    provider's answer passes.  An object with no HTTP status to read raises
+    provider's answer passes.  An answer that says the money is spent raises
+    it with ``stop``: the limits stop until resumed, and the task waits for
+    that.  An error whose causes hold a :class:`~celery_throttle.LimitStopped`
+    (an SDK wraps what a gated client raises in its connection error) raises
+    it with ``stop`` too.  An object with no HTTP status to read raises
     ``TypeError`` naming its type.
     """
+    stopped = _stopped_in(response)
+    if stopped is not None:
+        raise RateLimited(DEFAULT_RETRY_AFTER, limits=limits,
+                          stop=stopped.provider_message or stopped.reason)
     found = response_of(response)
     status = status_of(found)
     assert status is not None  # (response_of found one)
@@ -125,7 +140,19 @@ def check_response(response: Any, *, limits: Sequence[str] = (),
     if answer is None or answer.kind == "overloaded":
         return
     raise RateLimited(answer.retry_after if answer.retry_after is not None
-                      else DEFAULT_RETRY_AFTER, limits=limits)
+                      else DEFAULT_RETRY_AFTER, limits=limits,
+                      stop=(answer.message or "money") if answer.kind == "money" else None)
+
+
+def _stopped_in(given: Any) -> LimitStopped | None:
+    """The :class:`~celery_throttle.LimitStopped` among ``given`` and its causes, if any."""
+    seen = 0
+    while isinstance(given, BaseException) and seen < 8:
+        if isinstance(given, LimitStopped):
+            return given
+        given = given.__cause__ or given.__context__
+        seen += 1
+    return None
 
 
 def _body_of(given: Any, response: Any) -> Any:

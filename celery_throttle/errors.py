@@ -7,8 +7,11 @@
     ├── ThrottleStoreError        the throttle's Redis could not be used and
     │                             throttle_on_error="fail" (task fails)
     ├── ThrottleConfigError       a bad setting, also a ValueError (install / worker start)
-    └── RateLimited               raised *by a task*: the provider said 429; its
-                                  limits pause on every worker and the task waits
+    ├── LimitStopped              a gated client's call: the limit is stopped until
+    │                             resumed (the provider said the money is spent)
+    └── RateLimited               raised *by a task*: the provider said 429 (or that the
+                                  money is spent); its limits pause (or stop) on every
+                                  worker and the task waits
 
 Bad decorator or gate arguments raise plain ``ValueError`` / ``TypeError``
 naming the value, at definition time.
@@ -27,7 +30,8 @@ from .values import seconds
 
 AnyLimitT = TypeVar("AnyLimitT")
 
-__all__ = ["DEFAULT_RETRY_AFTER", "RateLimited", "ThrottleConfigError", "ThrottleError",
+__all__ = ["DEFAULT_RETRY_AFTER", "LimitStopped", "RateLimited", "ThrottleConfigError",
+           "ThrottleError",
            "ThrottleStoreError", "ThrottleTimeout", "response_of", "retry_after_of",
            "status_of"]
 
@@ -81,6 +85,37 @@ class ThrottleConfigError(ThrottleError, ValueError):
     """A ``throttle_*`` setting has a wrong type or value, or is unknown."""
 
 
+class LimitStopped(ThrottleError):
+    """A call of a limit that is stopped until resumed: nothing was sent.
+
+    The provider said the account's money is spent (``reason`` "money", its
+    own words in ``provider_message``), and every worker and web process
+    stopped sending under ``limit_name`` until ``celery throttle resume``.
+    Constructible from its message alone (a JSON result backend re-creates an
+    exception as ``cls(*args)``).
+    """
+
+    def __init__(self, message: str, *, limit_name: str = "", reason: str = "",
+                 provider_message: str = "") -> None:
+        super().__init__(message)
+        self.limit_name = limit_name
+        self.reason = reason
+        self.provider_message = provider_message
+
+    @classmethod
+    def of(cls, limit_name: str, reason: str, provider_message: str) -> LimitStopped:
+        """The error for a call of ``limit_name``, stopped for ``reason``."""
+        said = f": {provider_message!r}" if provider_message else ""
+        return cls(f"limit {limit_name!r} is stopped until resumed: the provider says the "
+                   f"account's money is spent{said}; `celery throttle resume {limit_name}` "
+                   "once it is not", limit_name=limit_name, reason=reason,
+                   provider_message=provider_message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (functools.partial(type(self), limit_name=self.limit_name, reason=self.reason,
+                                  provider_message=self.provider_message), self.args)
+
+
 class RateLimited(ThrottleError):
     """Raise it in a throttled task when the provider refuses a call (HTTP 429).
 
@@ -92,10 +127,14 @@ class RateLimited(ThrottleError):
     ``retry_after``: seconds, or the provider's refusal itself (a response,
     or an SDK's ``RateLimitError``), whose ``Retry-After-Ms``/``Retry-After``
     are read as :func:`~celery_throttle.check_response` reads them.
+    ``stop``: the provider says the account's money is spent (its words):
+    the limits are stopped until resumed instead (``Gate.stop``), and the task
+    waits in line for that.
     """
 
     def __init__(self, retry_after: float | str | object | None = None, *,
-                 limits: Sequence[str] = ()) -> None:
+                 limits: Sequence[str] = (), stop: str | None = None) -> None:
+        self.stop = stop
         message = None
         if retry_after is None:
             retry_after = DEFAULT_RETRY_AFTER
@@ -119,7 +158,8 @@ class RateLimited(ThrottleError):
         return chosen
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (functools.partial(type(self), limits=self.limits), (self.retry_after,))
+        return (functools.partial(type(self), limits=self.limits, stop=self.stop),
+                (self.retry_after,))
 
 
 def status_of(response: Any) -> int | None:

@@ -21,7 +21,12 @@ too) pauses those limits on every worker and web process for the
 provider's ``retry-after-ms`` / ``retry-after`` (as :class:`RateLimited`
 does) and is handed back to the client unchanged: the SDK's retry then
 waits in the transport until the pause ends and its own booked start comes.
-An overloaded provider's answer (529, 503) is handed back as it is.
+An overloaded provider's answer (529, 503) is handed back as it is.  An
+answer that says the account's money is spent stops those limits until
+resumed (``Gate.stop``: every worker and web process, said once as an
+ERROR) and raises :class:`~celery_throttle.LimitStopped`; so does every
+later request of a stopped limit, at once and without being sent (the SDK
+wraps it in its connection error, whose retries then fail here too).
 
 Every other answer's rate-limit headers (OpenAI's ``x-ratelimit-remaining-
 requests``/``-reset-requests``, Anthropic's ``anthropic-ratelimit-requests-
@@ -63,8 +68,11 @@ from .core.async_gate import AsyncGate, LoopGates
 from .core.gate import Gate
 from .core.limits import Limit
 from .core.live import LiveLimits
+from .core.logs import logger
 from .core.rates import Rate, parse_rate
+from .core.stops import Stop
 from .core.waiting import DEFAULT_GRACE
+from .errors import MAX_RETRY_AFTER, LimitStopped, ThrottleTimeout
 from .provider_headers import reports_of
 
 __all__ = ["AsyncGatedTransport", "GatedTransport", "async_gated_client", "gated_client"]
@@ -143,7 +151,7 @@ class _Attempt:
 class _Step:
     """A call on the gate after the answer: ``op`` is the gate's method's name."""
 
-    op: str  # "pause" | "follow" | "settle"
+    op: str  # "pause" | "stop" | "follow" | "settle"
     args: tuple[Any, ...]
 
 
@@ -218,8 +226,10 @@ class _Gated:
             if body is not None or response.status_code >= 400 else None
         if answer is not None and answer.kind != "overloaded":
             metrics.provider_paused(self.names)
-            steps.append(_Step("pause", (self.every, answer.retry_after)))
             steps += [_Step("settle", (limit, 0)) for _, limit in attempt.charged]
+            steps.append(_Step("stop", (self.every, "money", answer.message or "money"))
+                         if answer.kind == "money" else
+                         _Step("pause", (self.every, answer.retry_after)))
             return steps
         if self.follow:
             for report in reports_of(response.headers):
@@ -233,6 +243,34 @@ class _Gated:
                 if actual is not None:
                     steps.append(_Step("settle", (limit, actual)))
         return steps
+
+    def _probe(self) -> float:
+        """The wait asked for first: the caller's ``timeout``, at most the longest pause a
+        provider's answer writes (``MAX_RETRY_AFTER``); a longer wait is a stop, or an
+        operator's pause, which :meth:`_past_probe` tells apart."""
+        return MAX_RETRY_AFTER if self.timeout is None else min(self.timeout, MAX_RETRY_AFTER)
+
+    def _past_probe(self, stop: Stop | None, exc: ThrottleTimeout) -> None:
+        """The probe's wait timed out: raise :class:`LimitStopped` for a stop, ``exc`` past
+        the caller's own timeout; return to wait the rest (no timeout, or a longer one)."""
+        if stop is not None:
+            raise self._stopped(stop) from None
+        if self.timeout is not None and self.timeout <= MAX_RETRY_AFTER:
+            raise exc
+
+    def _stopped(self, stop: Stop) -> LimitStopped:
+        return LimitStopped.of(stop.limit, stop.reason, stop.message)
+
+    def _said(self, step: _Step, result: Any) -> None:
+        """After a step ran: a stop this call made is said once, as an ERROR, and raised."""
+        if step.op != "stop":
+            return
+        names = ", ".join(self.names)
+        if result:
+            logger.error("throttle: %s stopped on every worker and web process until "
+                         "resumed: the provider says the account's money is spent (%r); "
+                         "`celery throttle resume NAME` once it is not", names, step.args[2])
+        raise LimitStopped.of(self.names[0], step.args[1], step.args[2])
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{lim.name}={lim.rate.text}" for lim in self.every)
@@ -288,12 +326,18 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
         for adm in attempt.stale:
             self.gate.settle(adm.limit, 0)
         if attempt.wait:
-            self.gate.wait(self._live.apply(attempt.wait) if self._live else attempt.wait,
-                           timeout=self.timeout, grace=self.grace)
+            limits = self._live.apply(attempt.wait) if self._live else attempt.wait
+            try:
+                self.gate.wait(limits, timeout=self._probe(), grace=self.grace)
+            except ThrottleTimeout as exc:
+                self._past_probe(self.gate.stopped(limits), exc)
+                self.gate.wait(limits, timeout=self.timeout, grace=self.grace)
         response = self.inner.handle_request(request)
         body = response.read() if self._needs_body(response, attempt) else None
         for step in self._after(response, attempt, body):
-            getattr(self.gate, step.op)(*step.args)
+            if step.op == "stop":
+                response.close()
+            self._said(step, getattr(self.gate, step.op)(*step.args))
         return response
 
     def close(self) -> None:
@@ -337,12 +381,18 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
         for adm in attempt.stale:
             await gate.settle(adm.limit, 0)
         if attempt.wait:
-            await gate.wait(await self._live.aapply(gate.client, attempt.wait),
-                            timeout=self.timeout, grace=self.grace)
+            limits = await self._live.aapply(gate.client, attempt.wait)
+            try:
+                await gate.wait(limits, timeout=self._probe(), grace=self.grace)
+            except ThrottleTimeout as exc:
+                self._past_probe(await gate.stopped(limits), exc)
+                await gate.wait(limits, timeout=self.timeout, grace=self.grace)
         response = await self.inner.handle_async_request(request)
         body = await response.aread() if self._needs_body(response, attempt) else None
         for step in self._after(response, attempt, body):
-            await getattr(gate, step.op)(*step.args)
+            if step.op == "stop":
+                await response.aclose()
+            self._said(step, await getattr(gate, step.op)(*step.args))
         return response
 
     async def aclose(self) -> None:

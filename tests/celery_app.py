@@ -269,6 +269,30 @@ def sdk_chat(self: Task[Any, Any], i: int) -> str:
     return str(reply.choices[0].message.content)
 
 
+@throttled("9/s", name="sdk-money")
+@app.task(bind=True)
+def sdk_chat_checked(self: Task[Any, Any], i: int) -> str:
+    """:func:`sdk_chat` on its own limit, the SDK's errors read by ``check_response``: an
+    answer that says the money is spent stops the limit (the gated client raises
+    LimitStopped, past the SDK), and the task waits for the resume."""
+    import openai
+
+    from celery_throttle.transport import gated_client
+
+    if "money" not in _sdk_clients:
+        _sdk_clients["money"] = openai.OpenAI(
+            base_url=f"{PROVIDER}/v1", api_key="sk-test", http_client=gated_client(
+                "9/s", name="sdk-money", url=STORE, prefix=app.conf.throttle_prefix))
+    try:
+        reply = _sdk_clients["money"].chat.completions.create(
+            model="mock", messages=[{"role": "user", "content": f"document {i}"}])
+    except openai.APIError as exc:
+        celery_throttle.check_response(exc)
+        raise
+    record(self)
+    return str(reply.choices[0].message.content)
+
+
 @throttled(concurrency=1, name="one-seat", lease=LEASE)
 @app.task(bind=True)
 def one_seat(self: Task[Any, Any], seconds: float) -> float:

@@ -17,10 +17,11 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
-from ..values import from_us, to_us
-from . import waiting
+from ..values import LONGEST_WAIT, from_us, to_us
+from . import stops, waiting
 from .calls import COMMANDS, Clock, F, GateCalls
 from .connect import connect_async
+from .keys import stop_field, stops_key
 from .limits import (
     DEFAULT_LEASE,
     AnyLimit,
@@ -119,9 +120,30 @@ class AsyncGate(GateCalls):
         """Admit nothing in ``limits`` for ``seconds`` (see :meth:`Gate.pause`)."""
         return from_us(int(await self._run("pause", *self._paused_call(limits, to_us(seconds)))))
 
+    async def stop(self, limits: Sequence[AnyLimit], reason: str, message: str) -> bool:
+        """Stop ``limits`` until resumed, for ``reason`` (see :meth:`Gate.stop`)."""
+        already = await self.stopped(limits)
+        await self.pause(limits, LONGEST_WAIT)
+        records = {stop_field(lim.name, lim.key): stops.dumps(stops.record(lim, reason, message))
+                   for lim in limits}
+        await self.client.hset(stops_key(self.prefix), mapping=records)  # type: ignore[arg-type]
+        return already is None
+
+    async def stopped(self, limits: Sequence[AnyLimit]) -> stops.Stop | None:
+        """Why ``limits`` are stopped (see :meth:`Gate.stopped`)."""
+        if not limits:
+            return None
+        raws = await self.client.hmget(stops_key(self.prefix),
+                                     [stop_field(lim.name, lim.key) for lim in limits])
+        return stops.first(raws)
+
     async def resume(self, limits: Sequence[AnyLimit]) -> int:
-        """End a pause of ``limits`` now (see :meth:`Gate.resume`)."""
-        return int(await self._run("resume", *self._paused_call(limits)))
+        """End a pause of ``limits`` now, a stop too (see :meth:`Gate.resume`)."""
+        ended = int(await self._run("resume", *self._paused_call(limits)))
+        if limits:
+            await self.client.hdel(stops_key(self.prefix),
+                                   *[stop_field(lim.name, lim.key) for lim in limits])
+        return ended
 
     async def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int:
         """Give back an unused booking (see :meth:`Gate.cancel`)."""

@@ -15,10 +15,11 @@ from typing import Any, cast
 import redis
 from redis.cluster import RedisCluster
 
-from ..values import from_us, to_us
-from . import waiting
+from ..values import LONGEST_WAIT, from_us, to_us
+from . import stops, waiting
 from .calls import COMMANDS, Clock, F, GateCalls
 from .connect import connect
+from .keys import stop_field, stops_key
 from .limits import (
     DEFAULT_LEASE,
     AnyLimit,
@@ -182,9 +183,34 @@ class Gate(GateCalls):
         """
         return from_us(int(self._run("pause", *self._paused_call(limits, to_us(seconds)))))
 
+    def stop(self, limits: Sequence[AnyLimit], reason: str, message: str) -> bool:
+        """Stop ``limits`` until resumed (``core/stops.py``): pause them for
+        :data:`~celery_throttle.values.LONGEST_WAIT` and record why (``reason``, the
+        provider's ``message``) where every process reads it.  True when they were not
+        stopped already (the caller says it once)."""
+        already = self.stopped(limits)
+        self.pause(limits, LONGEST_WAIT)
+        records = {stop_field(lim.name, lim.key): stops.dumps(stops.record(lim, reason, message))
+                   for lim in limits}
+        self.client.hset(stops_key(self.prefix), mapping=records)  # type: ignore[arg-type]
+        return already is None
+
+    def stopped(self, limits: Sequence[AnyLimit]) -> stops.Stop | None:
+        """Why ``limits`` are stopped (the first of them that is), None when none is."""
+        if not limits:
+            return None
+        raws = self.client.hmget(stops_key(self.prefix),
+                                     [stop_field(lim.name, lim.key) for lim in limits])
+        return stops.first(raws)
+
     def resume(self, limits: Sequence[AnyLimit]) -> int:
-        """End a pause of ``limits`` now (:meth:`pause`); returns how many were paused."""
-        return int(self._run("resume", *self._paused_call(limits)))
+        """End a pause of ``limits`` now (:meth:`pause`), a stop too (:meth:`stop`: its record
+        goes); returns how many were paused."""
+        ended = int(self._run("resume", *self._paused_call(limits)))
+        if limits:
+            self.client.hdel(stops_key(self.prefix),
+                             *[stop_field(lim.name, lim.key) for lim in limits])
+        return ended
 
     def cancel(self, limits: Sequence[AnyLimit], booking: Reservation) -> int:
         """Give back ``booking`` (from :meth:`acquire_many` with the same ``limits``) unused.

@@ -11,7 +11,7 @@ value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
 one.  The name comes last, after two parts of fixed form, so a limit name
 can hold any character (``:`` included) and still never be the key of
 another limit, nor of the package's own keys: those (``epoch``, ``live``,
-``enforce``, ``bell``, ``freed``, ``wait:*``, ``copy:*``, ``arrived:*``,
+``enforce``, ``stops``, ``bell``, ``freed``, ``wait:*``, ``copy:*``, ``arrived:*``,
 ``counts:*``, and the waiting room's ``room:*``) start with a word no limit
 key starts with.
 
@@ -60,6 +60,8 @@ __all__ = [
     "seat_line_key",
     "sibling_key",
     "split_limit_key",
+    "stop_field",
+    "stops_key",
     "task_key",
     "turns_key",
     "validate_name",
@@ -232,6 +234,18 @@ def enforce_key(prefix: str) -> str:
     """Limits switched in or out of shadow mode at run time (``live.py``): a hash, limit
     name -> "1" (enforced) or "0" (shadow)."""
     return f"{{{prefix}}}:enforce"
+
+
+def stops_key(prefix: str) -> str:
+    """The limits stopped until resumed (``core/stops.py``): a hash, :func:`stop_field` ->
+    why (JSON)."""
+    return f"{{{prefix}}}:stops"
+
+
+def stop_field(name: str, key: object = None) -> str:
+    """A limit's field in :func:`stops_key`: its key value's digest (``-`` for a shared
+    limit) and its name, as in its own keys."""
+    return f"{'-' if key is None else key_digest(key)}:{name}"
 
 
 def live_key(prefix: str) -> str:

@@ -192,7 +192,7 @@ def release_leases_of(task: Task[Any, Any]) -> None:
 
 
 def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
-                      seconds: float) -> NoReturn:
+                      seconds: float, stop: str | None = None) -> NoReturn:
     """The provider refused the call (429): pause ``limits`` everywhere, re-schedule the task.
 
     The pause is written to the gate, so every worker's next decision for
@@ -200,6 +200,9 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     The task comes back after ``seconds`` (in hops of at most
     ``throttle_max_countdown``) and asks the gate again; its retries are
     not spent.  With the store down the task is still re-scheduled.
+    ``stop``: the provider said the money is spent (its words): the limits
+    stop until resumed (``Gate.stop``, said once as an ERROR), and the task,
+    back after ``seconds``, waits in line for that.
     """
     request = task.request
     run = run_of(request)
@@ -212,7 +215,15 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     metrics.provider_paused(refused)
     store_up = True
     try:
-        seconds = max(seconds, runtime.gate.pause(limits, seconds))
+        if stop is not None:
+            # Back after ``seconds`` as for a pause: it then finds the stop and waits in
+            # line, where a resume serves it (a timer would hold it the stop's length).
+            if runtime.gate.stop(limits, "money", stop):
+                logger.error("throttle: %s stopped on every worker until resumed: the provider "
+                             "says the account's money is spent (%r); `celery throttle "
+                             "resume NAME` once it is not", names, stop)
+        else:
+            seconds = max(seconds, runtime.gate.pause(limits, seconds))
     except redis.RedisError as exc:
         store_up = False
         metrics.store_error([lim.name for lim in limits])

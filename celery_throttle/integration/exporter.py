@@ -15,7 +15,10 @@ from typing import Any
 
 from celery import Celery
 
+from ..core.keys import stop_field, stops_key
 from ..core.limits import Concurrency, Limit
+from ..core.stops import parse
+from ..values import text
 from .declared import known_limits
 from .runtime import runtime_for
 
@@ -81,7 +84,17 @@ class FillCollector:
             fill.add_metric([lim.name], state.used / lim.burst)
             free.add_metric([lim.name], state.next_free)
             booked.add_metric([lim.name], state.booked_ahead)
-        yield from (fill, free, booked, held, paused, parked, dispatching, in_line, drains)
+        stopped = GaugeMetricFamily(
+            "celery_throttle_stopped",
+            "1 while the limit is stopped until resumed (reason: money, a provider said the "
+            "account's money is spent); declared or not, shared limits",
+            labels=["limit", "reason"])
+        for field, raw in gate.client.hgetall(stops_key(gate.prefix)).items():
+            stop = parse(raw)
+            if stop is not None and not stop.per_key and text(field) == stop_field(stop.limit):
+                stopped.add_metric([stop.limit, stop.reason], 1)
+        yield from (fill, free, booked, held, paused, parked, dispatching, in_line, drains,
+                    stopped)
 
 
 def serve(app: Celery, port: int, addr: str = "0.0.0.0") -> None:  # scraped from elsewhere

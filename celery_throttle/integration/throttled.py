@@ -26,7 +26,7 @@ from ..core.keys import validate_name
 from ..core.limits import DEFAULT_LEASE, AnyLimit, Concurrency, declared, rates_of
 from ..core.logs import logger
 from ..core.rates import Rate, parse_rate
-from ..errors import RateLimited, ThrottleTimeout
+from ..errors import LimitStopped, RateLimited, ThrottleTimeout
 from ..room.dispatcher import queue_of
 from ..values import check_cost, positive_int, seconds
 from . import memory
@@ -153,6 +153,9 @@ def throttled(
 
     Raising :class:`~celery_throttle.RateLimited` in the task (a provider's
     429) pauses its limits on every worker and re-schedules it, retries untouched.
+    A :class:`~celery_throttle.LimitStopped` from a gated client under one of
+    its limits (the provider said the money is spent) re-schedules it too: it
+    waits in line until the limit is resumed.
     """
 
     def decorate(task: T) -> T:
@@ -334,11 +337,17 @@ def ensure_gated(task: Task[Any, Any]) -> None:
                 return run(*args, **kwargs)
             except RateLimited as exc:
                 limited = exc
+            except LimitStopped as exc:  # (a gated client's: the task waits for the resume)
+                if not any(lim.name == exc.limit_name for lim in limits):
+                    raise  # (its limits are not the stopped one's: nothing to wait in)
+                limited = RateLimited(limits=[exc.limit_name],
+                                      stop=exc.provider_message or exc.reason)
             # The provider said "not now": hold every worker off these limits,
             # give back the leases (only once the pause is written), come back
             # after the pause.
             with contextlib.suppress(Left):  # Ignore is raised below, shallow
-                defer_after_start(task, runtime, limited.limits_in(limits), limited.retry_after)
+                defer_after_start(task, runtime, limited.limits_in(limits), limited.retry_after,
+                                  stop=limited.stop)
         finally:
             credit.revoke(unspent)
             release_leases_of(task)  # the run ended, in whatever state

@@ -111,6 +111,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def _by(row: dict[str, Any]) -> str:
     """Who paused the limit of ``row``, as a few words."""
+    if stopped := row.get("stopped"):
+        return (f": stopped until resumed, the provider says the money is spent "
+                f"({stopped['message']!r})")
     return {"operator": " by an operator", "provider": " after a provider's 429"}.get(
         row.get("paused_by", ""), "")
 

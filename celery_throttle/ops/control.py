@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 from celery import Celery
 
-from ..core.keys import operator_key
+from ..core.keys import operator_key, stop_field, stops_key
 from ..core.limits import Concurrency, Limit
 from ..core.logs import logger
 from ..core.rates import Rate, parse_rate
+from ..core.stops import parse
+from ..integration.declared import known_limits
 from ..integration.notes import forget_dropped
 from ..integration.runtime import runtime_for
 from ..integration.visible import announce_dropped
@@ -65,9 +67,11 @@ def pause(app: Celery, name: str, seconds: float | None, value: object = None) -
 
 
 def resume(app: Celery, name: str, value: object = None) -> bool:
-    """End a pause of limit ``name`` now; False if it was not paused."""
+    """End a pause of limit ``name`` now, or its stop (a provider said the money is spent;
+    also of a limit no task of the app declares, which only gated clients use); False if
+    it was not paused."""
     runtime = runtime_for(app)
-    limits = _limits_of(app, name, value)
+    limits = _stopped_alone(app, name, value) or _limits_of(app, name, value)
     ended = runtime.gate.resume(limits)
     runtime.gate.client.delete(operator_key(runtime.gate.prefix, name, limits[0].key))
     runtime.room.lines.look_now(name)  # its line was due when the pause would end
@@ -181,6 +185,18 @@ def rate_limit(app: Celery, name: str) -> Limit:
         if isinstance(known.limit, Limit):
             return known.limit
     raise BadValue(f"limit {name!r} has no rate (a concurrency limit)", "NAME")
+
+
+def _stopped_alone(app: Celery, name: str, value: object) -> list[Limit | Concurrency]:
+    """Limit ``name`` as its stop's record has it, if no task of the app declares it (a
+    gated client's): it is resumed from the record's rate."""
+    if any(k.limit.name == name for k in known_limits(app)):
+        return []
+    gate = runtime_for(app).gate
+    stop = parse(gate.client.hget(stops_key(gate.prefix), stop_field(name, value)))
+    if stop is None or not stop.rate:
+        return []
+    return [Limit(name, parse_rate(stop.rate), max(stop.burst, 1), value)]
 
 
 def _limits_of(app: Celery, name: str, value: object) -> list[Limit | Concurrency]:

@@ -17,14 +17,16 @@ from typing import Any
 from celery import Celery
 
 from ..core.gate import Gate
-from ..core.keys import operator_key
+from ..core.keys import operator_key, stop_field, stops_key
 from ..core.limits import BucketState, Concurrency, LeaseState, Limit
 from ..core.rates import parse_rate
+from ..core.stops import parse
 from ..integration.declared import KnownLimit, known_limits
 from ..integration.history import SPAN, read_counts
 from ..integration.notes import read_wait
 from ..integration.runtime import runtime_for
 from ..integration.shadow import enforced
+from ..values import text
 
 __all__ = ["ROOM_OFF", "UnknownLimit", "select", "status", "why"]
 
@@ -84,6 +86,7 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
         if line is not None and "rate" in r:
             r.update(in_line=line.waiting, drains_in_s=line.drains_in,
                      top_keys=[{"key_digest": d, "waiting": n} for d, n in line.top])
+    _stopped_rows(gate, rows, names, value)
     _paused_by(runtime.gate, rows, value)
     # (A rate limit and a concurrency limit may share a name: one row each.)
     _shadow(app, rows, {(k.limit.name, isinstance(k.limit, Limit)): k for k in selected},
@@ -140,10 +143,39 @@ def _shadow(app: Celery, rows: list[dict[str, Any]], known: dict[tuple[str, bool
         r["shadow"] = fig
 
 
+def _stopped_rows(gate: Gate, rows: list[dict[str, Any]], names: Sequence[str],
+                  value: object) -> None:
+    """Add a row for each stopped limit that no task of the app declares (a gated client's:
+    its stop's record has its rate), of ``names`` (all when empty)."""
+    shown = {r["limit"] for r in rows}
+    for field, raw in gate.client.hgetall(stops_key(gate.prefix)).items():
+        stop = parse(raw)
+        if stop is None or stop.limit in shown or (names and stop.limit not in names) \
+                or not stop.rate or text(field) != stop_field(stop.limit, value
+                                                               if stop.per_key else None):
+            continue
+        lim = Limit(stop.limit, parse_rate(stop.rate), max(stop.burst, 1),
+                    value if stop.per_key else None)
+        known = KnownLimit(lim, stop.per_key, ("(no task: a gated client's)",))
+        rows.append(_row(known, gate.inspect(lim), value is not None))
+        shown.add(stop.limit)
+
+
 def _paused_by(gate: Gate, rows: list[dict[str, Any]], value: object) -> None:
-    """Say who paused each paused limit: ``"operator"`` (``control.pause``) or
-    ``"provider"`` (a provider's 429, or code calling ``Gate.pause``)."""
+    """Say who paused each paused limit: ``"operator"`` (``control.pause``),
+    ``"provider"`` (a provider's 429, or code calling ``Gate.pause``) or ``"money"`` (a
+    provider said the money is spent: ``stopped`` says since when and its words)."""
     paused = [r for r in rows if r.get("paused_s")]
+    if not paused:
+        return
+    stops = gate.client.hmget(stops_key(gate.prefix), [
+        stop_field(r["limit"], value if r["per_key"] else None) for r in paused])
+    for r, raw in zip(paused, stops, strict=True):
+        stop = parse(raw)
+        if stop is not None:
+            r["paused_by"] = "money"
+            r["stopped"] = {"reason": stop.reason, "message": stop.message, "since": stop.at}
+    paused = [r for r in paused if "stopped" not in r]
     if not paused:
         return
     pipe = gate.client.pipeline(transaction=False)

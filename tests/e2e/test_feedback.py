@@ -205,6 +205,48 @@ def test_sdk_calls_from_workers_keep_the_quota_through_the_sdk_retries(
     assert span <= 10.0
 
 
+def test_a_spend_cap_stops_every_worker_and_the_tasks_wait_for_the_resume(
+        redis_base: str, capp: ModuleType, records: redis.Redis) -> None:
+    """12 tasks on 2 prefork nodes calling through a gated OpenAI client; the provider says
+    the money is spent (429 insufficient_quota).  At most 3 requests reach it, the limit is
+    stopped with the provider's words, no task fails or runs: they wait.  Resumed (the
+    account topped up), every task runs once."""
+    from celery_throttle import Gate, Limit, parse_rate
+    from celery_throttle.ops import control
+
+    provider = MockProvider(limit=10, window=1.0, latency=0.02).start()
+    provider.answer_with("insufficient_quota", seconds=120)
+    limit = Limit("sdk-money", parse_rate("9/s"))
+    try:
+        env = {"CT_PROVIDER": provider.url}
+        with worker_nodes(redis_base, ("w1", "w2"), concurrency=3, env=env), \
+                Gate.from_url(capp.STORE, prefix=capp.app.conf.throttle_prefix) as gate:
+            results = [capp.sdk_chat_checked.delay(i) for i in range(12)]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and gate.stopped([limit]) is None:
+                time.sleep(0.05)
+            stop = gate.stopped([limit])
+            assert stop is not None
+            assert "exceeded your current quota" in stop.message
+            waited = time.monotonic() + 3  # (what the tasks do meanwhile)
+            while time.monotonic() < waited:
+                ended = [r for r in results if r.state in ("FAILURE", "SUCCESS")]
+                assert not ended, [(r.state, repr(r.result)) for r in ended]
+                time.sleep(0.2)
+            refused = len(provider.refusals)
+            assert refused <= 3
+            provider.answer_with(None)
+            assert control.resume(capp.app, "sdk-money")
+            states = wait_results(results, timeout=60)
+    finally:
+        provider.stop()
+    assert Counter(states) == {"SUCCESS": 12}
+    assert Counter(r["id"] for r in read_records(records, expect=12, timeout=5)) == Counter(
+        {r.id: 1 for r in results})
+    assert len(provider.accepted) == 12
+    assert len(provider.refusals) == refused  # (none after the stop)
+
+
 def test_tasks_a_web_handler_and_a_langchain_model_share_one_quota_through_the_transport(
         redis_base: str, capp: ModuleType, records: redis.Redis) -> None:
     """One limit (9/s, quota 10/s) spent at once by 30 worker tasks (OpenAI SDK), a Starlette

@@ -299,6 +299,24 @@ def test_command_with_the_store_down_says_so_in_one_line(redis_base: str) -> Non
     assert "s3cret" not in done.stderr + done.stdout
 
 
+def test_a_stopped_limit_is_a_gauge_an_alert_can_use_declared_or_not(app: Celery) -> None:
+    """A limit stopped because the money is spent (here one only a gated client uses) is 1 in
+    celery_throttle_stopped with its reason until resumed, then gone."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from celery_throttle.integration.exporter import FillCollector
+
+    limit = Limit("gated-only", parse_rate("5/s"))
+    gate = runtime_for(app).gate
+    assert gate.stop([limit], "money", "You exceeded your current quota")
+    own = CollectorRegistry()
+    own.register(FillCollector(app))
+    line = 'celery_throttle_stopped{limit="gated-only",reason="money"} 1.0'
+    assert line in generate_latest(own).decode().splitlines()
+    gate.resume([limit])
+    assert "celery_throttle_stopped{" not in generate_latest(own).decode()
+
+
 def test_the_grafana_dashboard_reads_only_metrics_the_exporter_serves(app: Celery) -> None:
     """docs/grafana/celery-throttle.json: every metric its queries read is one a worker's
     endpoint serves (metrics.py's counters, each counted once here, and the gauges the

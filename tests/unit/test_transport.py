@@ -25,10 +25,19 @@ import pytest
 from celery import Celery, Task
 from celery.exceptions import Ignore
 
-from celery_throttle import Gate, Limit, parse_rate, throttled
+from celery_throttle import (
+    Gate,
+    Limit,
+    LimitStopped,
+    RateLimited,
+    check_response,
+    parse_rate,
+    throttled,
+)
 from celery_throttle.core import credit
 from celery_throttle.integration.config import DISPATCH_LEAD
 from celery_throttle.integration.runtime import forget
+from celery_throttle.ops import control, report
 from celery_throttle.testing import max_in_window
 from celery_throttle.transport import (
     AsyncGatedTransport,
@@ -38,6 +47,7 @@ from celery_throttle.transport import (
 )
 from examples import provider as mock
 
+from ..conftest import installed_app
 from ..workers import PublishRecorder
 
 #: The provider's quota: 10 requests in any 1 s; the limit below it: 9/s.
@@ -224,6 +234,104 @@ def test_an_overloaded_provider_s_answer_passes_without_pausing_the_quota(
         assert caught.value.status_code == 529
         assert gate.inspect(limit).paused == 0
         assert _message(client, 1)
+
+
+def _stopped_error(exc: BaseException) -> LimitStopped | None:
+    """The LimitStopped an SDK's error carries (itself, or as the cause of its connection
+    error)."""
+    while exc is not None and not isinstance(exc, LimitStopped):
+        exc = exc.__cause__  # type: ignore[assignment]
+    return exc
+
+
+@pytest.mark.parametrize(("sdk", "answer"), [
+    ("openai", "insufficient_quota"), ("anthropic", "spend_cap"),
+    ("anthropic", "usage_limit")])
+def test_money_spent_stops_the_limit_for_every_caller_until_resumed(
+        provider: mock.MockProvider, redis_url: str, prefix: str, sdk: str,
+        answer: str) -> None:
+    """The first answer that says the money is spent stops the limit: the call and every
+    later one raise LimitStopped (the SDK's connection error carries it) at once, without a
+    request, the SDK's own retries included; status shows the stop and the provider's
+    words for a limit no task declares, and a resume sends again."""
+    name = f"money-{sdk}-{answer}"
+    provider.answer_with(answer, seconds=60)
+    with gated_client("100/s", name=name, url=redis_url, prefix=prefix) as http:
+        client: Any = (_openai(provider.url, http) if sdk == "openai"
+                       else _anthropic(provider.url, http))
+        call = _chat if sdk == "openai" else _message
+        for i in range(6):
+            started = time.monotonic()
+            with pytest.raises(Exception) as caught:  # noqa: PT011 (the SDK's own, or ours)
+                call(client, i)
+            assert time.monotonic() - started < 2.5
+            stopped = _stopped_error(caught.value)
+            assert stopped is not None, caught.value
+            assert stopped.limit_name == name
+            assert stopped.reason == "money"
+        assert len(provider.refusals) == 1  # (one request reached it: the first)
+        provider.answer_with(None)
+        with installed_app("stopped", redis_url, prefix) as app:
+            (row,) = [r for r in report.status(app)["limits"] if r["limit"] == name]
+            assert row["paused_by"] == "money"
+            assert row["stopped"]["message"] in str(mock.ANSWERS[answer][""][1])
+            assert control.resume(app, name)
+            assert not [r for r in report.status(app)["limits"] if r["limit"] == name]
+        assert call(client, 99)
+        assert len(provider.accepted) == 1
+
+
+def test_an_async_client_stops_on_money_as_the_sync_one_does(
+        provider: mock.MockProvider, redis_url: str, prefix: str) -> None:
+    """AsyncAnthropic through async_gated_client against a spend cap: LimitStopped (carried by
+    the SDK's connection error, whose retries fail here too), then again without a
+    request; the stop is the same record a sync caller reads."""
+    provider.answer_with("spend_cap", seconds=60)
+
+    async def main() -> list[BaseException]:
+        http = async_gated_client("100/s", name="async-money", url=redis_url, prefix=prefix)
+        claude = anthropic.AsyncAnthropic(base_url=provider.url, api_key="sk-test",
+                                          http_client=http)
+        raised: list[BaseException] = []
+        try:
+            for i in range(3):
+                try:
+                    await claude.messages.create(model="mock", max_tokens=16, messages=[
+                        {"role": "user", "content": f"call {i}"}])
+                except (LimitStopped, anthropic.APIConnectionError) as exc:
+                    raised.append(exc)  # (the async SDK wraps it in its connection error)
+        finally:
+            await http.aclose()
+        return raised
+
+    raised = asyncio.run(main())
+    assert len(raised) == 3
+    assert all(isinstance(_stopped_error(exc), LimitStopped) for exc in raised)
+    assert len(provider.refusals) == 1
+    with Gate.from_url(redis_url, prefix=prefix) as gate:
+        stop = gate.stopped([Limit("async-money", parse_rate("100/s"))])
+        assert stop is not None
+        assert "usage limit" in stop.message
+
+
+def test_check_response_stops_on_money_and_reads_a_stop_an_sdk_wrapped(
+        provider: mock.MockProvider, redis_url: str, prefix: str) -> None:
+    """In a task: an answer that says the money is spent raises RateLimited with ``stop``
+    (its limits stop, the task waits for the resume); so does the SDK's connection error
+    whose cause is a gated client's LimitStopped."""
+    provider.answer_with("insufficient_quota", count=1)
+    client = _openai(provider.url, None).with_options(max_retries=0)
+    with pytest.raises(openai.RateLimitError) as caught:
+        _chat(client, 0)
+    with pytest.raises(RateLimited) as limited:
+        check_response(caught.value)
+    assert limited.value.stop is not None
+    assert "exceeded your current quota" in limited.value.stop
+    wrapped = openai.APIConnectionError(request=httpx2.Request("POST", provider.url))
+    wrapped.__cause__ = LimitStopped.of("openai", "money", "spent")
+    with pytest.raises(RateLimited) as limited:
+        check_response(wrapped)
+    assert limited.value.stop == "spent"
 
 
 def test_a_task_s_admission_is_its_first_request_s_start(redis_url: str, prefix: str) -> None:

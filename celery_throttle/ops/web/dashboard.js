@@ -46,6 +46,12 @@ function fillCell(r) {
 
 function nextCell(r) {
   const td = el("td", { "data-field": "next" });
+  if (r.stopped) {
+    td.append(el("span", { class: "paused", "data-field": "paused",
+      text: "stopped until resumed: the provider says the money is spent" }));
+    td.append(el("div", { class: "small", "data-field": "stopped", text: r.stopped.message }));
+    return td;
+  }
   if (r.paused_s) {
     const who = r.paused_by === "operator" ? "by an operator" : "after a provider's 429";
     td.append(el("span", { class: "paused", "data-field": "paused",

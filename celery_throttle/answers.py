@@ -28,13 +28,16 @@ when it is not JSON, or None.
 from __future__ import annotations
 
 import json
+import random
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import (
     DEFAULT_RETRY_AFTER,
+    MAX_RETRY_AFTER,
     LimitStopped,
     RateLimited,
     response_of,
@@ -42,7 +45,8 @@ from .errors import (
     status_of,
 )
 
-__all__ = ["KINDS", "MAX_BODY", "Answer", "Hook", "Kind", "check_response", "classify"]
+__all__ = ["KINDS", "MAX_BODY", "OVERLOAD_FIRST", "OVERLOAD_MOST", "Answer", "Backoff", "Hook",
+           "Kind", "check_response", "classify"]
 
 Kind = Literal["quota", "overloaded", "money"]
 #: The kinds, in the words :func:`classify` and a hook use.
@@ -65,6 +69,38 @@ _MONEY_WORDS = re.compile(r"usage limit|spend(?:ing)? limit|spend cap|credit bal
                           r"|exceeded your current quota|budget", re.IGNORECASE)
 #: The statuses of an overloaded provider.
 _OVERLOADED = frozenset({503, 529})
+#: An overloaded provider is held off this long (seconds) after its first overloaded answer
+#: in a row, twice as long after each next one, at most OVERLOAD_MOST (before the jitter).
+OVERLOAD_FIRST, OVERLOAD_MOST = 1.0, 32.0
+
+
+class Backoff:
+    """How long to hold off an overloaded provider: :data:`OVERLOAD_FIRST` seconds, doubled
+    with each overloaded answer in a row (this process's count), at most
+    :data:`OVERLOAD_MOST`, times a jitter of 1 to 1.25 (callers held off together do not
+    come back together), and never less than the provider's own ``retry-after``.  A
+    success resets it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.in_a_row = 0
+
+    def next(self, named: float | None = None) -> float:
+        """The hold-off after one more overloaded answer (``named``: its retry-after)."""
+        with self._lock:
+            self.in_a_row += 1
+            steps = self.in_a_row
+        wait = min(OVERLOAD_MOST, OVERLOAD_FIRST * 2 ** min(steps - 1, 16))
+        jittered: float = wait * random.uniform(1.0, 1.25)
+        return min(max(jittered, named or 0.0), MAX_RETRY_AFTER)
+
+    def reset(self) -> None:
+        """A success: the next overload starts from :data:`OVERLOAD_FIRST` again."""
+        self.in_a_row = 0
+
+
+#: The back-off of :func:`check_response`'s callers in this process.
+_BACKOFF = Backoff()
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,14 +155,16 @@ def check_response(response: Any, *, limits: Sequence[str] = (),
     ``requests.HTTPError``.  Its status, headers and body (an SDK error's
     ``body``, else the response's content when it was read) are read by
     :func:`classify` (``answers``: a provider's own signals): a 429 for the
-    quota, and an answer that says the money is spent, pause for
-    ``Retry-After-Ms`` / ``Retry-After`` (1 s without); an overloaded
-    provider's answer passes.  An answer that says the money is spent raises
-    it with ``stop``: the limits stop until resumed, and the task waits for
-    that.  An error whose causes hold a :class:`~celery_throttle.LimitStopped`
-    (an SDK wraps what a gated client raises in its connection error) raises
-    it with ``stop`` too.  An object with no HTTP status to read raises
-    ``TypeError`` naming its type.
+    quota pauses for ``Retry-After-Ms`` / ``Retry-After`` (1 s without); an
+    overloaded
+    provider's answer raises it with ``overloaded`` (the limits are held off
+    for a :class:`Backoff`'s time, their quota untouched; a success resets
+    it).  An answer that says the money is spent raises it with ``stop``: the
+    limits stop until resumed, and the task waits for that.  An error whose
+    causes hold a :class:`~celery_throttle.LimitStopped` (an SDK wraps what a
+    gated client raises in its connection error) raises it with ``stop`` too.
+    An object with no HTTP status to read raises ``TypeError`` naming its
+    type.
     """
     stopped = _stopped_in(response)
     if stopped is not None:
@@ -137,8 +175,12 @@ def check_response(response: Any, *, limits: Sequence[str] = (),
     assert status is not None  # (response_of found one)
     answer = classify(status, getattr(found, "headers", None) or {}, _body_of(response, found),
                       answers)
-    if answer is None or answer.kind == "overloaded":
+    if answer is None:
+        if 200 <= status < 300:
+            _BACKOFF.reset()
         return
+    if answer.kind == "overloaded":
+        raise RateLimited(_BACKOFF.next(answer.retry_after), limits=limits, overloaded=True)
     raise RateLimited(answer.retry_after if answer.retry_after is not None
                       else DEFAULT_RETRY_AFTER, limits=limits,
                       stop=(answer.message or "money") if answer.kind == "money" else None)

@@ -129,12 +129,16 @@ class RateLimited(ThrottleError):
     are read as :func:`~celery_throttle.check_response` reads them.
     ``stop``: the provider says the account's money is spent (its words):
     the limits are stopped until resumed instead (``Gate.stop``), and the task
-    waits in line for that.
+    waits in line for that.  ``overloaded``: the provider is busy for everyone:
+    the limits are held off for ``retry_after`` instead, their quota untouched
+    (``Gate.follow`` with nothing left until then: no pause).
     """
 
     def __init__(self, retry_after: float | str | object | None = None, *,
-                 limits: Sequence[str] = (), stop: str | None = None) -> None:
+                 limits: Sequence[str] = (), stop: str | None = None,
+                 overloaded: bool = False) -> None:
         self.stop = stop
+        self.overloaded = overloaded
         message = None
         if retry_after is None:
             retry_after = DEFAULT_RETRY_AFTER
@@ -158,8 +162,8 @@ class RateLimited(ThrottleError):
         return chosen
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (functools.partial(type(self), limits=self.limits, stop=self.stop),
-                (self.retry_after,))
+        return (functools.partial(type(self), limits=self.limits, stop=self.stop,
+                                  overloaded=self.overloaded), (self.retry_after,))
 
 
 def status_of(response: Any) -> int | None:

@@ -21,7 +21,11 @@ too) pauses those limits on every worker and web process for the
 provider's ``retry-after-ms`` / ``retry-after`` (as :class:`RateLimited`
 does) and is handed back to the client unchanged: the SDK's retry then
 waits in the transport until the pause ends and its own booked start comes.
-An overloaded provider's answer (529, 503) is handed back as it is.  An
+An overloaded provider's answer (529, 503) holds those limits off on every
+worker and web process (``answers.Backoff``: from 1 s, doubled per overload
+in a row, reset by a success) without pausing them (``Gate.follow`` with
+nothing left until then: their quota untouched), and is handed back as it
+is: the SDK's retry waits in the transport until the hold-off ends.  An
 answer that says the account's money is spent stops those limits until
 resumed (``Gate.stop``: every worker and web process, said once as an
 ERROR) and raises :class:`~celery_throttle.LimitStopped`; so does every
@@ -62,7 +66,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from . import metrics, usage
-from .answers import MAX_BODY, Hook, classify
+from .answers import MAX_BODY, Backoff, Hook, classify
 from .core import credit
 from .core.async_gate import AsyncGate, LoopGates
 from .core.gate import Gate
@@ -165,6 +169,7 @@ class _Gated:
                  timeout: float | None, grace: float, follow: bool,
                  answers: Hook | None) -> None:
         self.answers = answers
+        self.backoff = Backoff()
         self.limits = limits
         self.meters = meters
         self.inner = inner
@@ -224,7 +229,13 @@ class _Gated:
         steps: list[_Step] = []
         answer = classify(response.status_code, response.headers, body, self.answers) \
             if body is not None or response.status_code >= 400 else None
-        if answer is not None and answer.kind != "overloaded":
+        if answer is not None and answer.kind == "overloaded":
+            # Busy for everyone: every caller holds off, the quota untouched (no pause).
+            return [_Step("follow", (self.limits, 0, self.backoff.next(answer.retry_after))),
+                    *(_Step("settle", (limit, 0)) for _, limit in attempt.charged)]
+        if 200 <= response.status_code < 300:
+            self.backoff.reset()
+        if answer is not None:
             metrics.provider_paused(self.names)
             steps += [_Step("settle", (limit, 0)) for _, limit in attempt.charged]
             steps.append(_Step("stop", (self.every, "money", answer.message or "money"))

@@ -192,7 +192,8 @@ def release_leases_of(task: Task[Any, Any]) -> None:
 
 
 def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
-                      seconds: float, stop: str | None = None) -> NoReturn:
+                      seconds: float, stop: str | None = None,
+                      overloaded: bool = False) -> NoReturn:
     """The provider refused the call (429): pause ``limits`` everywhere, re-schedule the task.
 
     The pause is written to the gate, so every worker's next decision for
@@ -202,7 +203,9 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     not spent.  With the store down the task is still re-scheduled.
     ``stop``: the provider said the money is spent (its words): the limits
     stop until resumed (``Gate.stop``, said once as an ERROR), and the task,
-    back after ``seconds``, waits in line for that.
+    back after ``seconds``, waits in line for that.  ``overloaded``: the
+    provider is busy for everyone: the limits are held off for ``seconds``
+    (``Gate.follow`` with nothing left until then), not paused.
     """
     request = task.request
     run = run_of(request)
@@ -222,6 +225,8 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
                 logger.error("throttle: %s stopped on every worker until resumed: the provider "
                              "says the account's money is spent (%r); `celery throttle "
                              "resume NAME` once it is not", names, stop)
+        elif overloaded:
+            runtime.gate.follow(limits, 0, seconds)
         else:
             seconds = max(seconds, runtime.gate.pause(limits, seconds))
     except redis.RedisError as exc:

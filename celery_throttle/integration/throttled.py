@@ -347,7 +347,7 @@ def ensure_gated(task: Task[Any, Any]) -> None:
             # after the pause.
             with contextlib.suppress(Left):  # Ignore is raised below, shallow
                 defer_after_start(task, runtime, limited.limits_in(limits), limited.retry_after,
-                                  stop=limited.stop)
+                                  stop=limited.stop, overloaded=limited.overloaded)
         finally:
             credit.revoke(unspent)
             release_leases_of(task)  # the run ended, in whatever state

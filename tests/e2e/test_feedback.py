@@ -247,6 +247,41 @@ def test_a_spend_cap_stops_every_worker_and_the_tasks_wait_for_the_resume(
     assert len(provider.refusals) == refused  # (none after the stop)
 
 
+def test_an_overloaded_provider_holds_every_worker_off_and_the_tasks_run_once_after(
+        redis_base: str, capp: ModuleType, records: redis.Redis) -> None:
+    """8 tasks on 2 prefork nodes through a gated OpenAI client; the provider answers 503
+    (overloaded) for 5 s.  The limit is held off, never paused; the SDK's retries wait in
+    the transport, and a task whose retries ran out is re-scheduled by check_response, its
+    Celery retries untouched.  Every task succeeds once, and only a few requests meet the
+    overload."""
+    from celery_throttle import Gate, Limit, parse_rate
+
+    provider = MockProvider(limit=10, window=1.0, latency=0.02).start()
+    limit = Limit("sdk-money", parse_rate("9/s"))
+    paused: list[float] = []
+    try:
+        env = {"CT_PROVIDER": provider.url}
+        with worker_nodes(redis_base, ("w1", "w2"), concurrency=3, env=env), \
+                Gate.from_url(capp.STORE, prefix=capp.app.conf.throttle_prefix) as gate:
+            provider.answer_with("overloaded", seconds=5.0)
+            results = [capp.sdk_chat_checked.delay(i) for i in range(8)]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not all(r.ready() for r in results):
+                paused.append(gate.inspect(limit).paused)
+                time.sleep(0.1)
+            states = wait_results(results, timeout=5)
+    finally:
+        provider.stop()
+    overloaded = len(provider.refusals)
+    print(f"\n8 tasks: {overloaded} requests met the overload, {len(provider.accepted)} "
+          f"accepted; {len(paused)} reads of the pause, the most {max(paused)}")
+    assert Counter(states) == {"SUCCESS": 8}
+    assert Counter(r["id"] for r in read_records(records, expect=8, timeout=5)) == Counter(
+        {r.id: 1 for r in results})
+    assert max(paused) == 0
+    assert 1 <= overloaded <= 8  # (held off: not each task's three tries in 5 s)
+
+
 def test_tasks_a_web_handler_and_a_langchain_model_share_one_quota_through_the_transport(
         redis_base: str, capp: ModuleType, records: redis.Redis) -> None:
     """One limit (9/s, quota 10/s) spent at once by 30 worker tasks (OpenAI SDK), a Starlette

@@ -17,7 +17,14 @@ import openai
 import pytest
 
 from celery_throttle import RateLimited, check_response
-from celery_throttle.answers import MAX_BODY, Answer, classify
+from celery_throttle.answers import (
+    MAX_BODY,
+    OVERLOAD_FIRST,
+    OVERLOAD_MOST,
+    Answer,
+    Backoff,
+    classify,
+)
 from examples.provider import ANSWERS
 
 #: OpenAI's rate-limit 429 (recorded): a quota, though its message links the billing page.
@@ -147,7 +154,8 @@ def _sdk_error(sdk: str, status: int, body: dict[str, Any] | None,
 
 def test_check_response_reads_the_sdks_errors_for_what_they_say() -> None:
     """The SDKs' own errors: a quota 429 re-schedules the task (RateLimited, the provider's
-    retry-after), an overloaded answer (anthropic's OverloadedError, 529) passes."""
+    retry-after); an overloaded answer (anthropic's OverloadedError, 529) too, as an
+    overload: held off for the back-off, its quota not paused."""
     status, body = OPENAI_RATE
     error = _sdk_error("openai", status, body, {"retry-after-ms": "250"})
     assert isinstance(error, openai.RateLimitError)
@@ -156,4 +164,21 @@ def test_check_response_reads_the_sdks_errors_for_what_they_say() -> None:
     assert caught.value.retry_after == 0.25
     overloaded = _sdk_error("anthropic", *_answer("overloaded", "/v1/messages"))
     assert type(overloaded).__name__ == "OverloadedError"
-    check_response(overloaded)  # (no quota to pause)
+    with pytest.raises(RateLimited) as caught:
+        check_response(overloaded)
+    assert caught.value.overloaded
+    assert caught.value.stop is None
+    assert OVERLOAD_FIRST <= caught.value.retry_after <= OVERLOAD_FIRST * 1.25
+
+
+def test_the_back_off_doubles_in_a_row_is_capped_and_a_success_resets_it() -> None:
+    """1 s, 2 s, 4 s... (times a jitter of 1 to 1.25), at most OVERLOAD_MOST; never less than
+    the provider's retry-after; from 1 s again after a success."""
+    backoff = Backoff()
+    waits = [backoff.next() for _ in range(8)]
+    for n, wait in enumerate(waits):
+        base = min(OVERLOAD_MOST, OVERLOAD_FIRST * 2 ** n)
+        assert base <= wait <= base * 1.25
+    assert backoff.next(named=100.0) == 100.0
+    backoff.reset()
+    assert OVERLOAD_FIRST <= backoff.next() <= OVERLOAD_FIRST * 1.25

@@ -48,12 +48,18 @@ class _Response:
     ({"Retry-After": "86400000"}, 3600.0),  # capped at an hour
 ])
 def test_check_response_reads_retry_after(headers: dict[str, str], seconds: float) -> None:
-    """A 429 raises RateLimited with the header's wait; anything else passes."""
+    """A 429 raises RateLimited with the header's wait; a success passes; an overloaded 503
+    is held off, at least as long as its header says (at most the same cap)."""
     with pytest.raises(RateLimited) as caught:
         check_response(_Response(429, headers))
     assert caught.value.retry_after == seconds
+    assert not caught.value.overloaded
     check_response(_Response(200, headers))
-    check_response(_Response(503, headers))
+    with pytest.raises(RateLimited) as caught:
+        check_response(_Response(503, headers))
+    assert caught.value.overloaded
+    named = seconds if headers and seconds != 1.0 else 0.0
+    assert caught.value.retry_after >= named
 
 
 

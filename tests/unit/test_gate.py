@@ -29,7 +29,9 @@ def test_first_start_allowed_second_waits_one_interval(gate: Gate) -> None:
     assert first.allowed
     assert first.retry_after == 0.0
     assert not second.allowed
-    assert 0.99 < second.retry_after <= 1.0
+    # One interval after the first start, less the time between the two calls on the
+    # server's clock: a loaded machine (a full suite on 2 cores) took over 10 ms once.
+    assert 0.9 < second.retry_after <= 1.0
     assert second.limit is not None
     assert second.limit.name == "api"
 

@@ -220,20 +220,38 @@ def test_a_429_pauses_the_limit_for_the_provider_s_retry_after(
     assert sent - 0.1 <= paused <= sent
 
 
-def test_an_overloaded_provider_s_answer_passes_without_pausing_the_quota(
+def test_an_overloaded_provider_is_held_off_without_pausing_the_quota(
         provider: mock.MockProvider, redis_url: str, prefix: str) -> None:
-    """A 529 (anthropic's OverloadedError) is the provider's trouble, not the quota's: the
-    limit is not paused; the answer reaches the SDK as it was."""
+    """The provider answers 529 (anthropic's OverloadedError) for 3 s, then serves: 10
+    calls one after another, with the SDK's default retries, all succeed; its retries
+    wait in the transport for the hold-off (1 s, then 2 s), so at most 3 requests meet
+    the overload; the limit is never paused (Gate.inspect, read all along)."""
     limit = Limit("busy", parse_rate("100/s"))
+    paused: list[float] = []
+    done = threading.Event()
     with Gate.from_url(redis_url, prefix=prefix) as gate, httpx2.Client(
             transport=GatedTransport([limit], gate=gate)) as http:
-        client = _anthropic(provider.url, http).with_options(max_retries=0)
-        provider.answer_with("overloaded", count=1)
-        with pytest.raises(anthropic.InternalServerError) as caught:
-            _message(client, 0)
-        assert caught.value.status_code == 529
-        assert gate.inspect(limit).paused == 0
-        assert _message(client, 1)
+
+        def watch() -> None:
+            while not done.wait(0.05):
+                paused.append(gate.inspect(limit).paused)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            client = _anthropic(provider.url, http)
+            provider.answer_with("overloaded", seconds=3.0)
+            started = time.monotonic()
+            replies = [_message(client, i) for i in range(10)]
+        finally:
+            done.set()
+            watcher.join(5)
+    print(f"\n10 calls in {time.monotonic() - started:.2f} s; {len(provider.refusals)} "
+          f"overloaded answers; {len(paused)} reads of the pause, the most {max(paused)}")
+    assert len(replies) == 10
+    assert 1 <= len(provider.refusals) <= 3
+    assert len(paused) > 10
+    assert max(paused) == 0
 
 
 def _stopped_error(exc: BaseException) -> LimitStopped | None:

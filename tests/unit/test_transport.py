@@ -278,11 +278,13 @@ def test_money_spent_stops_the_limit_for_every_caller_until_resumed(
         client: Any = (_openai(provider.url, http) if sdk == "openai"
                        else _anthropic(provider.url, http))
         call = _chat if sdk == "openai" else _message
-        for i in range(6):
+        # (anthropic's client wraps it in its connection error and retries that, failing
+        # here each time: about 1.3 s a call, so fewer calls)
+        for i in range(20 if sdk == "openai" else 5):
             started = time.monotonic()
             with pytest.raises(Exception) as caught:  # noqa: PT011 (the SDK's own, or ours)
                 call(client, i)
-            assert time.monotonic() - started < 2.5
+            assert time.monotonic() - started < 2.0
             stopped = _stopped_error(caught.value)
             assert stopped is not None, caught.value
             assert stopped.limit_name == name

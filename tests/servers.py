@@ -85,6 +85,21 @@ def _sees_all(sentinel: redis.Redis) -> bool:
     return int(state["num-slaves"]) == 1 and int(state["num-other-sentinels"]) == 2
 
 
+def _mode(port: int) -> str | None:
+    """What answers on ``port``: "sentinel", "standalone"... or None (nothing yet)."""
+    client = redis.Redis(port=port, socket_timeout=1)
+    try:
+        return str(client.info("server").get("redis_mode"))
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+
+
+def _up_or_gone(proc: subprocess.Popen[bytes], port: int) -> bool:
+    return proc.poll() is not None or _mode(port) is not None
+
+
 def _seen(sentinel: redis.Redis) -> str:
     try:
         state: Any = sentinel.sentinel_master(MASTER)
@@ -118,17 +133,8 @@ class SentinelGroup(Servers):
         """Start all five processes; return once the replica is in sync and sentinels agree."""
         self.master.start()
         self.replica.start()
-        for port in self.sentinel_ports:
-            conf = self.dir / f"sentinel-{port}.conf"
-            conf.write_text(
-                f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
-                f"sentinel monitor {MASTER} 127.0.0.1 {self.master.port} 2\n"
-                f"sentinel down-after-milliseconds {MASTER} {self.down_after_ms}\n"
-                f"sentinel failover-timeout {MASTER} 10000\n"
-                f"sentinel parallel-syncs {MASTER} 1\n")
-            self.sentinels.append(subprocess.Popen(
-                [find_redis_server(), str(conf), "--sentinel"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for i in range(len(self.sentinel_ports)):
+            self.sentinels.append(self._sentinel(i))
         replica = redis.Redis(port=self.replica.port, socket_timeout=1)
         until("replica in sync", lambda: replica.info("replication")
               .get("master_link_status") == "up", 20)
@@ -143,6 +149,31 @@ class SentinelGroup(Servers):
             finally:
                 sentinel.close()
         return self
+
+    def _sentinel(self, i: int) -> subprocess.Popen[bytes]:
+        """Start sentinel ``i``; return once it answers as a sentinel on its port.  A port
+        that another process took since :func:`free_port` (a parallel test's server) makes
+        it exit: it starts again on a new port (at most 5 tries)."""
+        for _ in range(5):
+            port = self.sentinel_ports[i]
+            conf = self.dir / f"sentinel-{port}.conf"
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                f"sentinel monitor {MASTER} 127.0.0.1 {self.master.port} 2\n"
+                f"sentinel down-after-milliseconds {MASTER} {self.down_after_ms}\n"
+                f"sentinel failover-timeout {MASTER} 10000\n"
+                f"sentinel parallel-syncs {MASTER} 1\n")
+            proc = subprocess.Popen([find_redis_server(), str(conf), "--sentinel"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            until(f"sentinel {port} answers, or exits", functools.partial(
+                _up_or_gone, proc, port), 10)
+            if proc.poll() is None and _mode(port) == "sentinel":
+                return proc
+            if proc.poll() is None:  # (another process answers there)
+                proc.terminate()
+                proc.wait(10)
+            self.sentinel_ports[i] = free_port()
+        raise RuntimeError(f"sentinel {i} found no free port in 5 tries")
 
     def master_port(self) -> int:
         """The port of the master the sentinels name now."""

@@ -294,9 +294,14 @@ class Cluster(Servers):
                 command(src, "MIGRATE", "127.0.0.1", self.nodes[target].port, "", 0,
                                     5000, "KEYS", *keys)
                 moved += len(keys)
-            for i in range(len(self.nodes)):
+            # The destination first (it bumps its config epoch, so gossip from a node not
+            # told yet cannot take the slot back), then the source, then the rest, as
+            # Redis's docs order it; done once node 0 (which owner() reads) names it.
+            others = [i for i in range(len(self.nodes)) if i not in (target, source)]
+            for i in (target, source, *others):
                 with contextlib.closing(self.client(i)) as cli:
                     command(cli, "CLUSTER SETSLOT", slot, "NODE", self.node_id(target))
+            until(f"slot {slot} owned by node {target}", lambda: self.owner(slot) == target, 10)
             return moved
         finally:
             src.close()

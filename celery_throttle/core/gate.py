@@ -15,7 +15,7 @@ from typing import Any, cast
 import redis
 from redis.cluster import RedisCluster
 
-from ..values import LONGEST_WAIT, from_us, to_us
+from ..values import LONGEST_WAIT, from_us, text, to_us
 from . import stops, waiting
 from .calls import COMMANDS, Clock, F, GateCalls
 from .connect import connect
@@ -77,8 +77,8 @@ class Gate(GateCalls):
 
     def preload(self) -> None:
         """Load the commands' scripts now, so the first call of each is a plain EVALSHA."""
-        for text in COMMANDS.values():
-            self.client.script_load(text)
+        for source in COMMANDS.values():
+            self.client.script_load(source)
 
     def acquire(self, name: str, rate: str | Rate, *, burst: int = 1, key: object = None,
                 cost: int = 1) -> Decision:
@@ -202,6 +202,17 @@ class Gate(GateCalls):
         raws = self.client.hmget(stops_key(self.prefix),
                                      [stop_field(lim.name, lim.key) for lim in limits])
         return stops.first(raws)
+
+    def stops(self, key: object = None) -> list[stops.Stop]:
+        """Every limit stopped now (:meth:`stop`), declared anywhere or not: the shared
+        ones, and the per-key ones for key value ``key``."""
+        found = []
+        for field, raw in self.client.hgetall(stops_key(self.prefix)).items():
+            stop = stops.parse(raw)
+            if stop is not None and text(field) == stop_field(
+                    stop.limit, key if stop.per_key else None):
+                found.append(stop)
+        return found
 
     def resume(self, limits: Sequence[AnyLimit]) -> int:
         """End a pause of ``limits`` now (:meth:`pause`), a stop too (:meth:`stop`: its record

@@ -15,10 +15,7 @@ from typing import Any
 
 from celery import Celery
 
-from ..core.keys import stop_field, stops_key
 from ..core.limits import Concurrency, Limit
-from ..core.stops import parse
-from ..values import text
 from .declared import known_limits
 from .runtime import runtime_for
 
@@ -89,9 +86,8 @@ class FillCollector:
             "1 while the limit is stopped until resumed (reason: money, a provider said the "
             "account's money is spent); declared or not, shared limits",
             labels=["limit", "reason"])
-        for field, raw in gate.client.hgetall(stops_key(gate.prefix)).items():
-            stop = parse(raw)
-            if stop is not None and not stop.per_key and text(field) == stop_field(stop.limit):
+        for stop in gate.stops():
+            if not stop.per_key:
                 stopped.add_metric([stop.limit, stop.reason], 1)
         yield from (fill, free, booked, held, paused, parked, dispatching, in_line, drains,
                     stopped)

@@ -26,7 +26,6 @@ from ..integration.history import SPAN, read_counts
 from ..integration.notes import read_wait
 from ..integration.runtime import runtime_for
 from ..integration.shadow import enforced
-from ..values import text
 
 __all__ = ["ROOM_OFF", "UnknownLimit", "select", "status", "why"]
 
@@ -148,11 +147,8 @@ def _stopped_rows(gate: Gate, rows: list[dict[str, Any]], names: Sequence[str],
     """Add a row for each stopped limit that no task of the app declares (a gated client's:
     its stop's record has its rate), of ``names`` (all when empty)."""
     shown = {r["limit"] for r in rows}
-    for field, raw in gate.client.hgetall(stops_key(gate.prefix)).items():
-        stop = parse(raw)
-        if stop is None or stop.limit in shown or (names and stop.limit not in names) \
-                or not stop.rate or text(field) != stop_field(stop.limit, value
-                                                               if stop.per_key else None):
+    for stop in gate.stops(value):
+        if stop.limit in shown or (names and stop.limit not in names) or not stop.rate:
             continue
         lim = Limit(stop.limit, parse_rate(stop.rate), max(stop.burst, 1),
                     value if stop.per_key else None)

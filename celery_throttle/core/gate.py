@@ -77,8 +77,8 @@ class Gate(GateCalls):
 
     def preload(self) -> None:
         """Load the commands' scripts now, so the first call of each is a plain EVALSHA."""
-        for source in COMMANDS.values():
-            self.client.script_load(source)
+        for text in COMMANDS.values():
+            self.client.script_load(text)
 
     def acquire(self, name: str, rate: str | Rate, *, burst: int = 1, key: object = None,
                 cost: int = 1) -> Decision:

@@ -15,7 +15,8 @@ from typing import Any, cast
 import redis
 from redis.cluster import RedisCluster
 
-from ..values import LONGEST_WAIT, from_us, text, to_us
+from .. import values
+from ..values import LONGEST_WAIT, from_us, to_us
 from . import stops, waiting
 from .calls import COMMANDS, Clock, F, GateCalls
 from .connect import connect
@@ -209,7 +210,7 @@ class Gate(GateCalls):
         found = []
         for field, raw in self.client.hgetall(stops_key(self.prefix)).items():
             stop = stops.parse(raw)
-            if stop is not None and text(field) == stop_field(
+            if stop is not None and values.text(field) == stop_field(
                     stop.limit, key if stop.per_key else None):
                 found.append(stop)
         return found

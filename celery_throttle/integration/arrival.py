@@ -35,9 +35,9 @@ and any error (a store that fails is left alone for
 :data:`PAUSE_AFTER_ERROR_S`: the consumer must not wait on it message after
 message).
 
-It hooks in as the task's Celery ``Strategy``, the function Celery's
-consumer builds per task type to handle its messages: the task's own
-strategy is kept and called for every message not lined up here.
+It hooks in as the task's Celery ``Strategy`` (``hooks.py``), the function
+Celery's consumer builds per task type to handle its messages: the task's
+own strategy is kept and called for every message not lined up here.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from typing import Any
 import redis
 from celery import Celery, Task
 from celery.app.task import Context
-from celery.utils.imports import instantiate
 from celery.worker import state as worker_state
 
 from ..core.keys import key_digest
@@ -60,10 +59,10 @@ from ..room.dispatcher import queue_of
 from ..room.header import HEADER, START
 from ..room.lines import MAX_AHEAD_US
 from ..values import from_us, to_us
-from . import shadow
+from . import hooks, shadow
 from .line import in_line_horizon, join_line_on_arrival
 from .runtime import Runtime, runtime_for
-from .throttled import ORIGINAL_STRATEGY, call_of
+from .throttled import call_of
 
 __all__ = ["EMPTY_FOR_S", "HANDOFF_S", "lines_up", "strategy"]
 
@@ -96,8 +95,7 @@ def lines_up(app: Celery) -> bool:
 def strategy(task: Task[Any, Any], app: Celery, consumer: Any, **kwargs: Any) -> Any:
     """The task's message handler (Celery's ``Task.Strategy``): its own, behind a look at
     whether the message joins a line on arrival."""
-    own = instantiate(task.__dict__.get(ORIGINAL_STRATEGY) or type(task).Strategy,
-                      task, app, consumer, **kwargs)
+    own = hooks.own_strategy(task, app, consumer, **kwargs)
     if not lines_up(app):
         return own
     arrivals = _Arrivals(task, consumer)
@@ -179,18 +177,15 @@ class _Arrivals:
         """Hand ``message`` on (``handoff``) ``seconds`` from now, outside the prefetch window
         meanwhile (as Celery holds a message with an ETA); what it was held is noted in its
         header, for its arrival's trip estimate."""
-        qos = self.consumer.qos
-        qos.increment_eventually()
         held_from = time.monotonic()
 
         def release() -> None:
-            qos.decrement_eventually()
             state = message.headers.get(HEADER)
             if isinstance(state, dict):
                 state["held"] = to_us(time.monotonic() - held_from)
             handoff()
 
-        self.consumer.timer.call_after(seconds, release, priority=6)
+        hooks.hold_outside_prefetch(self.consumer, seconds, release)
 
     def _line_up(self, runtime: Runtime, message: Any, headers: dict[str, Any],
                  args: tuple[Any, ...], kwargs: dict[str, Any], embed: dict[str, Any]) -> bool:

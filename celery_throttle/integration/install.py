@@ -1,6 +1,6 @@
 """``install(app)``: queue limits for every task, and the worker's signal receivers.
 
-Receivers (all idempotent, all for this app only):
+Receivers (all idempotent, all for this app only; ``hooks.py`` connects them):
 
 * ``celeryd_after_setup``: also consume each queue's lane, where tasks
   dispatched from a line or re-published to wait come back
@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis
-from celery import Celery, signals
+from celery import Celery
 from celery.worker import state as worker_state
 from redis.cluster import RedisCluster
 
@@ -42,7 +42,7 @@ from ..core.limits import Limit
 from ..core.logs import logger
 from ..room.dispatcher import Dispatcher, add_lanes
 from ..room.durability import Verdict
-from . import revokes
+from . import hooks, revokes
 from .config import read_config
 from .declared import known_limits, limits_in_force
 from .defer import run_ended
@@ -170,19 +170,11 @@ def install(app: Celery) -> Celery:
             logger.info("celery_throttle: consuming the lanes of tasks aimed at a start: %s",
                         ", ".join(lanes) or "none")
 
-    if getattr(app, "finalized", False):
-        gate_all()
-    else:
-        app.on_after_finalize.connect(gate_all, weak=False)
-    # weak=False: these closures would otherwise be garbage-collected at once.
-    signals.worker_init.connect(on_worker_init, weak=False)
-    signals.celeryd_after_setup.connect(on_after_setup, weak=False)
-    signals.worker_process_init.connect(on_process_init, weak=False)
-    signals.worker_ready.connect(on_ready, weak=False)
-    signals.worker_process_shutdown.connect(on_shutdown, weak=False)
-    signals.worker_shutdown.connect(on_worker_shutdown, weak=False)
-    signals.task_postrun.connect(on_postrun, weak=False)
-    signals.task_revoked.connect(on_revoked, weak=False)
+    hooks.connect_worker(app, {
+        "worker_init": on_worker_init, "celeryd_after_setup": on_after_setup,
+        "worker_process_init": on_process_init, "worker_ready": on_ready,
+        "worker_process_shutdown": on_shutdown, "worker_shutdown": on_worker_shutdown,
+        "task_postrun": on_postrun, "task_revoked": on_revoked}, after_finalize=gate_all)
     return app
 
 

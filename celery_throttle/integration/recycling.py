@@ -21,6 +21,7 @@ from typing import Any
 from celery import Celery
 
 from ..core.logs import logger
+from . import hooks
 from .runtime import runtime_for
 
 __all__ = ["DEFAULT_INTERVAL", "keep_pool_full", "recycles"]
@@ -43,18 +44,14 @@ def recycles(consumer: Any) -> bool:
 def keep_pool_full(app: Celery, consumer: Any) -> float:
     """Run the pool's maintenance every ``throttle_pool_check_interval`` in the worker's
     event loop, where its prefork processes are recycled; the interval (0: not run)."""
-    controller = getattr(consumer, "controller", None)
-    hub = getattr(controller, "hub", None)
-    pool = getattr(getattr(controller, "pool", None), "_pool", None)
-    maintain = getattr(pool, "maintain_pool", None)
     configured = runtime_for(app).config.pool_check_interval
     interval = DEFAULT_INTERVAL if configured is None else configured
-    if not (recycles(consumer) and interval > 0 and hub is not None and callable(maintain)):
+    if not (recycles(consumer) and interval > 0):
         return 0.0
-    if getattr(pool, _KEPT, False):
-        return interval  # (the consumer started again: the loop runs it already)
-    setattr(pool, _KEPT, True)
-    hub.call_repeatedly(interval, maintain)
-    logger.info("celery_throttle: pool processes are recycled: replaced within %.3fs of their "
-                "exit", interval)
+    started = hooks.repeat_in_loop(consumer, interval, _KEPT)
+    if started is None:
+        return 0.0  # (no event loop, or no prefork pool)
+    if started:  # (False: the consumer started again, and the loop runs it already)
+        logger.info("celery_throttle: pool processes are recycled: replaced within %.3fs of their "
+                    "exit", interval)
     return interval

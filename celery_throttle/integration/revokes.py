@@ -10,23 +10,20 @@ looked at would take the limit's start.  So the command is wrapped, once
 per process: Celery's own runs first and its reply is returned as it is,
 then each listener of the app (the node's dispatcher) is handed the ids.
 
-Celery looks the command up in ``Panel.data`` by name for each message
-(the registry ``@Panel.register`` adds to), so the wrapper takes effect for
-the consumer whenever it is installed.  Revocations by stamped headers are
+The wrapper is ``hooks.wrap_revoke``.  Revocations by stamped headers are
 not seen here: those tasks leave when their turn comes, as before.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
 from celery.utils.functional import maybe_list
-from celery.worker.control import Panel
 
 from ..core.logs import logger
+from . import hooks
 
 __all__ = ["listen", "unlisten"]
 
@@ -34,12 +31,11 @@ Listener = Callable[[list[str]], None]
 
 # id(app) -> the listeners of that app's revocations (a worker process has one app).
 _listeners: dict[int, list[Listener]] = {}
-_MARK = "__celery_throttle__"
 
 
 def listen(app: Celery, listener: Listener) -> None:
     """Hand ``listener`` the task ids of every revoke command ``app``'s node receives."""
-    _wrap()
+    hooks.wrap_revoke(_heard)
     _listeners.setdefault(id(app), []).append(listener)
 
 
@@ -50,23 +46,12 @@ def unlisten(app: Celery, listener: Listener) -> None:
         found.remove(listener)
 
 
-def _wrap() -> None:
-    original = Panel.data.get("revoke")
-    if original is None or getattr(original, _MARK, False):
-        return
-
-    @functools.wraps(original)
-    def revoke(state: Any, *args: Any, **kwargs: Any) -> Any:
-        reply = original(state, *args, **kwargs)
-        ids = [str(i) for i in maybe_list(args[0] if args else kwargs.get("task_id")) or []
-               if i]
-        for listener in list(_listeners.get(id(getattr(state, "app", None)), ())):
-            try:
-                listener(ids)
-            except Exception as exc:  # Celery's revoke is done; ours is an extra
-                logger.warning("celery_throttle: a revocation not passed on: %s: %s",
-                               type(exc).__name__, exc)
-        return reply
-
-    setattr(revoke, _MARK, True)
-    Panel.data["revoke"] = revoke
+def _heard(state: Any, ids: Any) -> None:
+    """Hand the ids of a revoke command the node ran to its app's listeners."""
+    revoked = [str(i) for i in maybe_list(ids) or [] if i]
+    for listener in list(_listeners.get(id(getattr(state, "app", None)), ())):
+        try:
+            listener(revoked)
+        except Exception as exc:  # Celery's revoke is done; ours is an extra
+            logger.warning("celery_throttle: a revocation not passed on: %s: %s",
+                           type(exc).__name__, exc)

@@ -1,4 +1,4 @@
-"""How Celery is hooked: ``@throttled`` and the call-path hook that gates a task.
+"""``@throttled`` and the gated run: the gate in a task's call path (``hooks.py`` plugs it in).
 
 The gate sits in the task's call path (its ``run``), not in a signal handler:
 Celery logs and swallows exceptions raised by signal receivers, so a receiver
@@ -16,8 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
-from celery import Task, signals
-from celery import _state as celery_state
+from celery import Task
 from celery.exceptions import Ignore
 from celery.local import PromiseProxy, Proxy
 
@@ -29,24 +28,18 @@ from ..core.rates import Rate, parse_rate
 from ..errors import LimitStopped, RateLimited, ThrottleTimeout
 from ..room.dispatcher import queue_of
 from ..values import check_cost, positive_int, seconds
-from . import memory
+from . import hooks, memory
 from .defer import admit, admitted_late, defer_after_start, release_leases_of
 from .exits import Left
 from .runtime import INSTALLED, Runtime, runtime_for
 
-__all__ = ["ORIGINAL_STRATEGY", "STRATEGY", "Call", "Throttle", "call_of", "ensure_gated",
-           "throttled"]
+__all__ = ["Call", "Throttle", "call_of", "ensure_gated", "throttled"]
 
 
 T = TypeVar("T")
 ArgFn = Callable[..., Any]
 
 _SPECS_ATTR = "__throttle_specs__"
-_ORIGINAL_RUN = "__throttle_run__"
-#: A gated task's Celery ``Strategy``: its messages may join a line as they arrive
-#: (``arrival.py``), its own strategy (kept under ORIGINAL_STRATEGY) handles the rest.
-STRATEGY = "celery_throttle.integration.arrival:strategy"
-ORIGINAL_STRATEGY = "__throttle_strategy__"
 # Shared tasks get one task object per app; the specs follow them by name.
 _shared_specs: dict[str, list[Throttle]] = {}
 
@@ -174,7 +167,7 @@ def throttled(
             real = task._get_current_object()  # type: ignore[attr-defined]
             _shared_specs.setdefault(real.name, []).append(spec)
             _attach(real, spec)
-            for app in celery_state._get_active_apps():  # type: ignore[attr-defined]
+            for app in hooks.active_apps():
                 if app.finalized and real.name in app._tasks:
                     other = app._tasks[real.name]
                     if other is not real:
@@ -286,23 +279,20 @@ def call_of(task: Task[Any, Any], runtime: Runtime, args: tuple[Any, ...],
 
 
 def ensure_gated(task: Task[Any, Any]) -> None:
-    """Put the gate in ``task``'s call path (idempotent).
-
-    The instance's ``run`` is replaced before the worker builds its tracers
-    (they capture ``task.run``), i.e. at import, app finalize or worker init.
+    """Put the gate in ``task``'s call path (idempotent; ``hooks.wrap_run``: its ``run``
+    and its ``Strategy``), before the worker builds its tracers, i.e. at import, app
+    finalize or worker init.
     """
-    if _ORIGINAL_RUN in task.__dict__:
+    if not hooks.wrap_run(task, functools.partial(_gated, task)):
         return
-    run = task.run
-    task.__dict__[_ORIGINAL_RUN] = run
-    # Its messages may join a line as they arrive, in the worker's main process
-    # (arrival.py); the task's own strategy handles the rest.
-    task.__dict__[ORIGINAL_STRATEGY] = task.Strategy
-    task.Strategy = STRATEGY
     # Failing past max_wait is the documented outcome, not a crash: Celery
     # logs an expected exception at INFO, without a traceback.
     if not issubclass(ThrottleTimeout, task.throws or ()):
         task.throws = (*(task.throws or ()), ThrottleTimeout)
+
+
+def _gated(task: Task[Any, Any], run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` behind the gate: the task's ``run`` in its call path."""
 
     @functools.wraps(run)
     def gated_run(*args: Any, **kwargs: Any) -> Any:
@@ -353,7 +343,7 @@ def ensure_gated(task: Task[Any, Any]) -> None:
             release_leases_of(task)  # the run ended, in whatever state
         _end_run()
 
-    task.run = gated_run  # type: ignore[method-assign]
+    return gated_run
 
 
 def _end_run() -> NoReturn:
@@ -416,13 +406,10 @@ def _hook_celery() -> None:
     that ``install`` never saw, and shared tasks are gated in every app that
     finalizes, installed or not.
     """
-    signals.worker_ready.connect(_warn_if_not_installed, weak=False,
-                                 dispatch_uid="celery_throttle.warn_if_not_installed")
-    celery_state.connect_on_app_finalize(_on_app_finalize)  # a set: once
+    hooks.connect_decorator(_warn_if_not_installed, _on_app_finalize)
 
 
 def _on_app_finalize(app: Any) -> None:
     # Runs as every app finalizes, before the shared tasks of that app
     # exist; so it only asks to be called once they do.
-    app.on_after_finalize.connect(_gate_shared, sender=app, weak=False,
-                                  dispatch_uid="celery_throttle.gate_shared")
+    hooks.connect_shared(app, _gate_shared)

@@ -4,7 +4,7 @@ and the Lua scripts on every Redis server version at hand (bundled 6.2, system 7
 The lowest versions get a virtual environment of their own (``.venv-lowest``,
 made by pip from the package registry, kept between runs while the pins are
 the same), in which a part of this suite runs: the gate, leases, the waiting
-room and their scripts, the config, and a real worker test.
+room and their scripts, the config, the hooks into Celery, and a real worker test.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ LOWEST_VENV = ROOT / ".venv-lowest"
 #: What the suite part below needs besides the package (no linters, no docs).
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "freezegun>=1.4",
               "msgpack>=1.0", "prometheus-client>=0.17"]
-#: The part of the suite run on other versions: every script, a config, a real worker, the
-#: Sentinel and Cluster clients.
+#: The part of the suite run on other versions: every script, a config, the hooks into
+#: Celery, a real worker, the Sentinel and Cluster clients.
 PART = ["tests/unit/test_gate.py", "tests/unit/test_leases.py", "tests/unit/test_parking.py",
         "tests/unit/test_copies.py", "tests/unit/test_keys.py", "tests/unit/test_config.py",
         "tests/unit/test_waiting.py", "tests/unit/test_async_gate.py",
+        # The Celery attributes the hooks rely on.
+        "tests/unit/test_hooks.py",
         "tests/e2e/test_integration.py::test_queue_limit_applies_to_undecorated_task[redis]",
         # Sentinel and Cluster clients (they start their own servers).
         "tests/unit/test_ha_stores.py"]

@@ -28,8 +28,8 @@ from celery_throttle.integration.arrival import (
     lines_up,
     strategy,
 )
+from celery_throttle.integration.hooks import ORIGINAL_STRATEGY
 from celery_throttle.integration.runtime import runtime_for
-from celery_throttle.integration.throttled import ORIGINAL_STRATEGY
 from celery_throttle.room.entries import entry_id
 from celery_throttle.room.envelope import Envelope
 from celery_throttle.room.header import START

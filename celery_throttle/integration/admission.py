@@ -16,7 +16,11 @@ gate's answer, and returns one action:
   one entry, a copy the copy pointer refused);
 * :class:`TimeOut`: its ``max_wait`` would pass;
 * :class:`WaitForStore`: the store is down and the policy is ``"defer"``: come back
-  after a backoff; :class:`StoreFailed`: the policy is ``"fail"``.
+  after a backoff; :class:`StoreFailed`: the policy is ``"fail"``;
+* :class:`Away`: the copy has left the worker (it waits elsewhere, or was
+  dropped): its run ends.
+
+``exits.carry_out`` does what is decided, the one function that ends a run.
 
 ``core/waiting.py``'s plan stays the core's loop for a caller that waits in
 place (``Gate.wait``); a task's plan asks :func:`refused` which waits it sleeps
@@ -33,10 +37,10 @@ from ..core.limits import AnyLimit, Concurrency, Decision, Limit, Reservation
 from ..core.waiting import Outcome
 from ..values import from_us
 
-__all__ = ["Action", "CountDown", "Drop", "JoinLine", "Known", "Sleep", "Start", "StoreFailed",
-           "TimeOut", "WaitForStore", "arrived", "backoff", "booking_horizon", "grace",
-           "limit_name", "longest_sleep", "refused", "settled", "store_down", "turn", "unlined",
-           "verdict"]
+__all__ = ["Action", "Away", "CountDown", "Drop", "JoinLine", "Known", "Sleep", "Start",
+           "StoreFailed", "TimeOut", "WaitForStore", "arrived", "backoff", "booking_horizon",
+           "grace", "limit_name", "longest_sleep", "refused", "settled", "store_down", "turn",
+           "unlined", "verdict"]
 
 _GRACE_FLOOR, _GRACE_CAP = 0.02, 0.25
 _BACKOFF_CAP = 30.0  # the store-down backoff's longest (seconds)
@@ -129,10 +133,20 @@ class WaitForStore:
 
 @dataclass(frozen=True, slots=True)
 class StoreFailed:
-    """The store is down (policy ``"fail"``): the task fails with the store's error."""
+    """The store is down (policy ``"fail"``): the task fails with the store's error
+    (``error``: its kind; ``cause``: the error itself, where known)."""
+
+    error: str = ""
+    cause: Exception | None = None
 
 
-Action = Start | Sleep | JoinLine | CountDown | Drop | TimeOut | WaitForStore | StoreFailed
+@dataclass(frozen=True, slots=True)
+class Away:
+    """The copy has left the worker (it waits elsewhere, or was dropped): its run ends."""
+
+
+Action = Start | Sleep | JoinLine | CountDown | Drop | TimeOut | WaitForStore | StoreFailed \
+    | Away
 
 
 def grace(limits: Sequence[AnyLimit], booked: int, configured: float | None = None) -> float:
@@ -222,12 +236,17 @@ def refused(known: Known, decision: Decision) -> Action:
     return Sleep(decision.retry_after)
 
 
-def settled(known: Known, outcome: Outcome) -> Start | JoinLine | CountDown:
-    """Where the task goes once its plan in the process ended: it starts, or the wait left
-    (refused by :func:`refused`, or a start lost again and again) waits out of the process."""
-    if outcome.decision.allowed:
+def settled(known: Known, outcome: Outcome) -> Start | JoinLine | CountDown | Drop | TimeOut:
+    """Where the task goes once its plan in the process ended: it starts; or the refusal
+    that ended it (:func:`refused`) drops it or times it out; or the wait left (one too
+    long to sleep, or a start lost again and again) waits out of the process."""
+    decision = outcome.decision
+    if decision.allowed:
         return Start(late=outcome.late)
-    return _leave(known, outcome.decision)
+    action = refused(known, decision)
+    if isinstance(action, (Drop, TimeOut, JoinLine, CountDown)):
+        return action
+    return _leave(known, decision)  # (a sleep left after the plan's last one)
 
 
 def _leave(known: Known, decision: Decision) -> JoinLine | CountDown:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping
-from dataclasses import replace
-from typing import Any, NoReturn
+from dataclasses import dataclass, replace
+from typing import Any
 
 import redis
 from celery import Task
@@ -35,22 +35,20 @@ from ..room.header import WaitState
 from ..room.lines import MAX_AHEAD_US
 from ..values import from_us, to_us
 from . import admission, leases, shadow
-from .admission import Drop, JoinLine, Known, Start, TimeOut
+from .act import Leave
+from .admission import Action, Away, Drop, Known, Start, StoreFailed, TimeOut, WaitForStore
 from .copies import new_copy
 from .exits import (
-    drop,
-    end,
-    gone,
     may_run_again,
     move_pointer,
     pointed_copy,
+    pointer_to_run,
     room_open,
     seconds_to_expiry,
     send_back,
-    store_failed,
-    wait_counted_down,
+    store_down,
 )
-from .line import in_line_horizon, join_line
+from .line import in_line_horizon
 from .notes import NOTE_AFTER_MS
 from .run import Run, rewrite, run_of, start_run
 from .runtime import Runtime
@@ -72,13 +70,12 @@ def admitted_late(task: Task[Any, Any]) -> float:
 
 def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
           max_wait: float | None, estimated: set[str] | None = None,
-          coded: Mapping[str, bool] | None = None) -> None:
-    """Return when ``task`` may start now; otherwise it waits elsewhere and its copy leaves
-    (:class:`~.exits.Left`).
+          coded: Mapping[str, bool] | None = None) -> tuple[Action, Leave]:
+    """What to do with ``task`` now, and what its way out needs (``exits.carry_out`` does
+    it): :class:`Start` when it may start now (its seats are held, its run records what it
+    was admitted under); any other action: it waits elsewhere, is dropped, or fails.
 
     ``limits``: the call's, at the rates in force (``throttled.call_of``).
-    Raises :class:`ThrottleTimeout` past ``max_wait`` and
-    :class:`ThrottleStoreError` when the store fails under ``on_error="fail"``.
     Concurrency limits are held under the task's id until its run ends
     (``task_postrun``), renewed meanwhile by this process's heartbeat.
     ``estimated``: names of limits whose cost the task may settle.  ``coded``:
@@ -90,10 +87,6 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     runtime.counts.start()  # (once per process) the per-second history the dashboard reads
     limits, shadowed = shadow.split(runtime, limits, coded or {})
     state = _run_again_uncharged(task, runtime, WaitState.from_request(request))
-    arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
-    charged = state.charged  # ... from a limit's line: how (entries.Served.flag)
-    arrived_at: int | None = 0  # the server's time when it arrived (0: unknown)
-    asked = 0.0  # (this process's clock before the arrival is asked: see _in_time_for_its_start)
     info: Mapping[str, Any] = request.delivery_info or {}
     came_by = str(info.get("routing_key") or "")
     if came_by and queue_of(came_by) != came_by:
@@ -102,52 +95,122 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         # parking again take the routing from delivery_info).  Copied only then: the
         # common arrival by the queue itself costs nothing here.
         rewrite(request, routing_key=queue_of(came_by))
+    arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
+    start = Start()
+    turn: _Turn | None = None  # (dispatched for its turn, and in time for it)
     if arrived:
-        asked = time.monotonic()
-        arrived_at = _first_arrival(task, runtime, state)
-        served = charged if limits else ""  # (every limit in shadow mode: nothing to serve)
-        ended = admission.arrived(
-            served, first=arrived_at is not None, limit=limits[0].name if limits else "",
-            waited=_waited(runtime, state) if served == "t" else 0.0, max_wait=max_wait)
-        if ended is not None:
-            end(task, ended)
-        # The entry is taken: a copy made from here on is a new one.
-        state = replace(state, entry="", token="", room=0, charged="", kept=False)
-    concurrent = seats_of(limits)
-    holder = str(request.id) if concurrent else ""
-    latest = 0  # the latest it may start, server clock (us; 0: any time)
-    if not limits:
-        admitted = True  # (every limit is in shadow mode)
-    elif (charged == "c" and arrived
-          and _seats_still_held(task, runtime, concurrent, holder, state)
-          and _in_time_for_its_start(task, run, limits, state, arrived_at, asked)):
-        admitted = True  # its turn came in its line: every limit was charged for it
-        latest = _latest_start(runtime, limits, state)
-    else:
-        admitted = _wait_for_slot(task, run, limits, max_wait, state, holder, arrived)
+        went, state, turn = _arrival(task, run, limits, state, max_wait)
+        if not isinstance(went, Start):
+            return went, Leave(limits, state)
+    if limits and turn is None:
+        asked, leave = _wait_for_start(task, run, limits, max_wait, state, arrived)
+        if not isinstance(asked, Start):
+            return asked, leave
+        start = asked
     if pointed_copy(task, state):
         # Before the seats are held: a copy refused here must not keep them renewed.
-        verdict = move_pointer(task, runtime, state, "ran:", latest_us=latest)
+        taken, leave = _take_the_pointer(task, run, limits, max_wait, state, arrived, start,
+                                         turn.latest if turn is not None else 0)
+        if not isinstance(taken, Start):
+            return taken, leave
+        start = taken
+        run.started = state  # for run_ended
+    _start(task, run, limits, shadowed, state, estimated or set(), held=start.held)
+    return start, Leave(limits, state)
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """A copy dispatched for its turn arrived in time for it: it may start until ``latest``
+    (server clock, us; 0: any time)."""
+
+    latest: int = 0
+
+
+def _arrival(task: Task[Any, Any], run: Run, limits: list[AnyLimit], state: WaitState,
+             max_wait: float | None) -> tuple[Action, WaitState, _Turn | None]:
+    """A copy dispatched from the waiting room arrives: the first of its entry goes on
+    (:class:`Start`), with the entry taken from its state; a copy charged for its turn
+    that still holds its seats and is in time for it comes with its :class:`_Turn`
+    (None: it asks the gate)."""
+    runtime = run.runtime
+    asked = time.monotonic()  # (this process's clock before the arrival is asked)
+    try:
+        arrived_at = _first_arrival(task, runtime, state)
+    except redis.RedisError as exc:
+        down = store_down(runtime, state, exc, ["(waiting room)"])
+        if not isinstance(down, Start):
+            return down, state, None
+        arrived_at = 0  # (policy "allow": on as the first)
+    served = state.charged if limits else ""  # (every limit in shadow mode: nothing to serve)
+    ended = admission.arrived(
+        served, first=arrived_at is not None, limit=limits[0].name if limits else "",
+        waited=_waited(runtime, state) if served == "t" else 0.0, max_wait=max_wait)
+    if ended is not None:
+        return ended, state, None
+    turn = None
+    if state.charged == "c" and limits:
+        concurrent = seats_of(limits)
+        held = _seats_still_held(task, runtime, concurrent, state)
+        if not isinstance(held, bool):
+            if not isinstance(held, Start):
+                return held, state, None
+            held = True  # (policy "allow")
+        if held and _in_time_for_its_start(task, run, limits, state, arrived_at, asked):
+            # Its turn came in its line: every limit was charged for it.
+            turn = _Turn(_latest_start(runtime, limits, state))
+    # The entry is taken: a copy made from here on is a new one.
+    return Start(), replace(state, entry="", token="", room=0, charged="", kept=False), turn
+
+
+def _take_the_pointer(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
+                      max_wait: float | None, state: WaitState, arrived: str,
+                      action: Start, latest: int) -> tuple[Action, Leave]:
+    """A pointed copy (``exits.pointed_copy``) admitted: may it start (the copy pointer
+    moves to "ran:")?  ``action``: how it was admitted.  A first "late" verdict (the store
+    answered after its turn) asks the gate again, once."""
+    runtime = run.runtime
+    verdict: str
+    try:
+        verdict = pointer_to_run(task, runtime, state, latest_us=latest)
         if verdict == "late":
             logger.info("throttle: task %s[%s] ready after its turn (the store answered "
-                        "late); in line again", task.name, request.id)
-            admitted = _wait_for_slot(task, run, limits, max_wait, state, holder, arrived)
-            verdict = move_pointer(task, runtime, state, "ran:")
-        refused = admission.verdict(verdict)
-        if refused is not None:
-            if refused.reason == "ended" and admitted and concurrent:
-                # The task's run has ended: the seats just given under its id are
-                # this copy's alone, and go back now rather than a lease later.  (A
-                # newer copy's, given at its dispatch, stay: see drop.)
-                with contextlib.suppress(redis.RedisError):
-                    runtime.gate.release(concurrent, holder)
-            drop(task, refused)
-        run.started = state  # for run_ended
-    if admitted:
+                        "late); in line again", task.name, task.request.id)
+            again, leave = _wait_for_start(task, run, limits, max_wait, state, arrived)
+            if not isinstance(again, Start):
+                return again, leave
+            action = again
+            verdict = pointer_to_run(task, runtime, state)
+    except redis.RedisError as exc:
+        down = store_down(runtime, state, exc)
+        if not isinstance(down, Start):
+            return down, Leave(limits, state)
+        verdict = "go"  # (policy "allow": it starts as admitted)
+    refused = admission.verdict(verdict)
+    if refused is None:
+        return action, Leave(limits, state)
+    concurrent = seats_of(limits)
+    if refused.reason == "ended" and action.held and concurrent:
+        # The task's run has ended: the seats just given under its id are this copy's
+        # alone, and go back now rather than a lease later.  (A newer copy's, given at its
+        # dispatch, stay: see exits.dropped.)
+        with contextlib.suppress(redis.RedisError):
+            runtime.gate.release(concurrent, str(task.request.id))
+    return refused, Leave(limits, state)
+
+
+def _start(task: Task[Any, Any], run: Run, limits: list[AnyLimit], shadowed: list[AnyLimit],
+           state: WaitState, estimated: set[str], *, held: bool) -> None:
+    """The task starts now: record what it was admitted under (``held``: by the gate, its
+    seats held, not by the store-down policy) and what its next copy must carry."""
+    request = task.request
+    runtime = run.runtime
+    concurrent = seats_of(limits)
+    if held:
         if concurrent:
             # Recorded before anything else may raise: the gated run gives it back.
-            run.leased = leases.hold(runtime.gate, concurrent, holder)
-        run.admitted = leases.Admitted(runtime.gate, limits, estimated or set())
+            run.leased = leases.hold(runtime.gate, concurrent, str(request.id))
+        run.admitted = leases.Admitted(runtime.gate, limits, estimated)
     if shadowed:  # it starts now: what would the shadowed limits have said?
         run.shadow_leased = shadow.decide(task, runtime, shadowed)
     metrics.admitted([lim.name for lim in limits + shadowed])
@@ -193,8 +256,10 @@ def release_leases_of(task: Task[Any, Any]) -> None:
 
 def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
                       seconds: float, stop: str | None = None,
-                      overloaded: bool = False) -> NoReturn:
-    """The provider refused the call (429): pause ``limits`` everywhere, re-schedule the task.
+                      overloaded: bool = False) -> Away | Drop:
+    """The provider refused the call (429): pause ``limits`` everywhere, re-schedule the task;
+    the copy's way out (``exits.carry_out``): :class:`Away`, or a :class:`Drop` where the
+    waiting room has this copy already.
 
     The pause is written to the gate, so every worker's next decision for
     these limits waits it out, and starts booked before it ends are void.
@@ -239,7 +304,10 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     release_leases_of(task)
     # (It waits for the provider now, whatever brought it here.)
     new = replace(state.successor(new_copy(), limits, state.since), rerun=False)
-    new = send_back(task, runtime, new, seconds)
+    sent = send_back(task, runtime, new, seconds)
+    if isinstance(sent, Drop):
+        return sent
+    new = sent
     if pointed_copy(task, state):
         move_pointer(task, runtime, state, new.copy)
     metrics.deferred(limits[0].name if limits else "(provider)", seconds)
@@ -249,14 +317,16 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     logger.info("throttle: task %s[%s] refused by the provider: %s paused %.3fs on every "
                 "worker; re-scheduled (deferral %d)", task.name, request.id, names, seconds,
                 new.deferrals)
-    gone()
+    return Away()
 
 
-def _wait_for_slot(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
-                   max_wait: float | None, state: WaitState, holder: str,
-                   arrived: str = "") -> bool:
-    """Return True when the gate admitted the task, False when the store-down policy did;
-    otherwise the task waits out of the process (or fails) and this raises."""
+def _wait_for_start(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
+                    max_wait: float | None, state: WaitState, arrived: str = ""
+                    ) -> tuple[Action, Leave]:
+    """Ask the gate, sleeping here for a start booked close by (the waiting loop of every
+    waiter, ``core/waiting.py``), until the task may start (:class:`Start`, ``run.late``
+    set) or must wait out of the process, be dropped or fail (the action, and what its way
+    out needs)."""
     request = task.request
     runtime = run.runtime
     config = runtime.config
@@ -270,18 +340,14 @@ def _wait_for_slot(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
             in_line_horizon(runtime) if in_line else config.horizon, to_expiry, max_wait),
         shortest=config.max_sleep, to_expiry=to_expiry, max_wait=max_wait,
         since=state.since or 0, in_line=in_line)
+    holder = str(request.id) if seats_of(limits) else ""
 
     # A short wait is slept, then the booked start claimed (the claim is what charges
-    # the limits the start is not booked in): the waiting loop of every waiter
-    # (core/waiting.py).  Bounded: if the start is lost again and again, the task
-    # waits outside the worker instead.
+    # the limits the start is not booked in).  Bounded: if the start is lost again and
+    # again, the task waits outside the worker instead.  Any refusal not slept (a drop,
+    # a time-out, a wait out of the process) ends the plan, for admission.settled.
     def elsewhere(decision: Decision) -> bool:
         return not isinstance(admission.refused(known, decision), admission.Sleep)
-
-    def check(decision: Decision) -> None:
-        action = admission.refused(known, decision)
-        if isinstance(action, (Drop, TimeOut)):
-            end(task, action)
 
     def ask(step: waiting.Ask) -> Decision:
         if step.late:
@@ -312,25 +378,21 @@ def _wait_for_slot(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
     steps = waiting.plan(limits, near=0.0, horizon=known.horizon, in_line=in_line,
                          grace=lambda booked: admission.grace(limits, booked,
                                                               config.claim_grace),
-                         claim=state.claim_under(limits), elsewhere=elsewhere, check=check,
+                         claim=state.claim_under(limits), elsewhere=elsewhere,
                          max_sleeps=_MAX_SLEEPS)
     try:
         outcome = waiting.drive(steps, ask, sleep, give_back)
     except redis.RedisError as exc:
-        store_failed(task, runtime, state, exc, [lim.name for lim in limits])
-        return False
+        return store_down(runtime, state, exc, [lim.name for lim in limits]), Leave(limits,
+                                                                                   state)
     action = admission.settled(known, outcome)
     if isinstance(action, Start):
         run.late = max(0.0, action.late)
-        return True
-    if isinstance(action, JoinLine):
-        if action.booking is not None:
-            with contextlib.suppress(redis.RedisError):
-                runtime.gate.cancel(limits, action.booking)
-        join_line(task, runtime, limits, outcome.decision, action, state, known)
-        # (still here: the store failed as it joined)
-        action = admission.unlined(known, outcome.decision)
-    wait_counted_down(task, runtime, limits, state, outcome.decision, action)
+    elif isinstance(action, (Drop, TimeOut)):
+        # It will not wait: a start booked for it goes back.
+        give_back(outcome.decision.reservation if outcome.decision.reservation is not None
+                  and outcome.decision.reservation.booked else None)
+    return action, Leave(limits, state, outcome.decision, known)
 
 
 def _run_again_uncharged(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> WaitState:
@@ -358,21 +420,21 @@ def _run_again_uncharged(task: Task[Any, Any], runtime: Runtime, state: WaitStat
 
 
 def _seats_still_held(task: Task[Any, Any], runtime: Runtime, concurrent: list[Concurrency],
-                      holder: str, state: WaitState) -> bool:
+                      state: WaitState) -> bool | Start | WaitForStore | StoreFailed:
     """A task dispatched from its line with seats taken for it: are they still its own?
 
     The seats were taken at dispatch for a lease's time, renewed by nobody
     while the copy travels.  A copy that comes later than that (its node was
     killed and the broker restored it after its visibility timeout) may find
-    them given to the next in line: it takes a free one again, or asks again.
+    them given to the next in line: it takes a free one again, or asks again.  The
+    store down: the store-down policy's action.
     """
     if not concurrent:
         return True
     try:
-        lost = runtime.gate.extend(concurrent, holder)
+        lost = runtime.gate.extend(concurrent, str(task.request.id))
     except redis.RedisError as exc:
-        store_failed(task, runtime, state, exc, [lim.name for lim in concurrent])
-        return True  # (policy "allow")
+        return store_down(runtime, state, exc, [lim.name for lim in concurrent])
     if lost:
         logger.info("throttle: task %s[%s] arrived after its seat was given to another; "
                     "asking again", task.name, task.request.id)
@@ -445,7 +507,7 @@ def _waited(runtime: Runtime, state: WaitState) -> float:
 def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> int | None:
     """A copy dispatched from the waiting room: is it the first of its entry to arrive?
 
-    None: no; else the server's time (us; 0 when the store is down).  With
+    None: no; else the server's time (us).  Raises ``redis.RedisError``: with
     the store down this is the store-down policy's call (``defer``
     re-publishes the copy, still naming its entry, so exactly one copy of
     the entry goes on once the store is back).
@@ -454,11 +516,7 @@ def _first_arrival(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> 
     # acks_late: the broker may redeliver this copy after a crash mid-run,
     # as late as its visibility timeout; the marker must outlive that.
     ttl_ms = int(runtime.config.visibility_timeout * 1000) + 60_000 if acks_late else 0
-    try:
-        now = runtime.room.arrive(state.entry, state.token, state.room, marker_ttl_ms=ttl_ms,
-                                  task_id=str(task.request.id), note_ttl_ms=NOTE_AFTER_MS,
-                                  kept=state.kept, held_us=state.held)
-    except redis.RedisError as exc:
-        store_failed(task, runtime, state, exc, ["(waiting room)"])
-        return 0  # policy "allow"
+    now = runtime.room.arrive(state.entry, state.token, state.room, marker_ttl_ms=ttl_ms,
+                              task_id=str(task.request.id), note_ttl_ms=NOTE_AFTER_MS,
+                              kept=state.kept, held_us=state.held)
     return now or None

@@ -1,25 +1,25 @@
-"""The ways a task's copy leaves the worker without running, and the one way out.
+"""The ways a task's copy leaves the worker without running.
 
 A copy that must not run now leaves the process: it waits in its limit's
 line (``line.py``), parked in the waiting room's timer, or re-published with
 a countdown (on RabbitMQ on the delay ladder, ``room/ladder.py``); or it is
 dropped (expired, a second copy, delivered again, its run ended, stale), or
-fails (``max_wait`` passed, the store down under ``on_error="fail"``).  Every
-function here that ends the copy ends it through :func:`gone`, typed
-``NoReturn``: it raises :class:`Left`, which the gated run
-(``throttled.py``) turns into Celery's ``Ignore``, the only place that
-raises it (the message is acknowledged, no result is stored).
+fails (``max_wait`` passed, the store down under ``on_error="fail"``).  Each
+function here returns: a way out that cannot be taken returns the action to
+take instead (a copy delivered again: a drop); ``act.carry_out`` alone ends
+the copy's run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any
 
 import redis
 from celery import Task
@@ -27,37 +27,23 @@ from celery import Task
 from .. import faults, metrics
 from ..core.limits import AnyLimit, Decision
 from ..core.logs import logger
-from ..errors import ThrottleStoreError, ThrottleTimeout
 from ..room.dispatcher import by_lane
 from ..room.entries import entry_id
 from ..room.envelope import Envelope, capture, confirmed_producer, ladder_of
 from ..room.header import HEADER, WaitState
 from ..values import to_us
 from . import admission
-from .admission import CountDown, Drop, Start, StoreFailed, TimeOut, WaitForStore
+from .admission import CountDown, Drop, Start, StoreFailed, WaitForStore
 from .copies import Verdict, new_copy
 from .notes import wait_note, write_note
 from .runtime import INSTALLED, Runtime
 from .visible import announce
 
-__all__ = ["Left", "copy_of", "count_down", "drop", "end", "entry_of", "gone",
-           "kept_beside_broker", "log_outage", "may_run_again", "move_pointer", "park",
-           "pointed_copy", "refuse_superseded", "republish", "room_open", "room_write_failed",
-           "say_dropped", "seconds_to_expiry", "send_back", "store_failed", "wait_counted_down",
+__all__ = ["copy_of", "count_down", "entry_of", "kept_beside_broker",
+           "log_outage", "may_run_again", "move_pointer", "park", "pointed_copy",
+           "pointer_to_run", "refuse_superseded", "republish", "room_open", "room_write_failed",
+           "say_dropped", "seconds_to_expiry", "send_back", "store_down", "wait_counted_down",
            "wait_for_store", "waits_in_line"]
-
-
-class Left(Exception):
-    """The task's copy left the worker without running (it waits elsewhere, or was dropped).
-
-    Raised by :func:`gone` alone; the gated run ends the copy on it with
-    Celery's ``Ignore``.
-    """
-
-
-def gone() -> NoReturn:
-    """The copy has left (it waits elsewhere, or was dropped): end its run here."""
-    raise Left
 
 
 # A re-publish retries for about 80 s (20 tries, 0.5 s apart growing to 5 s).
@@ -96,10 +82,10 @@ def entry_of(task: Task[Any, Any], copy: str) -> str:
     return entry_id(str(task.request.id), copy)
 
 
-def drop(task: Task[Any, Any], why: Drop) -> NoReturn:
-    """The task's copy ends here, never run.  A copy the pointer refused keeps the seats
-    held under the task's id (while the task runs or waits they are its running or newer
-    copy's); an expired task is marked revoked, as Celery marks one."""
+def dropped(task: Task[Any, Any], why: Drop) -> None:
+    """The task's copy ends here, never run: say so.  A copy the pointer refused keeps the
+    seats held under the task's id (while the task runs or waits they are its running or
+    newer copy's); an expired task is marked revoked, as Celery marks one."""
     request = task.request
     if why.reason == "expired":
         logger.info("throttle: task %s[%s] expires before its start (%.3fs away); not run",
@@ -107,7 +93,6 @@ def drop(task: Task[Any, Any], why: Drop) -> NoReturn:
         task.backend.mark_as_revoked(str(request.id), "expired", request=request)
     else:
         say_dropped(task, why)
-    gone()
 
 
 def say_dropped(task: Task[Any, Any], why: Drop) -> None:
@@ -128,13 +113,6 @@ _DROPPED = {
 }
 
 
-def end(task: Task[Any, Any], action: Drop | TimeOut) -> NoReturn:
-    """The task ends here: dropped, or failed with its ``max_wait`` passed."""
-    if isinstance(action, Drop):
-        drop(task, action)
-    raise ThrottleTimeout.exceeded(task.name, action.limit, action.waited, action.max_wait)
-
-
 def log_outage(runtime: Runtime, exc: redis.RedisError, what: str) -> None:
     """Report the store being down once per 30 s per process and app, not per task."""
     # It may come back with another configuration: ask again before parking there.
@@ -145,27 +123,25 @@ def log_outage(runtime: Runtime, exc: redis.RedisError, what: str) -> None:
                        what)
 
 
-def store_failed(task: Task[Any, Any], runtime: Runtime, state: WaitState,
-                 exc: redis.RedisError, counted: Sequence[str] = ()) -> None:
+def store_down(runtime: Runtime, state: WaitState, exc: redis.RedisError,
+               counted: Sequence[str] = ()) -> Start | WaitForStore | StoreFailed:
     """The store failed while the task was decided (counted as a store error of the
-    limits ``counted`` names): returns when the store-down policy lets it run
-    unthrottled; otherwise it waits for the store or fails (:func:`wait_for_store`)."""
+    limits ``counted`` names): the store-down policy's action, reported once in a while
+    (:func:`log_outage`): run unthrottled, come back after a backoff, or fail."""
     if counted:
         metrics.store_error(list(counted))
     policy = runtime.config.on_error
     log_outage(runtime, exc, f"policy {policy!r}")
     action = admission.store_down(policy, state.deferrals, random.uniform(0.5, 1.0))
-    if not isinstance(action, Start):
-        wait_for_store(task, runtime, state, action, exc)
+    if isinstance(action, StoreFailed):
+        return replace(action, error=type(exc).__name__, cause=exc)
+    return action
 
 
 def wait_for_store(task: Task[Any, Any], runtime: Runtime, state: WaitState,
-                   action: WaitForStore | StoreFailed, exc: redis.RedisError) -> NoReturn:
-    """The store is down and the policy does not let the task run: it fails
-    (``on_error="fail"``), or comes back after ``action.seconds`` to ask again."""
-    if isinstance(action, StoreFailed):
-        raise ThrottleStoreError(f"throttle store unavailable for task {task.name!r}: "
-                                 f"{type(exc).__name__}") from exc
+                   action: WaitForStore) -> None:
+    """The store is down and the policy does not let the task run: it comes back after
+    ``action.seconds`` to ask again."""
     new = state.unmoved_successor(new_copy())
     # The copy pointer is not moved (the store is down): the new copy names
     # the last copy the pointer knows as its predecessor, which it accepts.
@@ -174,7 +150,6 @@ def wait_for_store(task: Task[Any, Any], runtime: Runtime, state: WaitState,
     count_down(task, runtime, new, action.seconds)
     logger.info("throttle: task %s[%s] re-scheduled in %.1fs: store unavailable (deferral %d)",
                 task.name, task.request.id, action.seconds, new.deferrals)
-    gone()
 
 
 def pointed_copy(task: Task[Any, Any], state: WaitState) -> bool:
@@ -198,28 +173,30 @@ def may_run_again(task: Task[Any, Any]) -> bool:
     return bool(getattr(task, "acks_late", False) and info.get("redelivered"))
 
 
-def move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState,
-                  then: str, *, latest_us: int = 0) -> Verdict:
-    """A pointed copy (:func:`pointed_copy`): may it go on (``CopyPointer.move``)?  Store
-    down: yes.  A copy starts ("ran:") once, unless this delivery of it is the broker's
-    redelivery of an acks_late message (:func:`may_run_again`).
-
-    With the store down a copy re-published meanwhile names this one as its
-    predecessor, so the pointer still lets exactly one through; a start with
-    the store down is the store-down policy's call.
+def pointer_to_run(task: Task[Any, Any], runtime: Runtime, state: WaitState, *,
+                   latest_us: int = 0) -> Verdict:
+    """A pointed copy (:func:`pointed_copy`) about to start: may it (``CopyPointer.move``
+    to "ran:")?  Once, unless this delivery of it is the broker's redelivery of an acks_late
+    message (:func:`may_run_again`).  Raises ``redis.RedisError``: a start with the store
+    down is the store-down policy's call (a copy re-published meanwhile names this one
+    as its predecessor, so the pointer still lets exactly one through).
     """
     request = task.request
-    try:
-        return runtime.copies.move(
-            str(request.id), request.retries, state, then, latest_us=latest_us,
-            once=then == "ran:" and not may_run_again(task))
-    except redis.RedisError as exc:
-        if then == "ran:":
-            store_failed(task, runtime, state, exc)
-        return "go"
+    return runtime.copies.move(str(request.id), request.retries, state, "ran:",
+                               latest_us=latest_us, once=not may_run_again(task))
 
 
-def refuse_superseded(task: Task[Any, Any], runtime: Runtime, state: WaitState) -> None:
+def move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, then: str) -> None:
+    """A pointed copy (:func:`pointed_copy`) hands the pointer on: to its new copy ``then``
+    (it waits as that), or to "done:" (its run ended).  Store down: nothing moves; the new
+    copy names this one as its predecessor, which the pointer accepts."""
+    request = task.request
+    with contextlib.suppress(redis.RedisError):
+        runtime.copies.move(str(request.id), request.retries, state, then)
+
+
+def refuse_superseded(task: Task[Any, Any], runtime: Runtime, state: WaitState
+                      ) -> Drop | None:
     """A pointed copy: is it still the task's, before it gives back the seats held under
     the task's id and puts the task in line?  A copy delivered again after it was
     re-published is not: those seats may be its newer copy's, and a second copy of the
@@ -227,16 +204,14 @@ def refuse_superseded(task: Task[Any, Any], runtime: Runtime, state: WaitState) 
 
     Only asked, nothing moved: the pointer moves after the task is in line, so a
     node dying in between leaves this copy (redelivered) to go on.  Store down:
-    the move after decides, as ``move_pointer``.
+    the move after decides.  A :class:`Drop` when it is not the task's copy, else None.
     """
     request = task.request
     try:
         verdict = runtime.copies.check(str(request.id), request.retries, state)
     except redis.RedisError:
-        return
-    refused = admission.verdict(verdict)
-    if refused is not None:
-        drop(task, refused)
+        return None
+    return admission.verdict(verdict)
 
 
 def waits_in_line(task: Task[Any, Any], runtime: Runtime, state: WaitState, new: WaitState,
@@ -251,15 +226,17 @@ def waits_in_line(task: Task[Any, Any], runtime: Runtime, state: WaitState, new:
 
 
 def wait_counted_down(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
-                       state: WaitState, decision: Decision, action: CountDown) -> NoReturn:
+                      state: WaitState, decision: Decision, action: CountDown) -> Drop | None:
     """The task waits out of the process as a countdown (the room is closed for it, or it
     could not be put in line): re-published to come back for ``action``'s booking, or to
-    when a start is within reach.  A copy the pointer no longer names is dropped first,
-    as ``join_line`` drops it: re-published, its successor would be refused on arrival,
-    after a publish and a wait for nothing."""
+    when a start is within reach (None).  A copy the pointer no longer names is dropped
+    instead (the :class:`Drop`), as ``join_line`` drops it: re-published, its successor
+    would be refused on arrival, after a publish and a wait for nothing."""
     pointed = pointed_copy(task, state)
     if pointed:
-        refuse_superseded(task, runtime, state)
+        superseded = refuse_superseded(task, runtime, state)
+        if superseded is not None:
+            return superseded
     new = state.successor(new_copy(), limits, state.since or decision.now, action.booking)
     new = count_down(task, runtime, new, action.seconds)
     write_note(task, runtime, wait_note(task, action.limit, decision, new), action.wait)
@@ -270,17 +247,19 @@ def wait_counted_down(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
              reason="limit")
     logger.info("throttle: task %s[%s] waits %.3fs for limit %r (deferral %d)",
                 task.name, task.request.id, action.wait, action.limit, new.deferrals)
-    gone()
+    return None
 
 
 def send_back(task: Task[Any, Any], runtime: Runtime, state: WaitState,
-               countdown: float) -> WaitState:
+              countdown: float) -> WaitState | Drop:
     """A task due again in ``countdown`` seconds, uncharged (a provider's pause), leaves the
     worker: parked in the waiting room's timer (:func:`park`) where it is open, else
-    re-published with a countdown (:func:`count_down`).  Returns the copy sent."""
-    if park(task, runtime, state, to_us(max(countdown, 0.0))):
-        return state
-    return count_down(task, runtime, state, countdown)
+    re-published with a countdown (:func:`count_down`).  Returns the copy sent, or a
+    :class:`Drop` where the waiting room has this copy already."""
+    parked = park(task, runtime, state, to_us(max(countdown, 0.0)))
+    if isinstance(parked, Drop):
+        return parked
+    return state if parked else count_down(task, runtime, state, countdown)
 
 
 def count_down(task: Task[Any, Any], runtime: Runtime, state: WaitState,
@@ -324,12 +303,15 @@ def room_write_failed(runtime: Runtime, exc: redis.RedisError, instead: str) -> 
     log_outage(runtime, exc, instead)
 
 
-def park(task: Task[Any, Any], runtime: Runtime, state: WaitState, delay_us: int) -> bool:
+def park(task: Task[Any, Any], runtime: Runtime, state: WaitState, delay_us: int
+         ) -> bool | Drop:
     """Park the task in the waiting room's timer, due ``delay_us`` from now.
 
     False when it cannot be parked (the waiting room is off, the app was
     never installed so no worker dispatches it, or the store failed): the
-    caller re-publishes it with a countdown instead, never losing it.
+    caller re-publishes it with a countdown instead, never losing it.  A
+    :class:`Drop` when the room has this copy already (its message was
+    delivered again).
     """
     if not room_open(task, runtime):
         return False
@@ -344,7 +326,7 @@ def park(task: Task[Any, Any], runtime: Runtime, state: WaitState, delay_us: int
         room_write_failed(runtime, exc, "re-published with a countdown instead of parked")
         return False
     if not at:
-        drop(task, Drop("delivered again"))
+        return Drop("delivered again")
     return True
 
 

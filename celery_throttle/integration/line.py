@@ -22,13 +22,11 @@ from ..room.envelope import Envelope
 from ..room.header import HEADER, WaitState
 from ..room.lines import Behind
 from ..values import from_us, to_us
-from .admission import Drop, JoinLine, Known, booking_horizon
+from .admission import CountDown, Drop, JoinLine, Known, booking_horizon, unlined
 from .copies import new_copy
 from .exits import (
     copy_of,
-    drop,
     entry_of,
-    gone,
     kept_beside_broker,
     pointed_copy,
     refuse_superseded,
@@ -48,16 +46,25 @@ NOT_LINED = Behind(-1, 0)
 
 
 def join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
-               decision: Decision, line: JoinLine, state: WaitState, known: Known) -> None:
-    """Wait in the line of the limit that blocks the task (``line.limit``): the copy
-    leaves (:func:`~.exits.gone`).
+              decision: Decision, line: JoinLine, state: WaitState, known: Known
+              ) -> Drop | CountDown | None:
+    """Wait in the line of the limit that blocks the task (``line.limit``): None once it
+    waits there (its copy may leave).  Its place: its first wait plus its rank's ageing
+    steps.
 
-    Returns (the caller re-publishes it) if it cannot be put in line: the
-    store failed.  Its place: its first wait plus its rank's ageing steps.
+    Where it cannot: a :class:`CountDown` when the store failed as it joined (it
+    is re-published instead, nothing booked: ``admission.unlined``), a
+    :class:`Drop` when it is not the task's copy any more, or the line has this
+    copy already (its message was delivered again).
     """
     request = task.request
+    if line.booking is not None:  # (the line serves it from now on)
+        with contextlib.suppress(redis.RedisError):
+            runtime.gate.cancel(limits, line.booking)
     if pointed_copy(task, state):
-        refuse_superseded(task, runtime, state)
+        superseded = refuse_superseded(task, runtime, state)
+        if superseded is not None:
+            return superseded
     blocking = line.limit
     since = state.since or decision.now
     seats = seats_of(limits)
@@ -79,11 +86,11 @@ def join_line(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
             kept=kept)
     except redis.RedisError as exc:
         room_write_failed(runtime, exc, "re-published with a countdown instead of put in line")
-        return
+        return unlined(known, decision)
     if not waiting:
-        drop(task, Drop("delivered again"))
+        return Drop("delivered again")
     waits_in_line(task, runtime, state, new, blocking, line.wait)
-    gone()
+    return None
 
 
 def join_line_on_arrival(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],

@@ -8,16 +8,14 @@ cannot stop a task from running.  Direct calls (``task(...)``) and eager mode
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 from celery import Task
-from celery.exceptions import Ignore
 from celery.local import PromiseProxy, Proxy
 
 from ..core import credit
@@ -29,8 +27,8 @@ from ..errors import LimitStopped, RateLimited, ThrottleTimeout
 from ..room.dispatcher import queue_of
 from ..values import check_cost, positive_int, seconds
 from . import hooks, memory
+from .act import Leave, carry_out
 from .defer import admit, admitted_late, defer_after_start, release_leases_of
-from .exits import Left
 from .runtime import INSTALLED, Runtime, runtime_for
 
 __all__ = ["Call", "Throttle", "call_of", "ensure_gated", "throttled"]
@@ -305,16 +303,15 @@ def _gated(task: Task[Any, Any], run: Callable[..., Any]) -> Callable[..., Any]:
         if not call.limits:
             return run(*args, **kwargs)
         limits = call.limits
-        admitted = False
+        started = False
         try:
-            with contextlib.suppress(Left):  # Ignore is raised below, shallow
-                admit(task, runtime, limits, call.max_wait, call.estimated, call.coded)
-                admitted = True
+            action, leave = admit(task, runtime, limits, call.max_wait, call.estimated,
+                                  call.coded)
+            carry_out(task, runtime, action, leave)  # (returns when it starts)
+            started = True
         finally:
-            if not admitted:  # (a seat held before admission gave up is renewed by nobody)
+            if not started:  # (a seat held before admission gave up is renewed by nobody)
                 release_leases_of(task)
-        if not admitted:
-            _end_run()
         # The start this run was admitted for: a gated HTTP transport under the
         # same limit spends it on the run's first request (core/credit.py), if
         # that leaves soon enough after the start, not after this moment: a
@@ -335,29 +332,17 @@ def _gated(task: Task[Any, Any], run: Callable[..., Any]) -> Callable[..., Any]:
             # The provider said "not now": hold every worker off these limits,
             # give back the leases (only once the pause is written), come back
             # after the pause.
-            with contextlib.suppress(Left):  # Ignore is raised below, shallow
-                defer_after_start(task, runtime, limited.limits_in(limits), limited.retry_after,
-                                  stop=limited.stop, overloaded=limited.overloaded)
+            way_out = defer_after_start(task, runtime, limited.limits_in(limits),
+                                        limited.retry_after, stop=limited.stop,
+                                        overloaded=limited.overloaded)
         finally:
             credit.revoke(unspent)
             release_leases_of(task)  # the run ended, in whatever state
-        _end_run()
+        # (Outside any handler: the run's end carries no earlier exception with it.)
+        carry_out(task, runtime, way_out, Leave(limits))
+        raise RuntimeError("unreachable: a way out ends the run")
 
     return gated_run
-
-
-def _end_run() -> NoReturn:
-    """End this copy's run (it waits outside the worker): Celery's ``Ignore``, raised shallow.
-
-    The only place that raises it (the admission's ways out raise
-    :class:`~.exits.Left`, which the gated run catches).  Raised here, outside
-    any handler, so that its traceback holds three small frames and Celery's
-    tracer, not the whole admission: Celery copies every frame of it, with its
-    code's positions, into two ``ExceptionInfo`` objects and sends one to the
-    pool's parent (see ``memory.py``).
-    """
-    memory.deferred()
-    raise Ignore()
 
 
 def _queue_of(request: Any) -> str | None:

@@ -109,8 +109,13 @@ def test_a_refusal_is_decided_before_it_is_waited(case: str, facts: dict[str, ob
      JoinLine(RATE, 0.4, Reservation(NOW + 400_000, 1))),
     ("a refusal with tasks in line: joins it",
      {"in_line": True}, Outcome(refusal(7.0, booked=-1, queued=True)), JoinLine(RATE, 7.0)),
+    ("the refusal that ended it lies past its expiry: dropped, never run",
+     {"to_expiry": 2.0}, Outcome(refusal(3.0)), Drop("expired", 3.0)),
+    ("... or past its max_wait: timed out",
+     {"max_wait": 10.0, "since": NOW - 8 * SEC}, Outcome(refusal(3.0)),
+     TimeOut("api", 11.0, 10.0)),
 ])
-def test_a_plan_s_end_is_a_start_or_a_wait_out_of_the_process(
+def test_a_plan_s_end_is_a_start_an_end_or_a_wait_out_of_the_process(
         case: str, facts: dict[str, object], outcome: Outcome, expected: object) -> None:
     assert admission.settled(known(**facts), outcome) == expected, case
 

@@ -6,6 +6,7 @@ import ast
 from pathlib import Path
 from typing import Any, cast
 
+import pytest
 from celery import Celery
 
 import celery_throttle
@@ -65,18 +66,66 @@ def test_rewrite_on_a_request_with_nothing_yet() -> None:
     assert request.headers == {HEADER: {"deferrals": 1}}
 
 
-def test_only_the_gated_run_raises_celerys_control_exceptions() -> None:
-    """The ways out raise exits.Left; the gated run alone turns it into Celery's Ignore."""
+CONTROL = {"Ignore", "Reject", "Retry"}
+
+
+def ends_runs(source: str) -> list[str]:
+    """The functions of ``source`` that end a run: raise Celery's control exceptions, or
+    call a function that does (``carry_out``), or are typed ``NoReturn``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        returns = node.returns
+        if (isinstance(returns, ast.Name) and returns.id == "NoReturn") or \
+                (isinstance(returns, ast.Constant) and returns.value == "NoReturn"):
+            found.append(node.name)
+            continue
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Raise) and inner.exc is not None:
+                called = inner.exc.func if isinstance(inner.exc, ast.Call) else inner.exc
+                if getattr(called, "id", getattr(called, "attr", "")) in CONTROL:
+                    found.append(node.name)
+                    break
+    return found
+
+
+def _own_nodes(function: ast.AST) -> list[ast.AST]:
+    """The nodes of ``function``'s body, not those of the functions defined in it."""
+    found, todo = [], list(ast.iter_child_nodes(function))
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_one_function_ends_a_gated_run_early() -> None:
+    """Celery's Ignore is raised by act.carry_out alone, which the gated run calls; no other
+    function of the package both returns and ends a run (none is typed NoReturn)."""
     package = Path(celery_throttle.__file__).parent
-    raised = []
+    ending = []
+    calling = []
     for path in sorted(package.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef):
-                for inner in ast.walk(node):
-                    if isinstance(inner, ast.Raise) and inner.exc is not None:
-                        called = inner.exc.func if isinstance(inner.exc, ast.Call) else inner.exc
-                        name = getattr(called, "id", getattr(called, "attr", ""))
-                        if name in {"Ignore", "Reject", "Retry"}:
-                            raised.append((path.relative_to(package).as_posix(), node.name))
-    assert raised == [("integration/throttled.py", "_end_run")]
+        source = path.read_text()
+        where = path.relative_to(package).as_posix()
+        ending += [(where, name) for name in ends_runs(source)]
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                calling += [(where, node.name) for inner in _own_nodes(node)
+                            if isinstance(inner, ast.Call)
+                            and getattr(inner.func, "id", "") == "carry_out"]
+    assert ending == [("integration/act.py", "carry_out")]
+    assert set(calling) == {("integration/throttled.py", "gated_run")}
+
+
+@pytest.mark.parametrize("source", [
+    "def gone() -> NoReturn:\n    raise Left\n",
+    "def end(x):\n    if x:\n        raise Ignore()\n    return 1\n",
+    "def reject():\n    raise celery.exceptions.Reject('no')\n",
+])
+def test_the_check_finds_a_function_that_ends_a_run(source: str) -> None:
+    """Fed a function that ends a run (NoReturn, or raising a control exception), the check
+    above names it."""
+    assert ends_runs(source) != []

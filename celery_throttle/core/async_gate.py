@@ -90,7 +90,7 @@ class AsyncGate(GateCalls):
                    holder: str = "", grace: float = waiting.DEFAULT_GRACE) -> Decision:
         """Wait for one start (see :meth:`Gate.wait`); a cancelled waiter gives its booking
         back."""
-        return await waiting.await_slot(self, limits, timeout=timeout, holder=holder,
+        return await waiting.await_start(self, limits, timeout=timeout, holder=holder,
                                         grace=grace)
 
     def admitted(self, limits: Sequence[AnyLimit], *, timeout: float | None = None,

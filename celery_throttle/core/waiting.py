@@ -44,7 +44,7 @@ from ..values import LONGEST_WAIT, from_us, renew_every
 from . import heartbeat
 from .limits import AnyLimit, Decision, Reservation, seats_of
 
-__all__ = ["NEAR", "Ask", "Outcome", "Sleep", "adrive", "ahold", "await_slot", "drive", "hold",
+__all__ = ["NEAR", "Ask", "Outcome", "Sleep", "adrive", "ahold", "await_start", "drive", "hold",
            "late_by", "limited", "plan", "wait"]
 
 
@@ -285,7 +285,7 @@ def wait(gate: Gate, limits: Sequence[AnyLimit], *, timeout: float | None = None
     return drive(plan(limits, timeout, grace=grace), ask, give_back=give_back).decision
 
 
-async def await_slot(gate: AsyncGate, limits: Sequence[AnyLimit], *,
+async def await_start(gate: AsyncGate, limits: Sequence[AnyLimit], *,
                      timeout: float | None = None, holder: str = "",
                      grace: float = DEFAULT_GRACE) -> Decision:
     """:func:`wait` for asyncio: the same plan, awaiting the gate and ``asyncio.sleep``."""
@@ -347,7 +347,7 @@ async def ahold(gate: AsyncGate, limits: Sequence[AnyLimit], *, timeout: float |
                 grace: float = DEFAULT_GRACE) -> AsyncIterator[Decision]:
     """:func:`hold` for asyncio: the leases are renewed by a task while the block runs."""
     holder = holder or uuid.uuid4().hex
-    decision = await await_slot(gate, limits, timeout=timeout, holder=holder, grace=grace)
+    decision = await await_start(gate, limits, timeout=timeout, holder=holder, grace=grace)
     leases = seats_of(limits)
     if not leases:
         yield decision

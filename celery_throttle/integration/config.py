@@ -54,7 +54,7 @@ SETTINGS: dict[str, tuple[object, str]] = {
         '`{queue: rate}` or `{queue: {"rate": r, "burst": b}}`: a limit on every task '
         "consumed from that queue"),
     "throttle_on_error": ("defer",
-        'the store is down: `"defer"` (re-schedule with backoff 1-30 s, never run '
+        'the store is down: `"defer"` (re-schedule with a jittered backoff of 0.5-30 s, never run '
         'unthrottled), `"allow"` (run unthrottled, WARNING), `"fail"` (task fails with '
         "`ThrottleStoreError`)"),
     "throttle_max_wait": (None,

@@ -31,7 +31,7 @@ from ..core import waiting
 from ..core.limits import AnyLimit, Concurrency, Decision, Reservation, rates_of, seats_of
 from ..core.logs import logger
 from ..room.dispatcher import queue_of
-from ..room.header import WaitState
+from ..room.header import STARTED, WaitState
 from ..room.lines import MAX_AHEAD_US
 from ..values import from_us, to_us
 from . import admission, leases, shadow
@@ -219,7 +219,7 @@ def _start(task: Task[Any, Any], run: Run, limits: list[AnyLimit], shadowed: lis
         # any re-publish copy request.headers, and a copy still carrying the
         # claim could be honoured a second time within the grace.
         rewrite(request, header={**WaitState(deferrals=state.deferrals).to_header(),
-                                 "started_slot": state.start})
+                                 STARTED: state.start})
 
 
 def run_ended(task: Task[Any, Any]) -> None:

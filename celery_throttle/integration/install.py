@@ -136,8 +136,8 @@ def install(app: Celery) -> Celery:
                 dispatcher.start()
                 dispatchers.append(dispatcher)
                 revokes.listen(app, dispatcher.cancel)
-                logger.info("celery_throttle: waiting room on: this node dispatches parked tasks "
-                            "%.3fs before their booked start", config.dispatch_lead)
+                logger.info("celery_throttle: waiting room on: this node dispatches waiting "
+                            "tasks up to %.3fs before their start", config.dispatch_lead)
 
     def on_shutdown(**_: Any) -> None:
         forget(app)

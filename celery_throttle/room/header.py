@@ -14,12 +14,14 @@ from typing import Any
 
 from ..core.limits import AnyLimit, Reservation
 
-__all__ = ["HEADER", "START", "WaitState", "spacing_of"]
+__all__ = ["HEADER", "START", "STARTED", "WaitState", "spacing_of"]
 
 #: The message header carrying a waiting task's state between hops.
 HEADER = "celery_throttle"
 #: The header's field of the booked start, as 0.1.0 named it (its messages may be in flight).
 START = "slot"
+#: The field of the start a task was admitted for, written as it starts, as 0.1.0 named it.
+STARTED = "started_slot"
 
 
 @dataclass(frozen=True, slots=True)

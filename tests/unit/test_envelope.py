@@ -78,7 +78,7 @@ def test_a_stored_message_is_compressed_and_read_back_whole() -> None:
     assert Envelope.loads(stored) == envelope
     assert Envelope.task_id_in(stored) == envelope.headers["id"]
     old = _old_format(envelope)
-    # Measured: 906 B as JSON, 181-184 B stored (room/envelope.py's docstring).
+    # (The figures: BENCHMARKS.md, "Memory of a task waiting in line".)
     print(f"\nstored message: {len(stored)} B; JSON {len(old)} B")
     assert len(stored) * 3 < len(old)
 

@@ -3,9 +3,9 @@
 --[[
 Park a waiting task in the waiting room (see room/parking.py).
 
-The message waits in Redis, scored by when it is to be dispatched to its
-queue (its booked start less the dispatch lead) on this server's clock, instead of
-sitting in a worker's memory as a Celery ETA message.
+The message waits in Redis, scored by when it is due (a provider's pause
+over, a restored task's time) on this server's clock, instead of sitting in
+a worker's memory as a Celery ETA message.
 
 KEYS[1]  the parked set: member = entry id, score = dispatch time (us)
 KEYS[2]  the messages hash: entry id -> the serialized message

@@ -63,6 +63,7 @@ from . import hooks, shadow
 from .line import in_line_horizon, join_line_on_arrival
 from .runtime import Runtime, runtime_for
 from .throttled import call_of
+from .waiter import Waiter
 
 __all__ = ["EMPTY_FOR_S", "HANDOFF_S", "lines_up", "strategy"]
 
@@ -197,7 +198,8 @@ class _Arrivals:
         if shadowed or not limits or not isinstance(limits[0], Limit):
             return False
         properties = message.properties or {}
-        # What the task's run would see as its request, as Celery's own request builds it.
+        # The message's fields as Celery's own request holds them: what a result backend
+        # records beside the task's THROTTLED state (never pushed as the task's request).
         context = Context({
             **headers, **embed, "args": args, "kwargs": kwargs,
             "delivery_info": {"exchange": info.get("exchange"), "routing_key": routing_key,
@@ -216,12 +218,9 @@ class _Arrivals:
                 and clear[1] - now_us <= to_us(in_line_horizon(runtime)):
             self.empty[line] = (clear[0], max(clear[1], now_us) + step)
             return False
-        self.task.request_stack.push(context)
-        try:
-            behind = join_line_on_arrival(self.task, runtime, limits, call.max_wait, message,
-                                          now_us)
-        finally:
-            self.task.request_stack.pop()
+        waiter = Waiter.of_message(self.task, headers, properties, context,
+                                   self._events(context))
+        behind = join_line_on_arrival(waiter, runtime, limits, call.max_wait, message, now_us)
         if behind.ahead != -1:
             self.empty.pop(line, None)
             self._received(headers, context)
@@ -242,6 +241,19 @@ class _Arrivals:
             self.clock = ((now + after) / 2, int(sec) * 1_000_000 + int(usec))
             now = after
         return self.clock[1] + to_us(now - self.clock[0])
+
+    def _events(self, context: Context) -> Callable[..., Any] | None:
+        """How a task event about the message is sent from here: by the consumer's own
+        dispatcher, as Celery's strategy sends ``task-received`` (None: the worker sends
+        no task events)."""
+        eventer = self.consumer.event_dispatcher
+        if not (eventer and eventer.enabled and self.task.send_events):
+            return None
+
+        def send(kind: str, **fields: Any) -> None:
+            eventer.send(kind, uuid=context.id, **fields)
+
+        return send
 
     def _received(self, headers: dict[str, Any], context: Context) -> None:
         """Celery's ``task-received`` event, as its strategy sends it (Flower learns the

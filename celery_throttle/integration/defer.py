@@ -53,6 +53,7 @@ from .notes import NOTE_AFTER_MS
 from .run import Run, rewrite, run_of, start_run
 from .runtime import Runtime
 from .visible import announce
+from .waiter import Waiter
 
 __all__ = ["admit", "admitted_late", "defer_after_start", "release_leases_of", "run_ended"]
 
@@ -235,7 +236,7 @@ def run_ended(task: Task[Any, Any]) -> None:
     run = run_of(getattr(task, "request", None))
     if run is not None and run.started is not None:
         state, run.started = run.started, None
-        move_pointer(task, run.runtime, state, "done:")
+        move_pointer(Waiter.of_run(task), run.runtime, state, "done:")
 
 
 def release_leases_of(task: Task[Any, Any]) -> None:
@@ -309,11 +310,11 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
         return sent
     new = sent
     if pointed_copy(task, state):
-        move_pointer(task, runtime, state, new.copy)
+        move_pointer(Waiter.of_run(task), runtime, state, new.copy)
     metrics.deferred(limits[0].name if limits else "(provider)", seconds)
     if store_up:  # (as in the store-down path, a backend beside it may be down too)
-        announce(task, limit=names or "(provider)", wait=seconds, deferrals=new.deferrals,
-                 reason="provider")
+        announce(Waiter.of_run(task), limit=names or "(provider)", wait=seconds,
+                 deferrals=new.deferrals, reason="provider")
     logger.info("throttle: task %s[%s] refused by the provider: %s paused %.3fs on every "
                 "worker; re-scheduled (deferral %d)", task.name, request.id, names, seconds,
                 new.deferrals)
@@ -330,7 +331,7 @@ def _wait_for_start(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
     request = task.request
     runtime = run.runtime
     config = runtime.config
-    to_expiry = seconds_to_expiry(request)
+    to_expiry = seconds_to_expiry(getattr(request, "expires", None))
     in_line = room_open(task, runtime)
     known = Known(
         limits,

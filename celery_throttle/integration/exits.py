@@ -38,6 +38,7 @@ from .copies import Verdict, new_copy
 from .notes import wait_note, write_note
 from .runtime import INSTALLED, Runtime
 from .visible import announce
+from .waiter import Waiter
 
 __all__ = ["copy_of", "count_down", "entry_of", "kept_beside_broker",
            "log_outage", "may_run_again", "move_pointer", "park", "pointed_copy",
@@ -51,9 +52,9 @@ _REPUBLISH_RETRY: dict[str, Any] = {"max_retries": 20, "interval_start": 0.5,
                                     "interval_step": 0.5, "interval_max": 5.0}
 
 
-def seconds_to_expiry(request: Any) -> float | None:
-    """Seconds until the task's ``expires`` (negative: past); None when it has none."""
-    expires = getattr(request, "expires", None)
+def seconds_to_expiry(expires: Any) -> float | None:
+    """Seconds until a task's ``expires`` (as Celery carries it: ISO 8601 or a datetime;
+    negative: past); None when it has none."""
     if not expires:
         return None
     when = expires if isinstance(expires, dt.datetime) else dt.datetime.fromisoformat(expires)
@@ -75,11 +76,11 @@ def kept_beside_broker(runtime: Runtime) -> bool:
     return runtime.room.keeper is not None and runtime.durability.verdict().kept
 
 
-def entry_of(task: Task[Any, Any], copy: str) -> str:
-    """The waiting room's entry of the task's message copy ``copy`` (``entries.entry_id``):
+def entry_of(task_id: str, copy: str) -> str:
+    """The waiting room's entry of a task's message copy ``copy`` (``entries.entry_id``):
     a broker that delivers that copy again (a node's warm shutdown gives back messages
     whose acknowledgement it had not sent yet) finds it waiting already."""
-    return entry_id(str(task.request.id), copy)
+    return entry_id(task_id, copy)
 
 
 def dropped(task: Task[Any, Any], why: Drop) -> None:
@@ -92,14 +93,14 @@ def dropped(task: Task[Any, Any], why: Drop) -> None:
                     task.name, request.id, why.away)
         task.backend.mark_as_revoked(str(request.id), "expired", request=request)
     else:
-        say_dropped(task, why)
+        say_dropped(Waiter.of_run(task), why)
 
 
-def say_dropped(task: Task[Any, Any], why: Drop) -> None:
+def say_dropped(waiter: Waiter, why: Drop) -> None:
     """Log that the task's copy was dropped, and why (a WARNING where a node's death or a
     redelivery of a run that ended made the copy, else INFO)."""
     level = logging.WARNING if why.reason in ("ended", "stale", "running") else logging.INFO
-    logger.log(level, "throttle: task %s[%s] dropped: %s", task.name, task.request.id,
+    logger.log(level, "throttle: task %s[%s] dropped: %s", waiter.name, waiter.id,
                _DROPPED[why.reason])
 
 
@@ -186,13 +187,12 @@ def pointer_to_run(task: Task[Any, Any], runtime: Runtime, state: WaitState, *,
                                latest_us=latest_us, once=not may_run_again(task))
 
 
-def move_pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, then: str) -> None:
+def move_pointer(waiter: Waiter, runtime: Runtime, state: WaitState, then: str) -> None:
     """A pointed copy (:func:`pointed_copy`) hands the pointer on: to its new copy ``then``
     (it waits as that), or to "done:" (its run ended).  Store down: nothing moves; the new
     copy names this one as its predecessor, which the pointer accepts."""
-    request = task.request
     with contextlib.suppress(redis.RedisError):
-        runtime.copies.move(str(request.id), request.retries, state, then)
+        runtime.copies.move(waiter.id, waiter.retries, state, then)
 
 
 def refuse_superseded(task: Task[Any, Any], runtime: Runtime, state: WaitState
@@ -214,15 +214,15 @@ def refuse_superseded(task: Task[Any, Any], runtime: Runtime, state: WaitState
     return admission.verdict(verdict)
 
 
-def waits_in_line(task: Task[Any, Any], runtime: Runtime, state: WaitState, new: WaitState,
-                   blocking: AnyLimit, wait: float) -> None:
+def waits_in_line(waiter: Waiter, runtime: Runtime, state: WaitState, new: WaitState,
+                  blocking: AnyLimit, wait: float) -> None:
     """The task waits in ``blocking``'s line as ``new`` (about ``wait`` seconds): say so."""
-    if pointed_copy(task, state):
-        move_pointer(task, runtime, state, new.copy)
+    if pointed_copy(waiter.task, state):
+        move_pointer(waiter, runtime, state, new.copy)
     metrics.deferred(blocking.name, wait)
-    announce(task, limit=blocking.name, wait=wait, deferrals=new.deferrals, reason="limit")
+    announce(waiter, limit=blocking.name, wait=wait, deferrals=new.deferrals, reason="limit")
     logger.info("throttle: task %s[%s] waits in line for limit %r (~%.3fs; deferral %d)",
-                task.name, task.request.id, blocking.name, wait, new.deferrals)
+                waiter.name, waiter.id, blocking.name, wait, new.deferrals)
 
 
 def wait_counted_down(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
@@ -240,10 +240,11 @@ def wait_counted_down(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     new = state.successor(new_copy(), limits, state.since or decision.now, action.booking)
     new = count_down(task, runtime, new, action.seconds)
     write_note(task, runtime, wait_note(task, action.limit, decision, new), action.wait)
+    waiter = Waiter.of_run(task)
     if pointed:
-        move_pointer(task, runtime, state, new.copy)
+        move_pointer(waiter, runtime, state, new.copy)
     metrics.deferred(action.limit, action.wait)
-    announce(task, limit=action.limit, wait=action.wait, deferrals=new.deferrals,
+    announce(waiter, limit=action.limit, wait=action.wait, deferrals=new.deferrals,
              reason="limit")
     logger.info("throttle: task %s[%s] waits %.3fs for limit %r (deferral %d)",
                 task.name, task.request.id, action.wait, action.limit, new.deferrals)
@@ -316,7 +317,7 @@ def park(task: Task[Any, Any], runtime: Runtime, state: WaitState, delay_us: int
     if not room_open(task, runtime):
         return False
     request = task.request
-    entry = entry_of(task, state.prev)
+    entry = entry_of(str(request.id), state.prev)
     kept = kept_beside_broker(runtime)
     envelope = copy_of(task, replace(state, entry=entry, kept=kept))
     try:

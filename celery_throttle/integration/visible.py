@@ -39,6 +39,8 @@ from typing import Any
 from celery import Celery, Task
 from celery.backends.base import DisabledBackend
 
+from .waiter import Waiter
+
 __all__ = ["DROPPED_EVENT", "THROTTLED", "announce", "announce_dropped", "backend_of"]
 
 #: The state of a task that waits for its booked start outside the worker.
@@ -75,26 +77,26 @@ def backend_of(task: Task[Any, Any]) -> Any:
     return kept[1]
 
 
-def announce(task: Task[Any, Any], *, limit: str, wait: float, deferrals: int,
+def announce(waiter: Waiter, *, limit: str, wait: float, deferrals: int,
              reason: str) -> None:
-    """Record that ``task`` waits ``wait`` seconds for ``limit`` (``reason``: "limit", or
+    """Record that ``waiter`` waits ``wait`` seconds for ``limit`` (``reason``: "limit", or
     "provider" for a 429's pause).  Not called while the throttle's store is down: a result
     backend on the same server would be down too, and Celery's Redis backend retries a
     write for about 20 s."""
     eta = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=max(0.0, wait))
     meta: dict[str, Any] = {"limit": limit, "eta": eta.isoformat(), "deferrals": deferrals,
                             "reason": reason}
-    request = task.request
-    keeps_results = not (task.ignore_result or getattr(request, "ignore_result", False))
+    task = waiter.task
+    keeps_results = not (task.ignore_result or waiter.ignore_result)
     # A backend or broker hiccup must not turn a deferral into a failure: the
     # task is already waiting in the room or in the broker.
     with contextlib.suppress(Exception):
         backend = backend_of(task)
         if keeps_results and not isinstance(backend, DisabledBackend):
-            backend.store_result(request.id, meta, THROTTLED, request=request)
-    if task.app.conf.worker_send_task_events:
+            backend.store_result(waiter.id, meta, THROTTLED, request=waiter.request)
+    if waiter.send_event is not None:
         with contextlib.suppress(Exception):
-            task.send_event(EVENT, **meta)
+            waiter.send_event(EVENT, **meta)
 
 
 def announce_dropped(app: Celery, task_ids: list[str], reason: str) -> int:

@@ -65,7 +65,7 @@ HOOKS: tuple[Hook, ...] = (
           "celery.exceptions.Ignore")),
     Hook("strategy", "a message joins its line in the main process, before the pool",
          ("celery.app.task.Task.Strategy", "celery.worker.strategy.default",
-          "celery.utils.imports.instantiate")),
+          "celery.utils.imports.instantiate", "celery.app.task.Context")),
     Hook("signals", "the worker's life: lanes, gating, runtimes, the dispatcher, run ends",
          (*(f"celery.signals.{name}" for name in WORKER_SIGNALS),
           "celery.app.base.Celery.on_after_finalize",

@@ -91,12 +91,16 @@ def main() -> int:
         accepted, refused = sorted(provider.accepted), list(provider.refused)
     span = accepted[-1] - accepted[0]
     rate = (len(accepted) - 1) / span
+    # The pace once both kinds of callers are under way: after the first second's calls
+    # (a web server's and a worker's first calls wait for their connections).
+    steady = accepted[8:]
+    pace = (len(steady) - 1) / (steady[-1] - steady[0])
     worst = max_in_window(accepted, 1.0)
     print(f"provider: {len(accepted)} calls ({N_HTTP} from the web app, {N_TASKS} from tasks) "
-          f"in {span:.1f}s: {rate:.2f}/s against the shared limit of 8/s; most in any 1 s "
-          f"window: {worst} (quota 10); 429s: {len(refused)}; web answers: "
-          f"{sorted(set(statuses))}")
-    ok = (not refused and worst <= 9 and rate >= 0.9 * 8 and statuses == [200] * N_HTTP
+          f"in {span:.1f}s: {rate:.2f}/s ({pace:.2f}/s after the first second's calls) "
+          f"against the shared limit of 8/s; most in any 1 s window: {worst} (quota 10); "
+          f"429s: {len(refused)}; web answers: {sorted(set(statuses))}")
+    ok = (not refused and worst <= 9 and pace >= 0.9 * 8 and statuses == [200] * N_HTTP
           and len(accepted) == N_HTTP + N_TASKS)
     return 0 if ok else 1
 

@@ -1,7 +1,8 @@
 """Where a task waits, decided from what is known: no Celery, no store, no clock.
 
-``defer.py`` asks the gate and carries out what is decided here (``line.py`` and
-``exits.py`` the ways a task leaves the worker); this module only chooses.
+``defer.py`` asks the gate and returns what is decided here, which ``act.py``
+carries out (``line.py`` and ``exits.py`` the ways a task leaves the worker);
+this module only chooses.
 Each function takes what is known about the task (:class:`Known`) and the
 gate's answer, and returns one action:
 

@@ -1,18 +1,18 @@
-"""Admitting a gated task: ask the gate, carry out what ``admission.py`` decides.
+"""Admitting a gated task: ask the gate, return what ``admission.py`` decides.
 
 :func:`admit` asks the gate (``core/gate.py``) for every limit of the task at
-once.  Allowed: the task runs, holding its seats (``leases.py``) in its run
-(``run.py``).  A short wait (``throttle_max_sleep``): it sleeps and claims its
-booked start.  A longer one: it waits outside the worker, in its limit's line
-(``line.py``) or, where the waiting room is closed to it, re-published with a
-countdown; how a copy leaves, and every other way it ends without running
-(expiry, ``max_wait``, a stale copy, the store down), is ``exits.py``.  A
-copy dispatched from its line comes back charged for its turn: it checks its
-seats and its start are still its own.  :func:`defer_after_start` sends a
-running task back after the provider refused it (429).  What a copy needs on
-its next arrival travels in one header (``room/header.py``); an ``acks_late``
-task's copies, and the copies the throttle published of any task, are told
-apart by the copy pointer (``copies.py``).
+once and returns the action ``act.carry_out`` does.  Allowed: the task runs,
+holding its seats (``leases.py``) in its run (``run.py``).  A short wait
+(``throttle_max_sleep``): it sleeps and claims its booked start.  A longer
+one: it waits outside the worker, in its limit's line (``line.py``) or, where
+the waiting room is closed to it, re-published with a countdown; how a copy
+leaves, and every other way it ends without running (expiry, ``max_wait``, a
+stale copy, the store down), is ``exits.py``.  A copy dispatched from its line
+comes back charged for its turn: it checks its seats and its start are still
+its own.  What a copy needs on its next arrival travels in one header
+(``room/header.py``); an ``acks_late`` task's copies, and the copies the
+throttle published of any task, are told apart by the copy pointer
+(``copies.py``).  After the start: ``after_start.py``.
 """
 
 from __future__ import annotations
@@ -36,26 +36,21 @@ from ..room.lines import MAX_AHEAD_US
 from ..values import from_us, to_us
 from . import admission, leases, shadow
 from .act import Leave
-from .admission import Action, Away, Drop, Known, Start, StoreFailed, TimeOut, WaitForStore
-from .copies import new_copy
+from .admission import Action, Drop, Known, Start, StoreFailed, TimeOut, WaitForStore
 from .exits import (
     may_run_again,
-    move_pointer,
     pointed_copy,
     pointer_to_run,
     room_open,
     seconds_to_expiry,
-    send_back,
     store_down,
 )
 from .line import in_line_horizon
 from .notes import NOTE_AFTER_MS
 from .run import Run, rewrite, run_of, start_run
 from .runtime import Runtime
-from .visible import announce
-from .waiter import Waiter
 
-__all__ = ["admit", "admitted_late", "defer_after_start", "release_leases_of", "run_ended"]
+__all__ = ["admit", "admitted_late"]
 
 
 _MAX_SLEEPS = 2  # sleeps for a booked start in a worker; lost again after them: wait outside
@@ -221,104 +216,6 @@ def _start(task: Task[Any, Any], run: Run, limits: list[AnyLimit], shadowed: lis
         # claim could be honoured a second time within the grace.
         rewrite(request, header={**WaitState(deferrals=state.deferrals).to_header(),
                                  STARTED: state.start})
-
-
-def run_ended(task: Task[Any, Any]) -> None:
-    """A pointed copy's run ended (its outcome is stored): no copy may run it again.
-
-    Called from ``task_postrun`` by the receiver ``install(app)`` connects for
-    its app: Celery sends it after the result is stored and callbacks are
-    sent, so a node dying before then leaves "ran:", and the redelivered
-    message runs again (acks_late's at-least-once) instead of being dropped
-    with no result.  A run cut off by its process's exit (Celery sends the
-    signal with no state) is not ended: the receiver does not call this.
-    """
-    run = run_of(getattr(task, "request", None))
-    if run is not None and run.started is not None:
-        state, run.started = run.started, None
-        move_pointer(Waiter.of_run(task), run.runtime, state, "done:")
-
-
-def release_leases_of(task: Task[Any, Any]) -> None:
-    """Give back the concurrency leases the current run of ``task`` holds, once.
-
-    The gated run calls it as the run ends in any state (success, failure,
-    retry, ``Ignore``, soft time limit), and after a provider's pause is written.
-    """
-    run = run_of(task.request)
-    if run is None:
-        return
-    held, shadow_held = run.leased, run.shadow_leased
-    run.leased = run.shadow_leased = None
-    for each in (held, shadow_held):
-        if each is not None:
-            leases.release(each)
-
-
-def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
-                      seconds: float, stop: str | None = None,
-                      overloaded: bool = False) -> Away | Drop:
-    """The provider refused the call (429): pause ``limits`` everywhere, re-schedule the task;
-    the copy's way out (``exits.carry_out``): :class:`Away`, or a :class:`Drop` where the
-    waiting room has this copy already.
-
-    The pause is written to the gate, so every worker's next decision for
-    these limits waits it out, and starts booked before it ends are void.
-    The task comes back after ``seconds`` (in hops of at most
-    ``throttle_max_countdown``) and asks the gate again; its retries are
-    not spent.  With the store down the task is still re-scheduled.
-    ``stop``: the provider said the money is spent (its words): the limits
-    stop until resumed (``Gate.stop``, said once as an ERROR), and the task,
-    back after ``seconds``, waits in line for that.  ``overloaded``: the
-    provider is busy for everyone: the limits are held off for ``seconds``
-    (``Gate.follow`` with nothing left until then), not paused.
-    """
-    request = task.request
-    run = run_of(request)
-    state = run.started if run is not None and run.started is not None \
-        else WaitState.from_request(request)
-    if run is not None:
-        run.started = None  # this copy's run did not complete
-    refused = sorted({lim.name for lim in limits})
-    names = ", ".join(refused)
-    metrics.provider_paused(refused)
-    store_up = True
-    try:
-        if stop is not None:
-            # Back after ``seconds`` as for a pause: it then finds the stop and waits in
-            # line, where a resume serves it (a timer would hold it the stop's length).
-            if runtime.gate.stop(limits, "money", stop):
-                logger.error("throttle: %s stopped on every worker until resumed: the provider "
-                             "says the account's money is spent (%r); `celery throttle "
-                             "resume NAME` once it is not", names, stop)
-        elif overloaded:
-            runtime.gate.follow(limits, 0, seconds)
-        else:
-            seconds = max(seconds, runtime.gate.pause(limits, seconds))
-    except redis.RedisError as exc:
-        store_up = False
-        metrics.store_error([lim.name for lim in limits])
-        logger.warning("throttle: could not pause %s (%s: %s); task %s[%s] waits %.3fs anyway",
-                       names, type(exc).__name__, exc, task.name, request.id, seconds)
-    # Only now: a seat freed before the pause was written could let another
-    # call through to the provider that just refused.
-    release_leases_of(task)
-    # (It waits for the provider now, whatever brought it here.)
-    new = replace(state.successor(new_copy(), limits, state.since), rerun=False)
-    sent = send_back(task, runtime, new, seconds)
-    if isinstance(sent, Drop):
-        return sent
-    new = sent
-    if pointed_copy(task, state):
-        move_pointer(Waiter.of_run(task), runtime, state, new.copy)
-    metrics.deferred(limits[0].name if limits else "(provider)", seconds)
-    if store_up:  # (as in the store-down path, a backend beside it may be down too)
-        announce(Waiter.of_run(task), limit=names or "(provider)", wait=seconds,
-                 deferrals=new.deferrals, reason="provider")
-    logger.info("throttle: task %s[%s] refused by the provider: %s paused %.3fs on every "
-                "worker; re-scheduled (deferral %d)", task.name, request.id, names, seconds,
-                new.deferrals)
-    return Away()
 
 
 def _wait_for_start(task: Task[Any, Any], run: Run, limits: list[AnyLimit],

@@ -43,9 +43,9 @@ from ..core.logs import logger
 from ..room.dispatcher import Dispatcher, add_lanes
 from ..room.durability import Verdict
 from . import hooks, revokes
+from .after_start import run_ended
 from .config import read_config
 from .declared import known_limits, limits_in_force
-from .defer import run_ended
 from .exporter import serve
 from .memory import freeze_inherited
 from .notes import forget_revoked

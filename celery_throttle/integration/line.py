@@ -1,7 +1,7 @@
 """A task waits in its limit's line (``room/lines.py``): where it stands and how it gets there.
 
 Two ways in: a running copy the gate refuses for longer than it may sleep
-(:func:`join_line`, from ``defer.py``), and a fresh message whose limit has
+(:func:`join_line`, from ``act.py``), and a fresh message whose limit has
 tasks in line already, put behind them in the worker's main process before a
 pool process takes it (:func:`join_line_on_arrival`, from ``arrival.py``).
 Its place is when it first waited plus its priority's ageing steps; the

@@ -28,7 +28,8 @@ from ..room.dispatcher import queue_of
 from ..values import check_cost, positive_int, seconds
 from . import hooks, memory
 from .act import Leave, carry_out
-from .defer import admit, admitted_late, defer_after_start, release_leases_of
+from .after_start import defer_after_start, release_leases_of
+from .defer import admit, admitted_late
 from .runtime import INSTALLED, Runtime, runtime_for
 
 __all__ = ["Call", "Throttle", "call_of", "ensure_gated", "throttled"]

@@ -64,7 +64,7 @@ def carry_out(task: Task[Any, Any], runtime: Runtime, action: Action, leave: Lea
     stored), raised from here, not from deep in the admission: Celery copies every
     frame of its traceback (see ``memory.py``).
     """
-    for _ in range(4):  # (at most: a line, then a countdown, then a drop, then away)
+    for _ in range(8):  # (a chain is shorter: a line, then a countdown, a drop, away)
         if isinstance(action, Start):
             return
         if isinstance(action, TimeOut):

@@ -21,7 +21,7 @@ gate's answer, and returns one action:
 * :class:`Away`: the copy has left the worker (it waits elsewhere, or was
   dropped): its run ends.
 
-``exits.carry_out`` does what is decided, the one function that ends a run.
+``act.carry_out`` does what is decided, the one function that ends a run.
 
 ``core/waiting.py``'s plan stays the core's loop for a caller that waits in
 place (``Gate.wait``); a task's plan asks :func:`refused` which waits it sleeps

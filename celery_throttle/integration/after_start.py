@@ -68,7 +68,7 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
                       seconds: float, stop: str | None = None,
                       overloaded: bool = False) -> Away | Drop:
     """The provider refused the call (429): pause ``limits`` everywhere, re-schedule the task;
-    the copy's way out (``exits.carry_out``): :class:`Away`, or a :class:`Drop` where the
+    the copy's way out (``act.carry_out``): :class:`Away`, or a :class:`Drop` where the
     waiting room has this copy already.
 
     The pause is written to the gate, so every worker's next decision for

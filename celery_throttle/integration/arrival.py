@@ -244,10 +244,11 @@ class _Arrivals:
 
     def _events(self, context: Context) -> Callable[..., Any] | None:
         """How a task event about the message is sent from here: by the consumer's own
-        dispatcher, as Celery's strategy sends ``task-received`` (None: the worker sends
-        no task events)."""
+        dispatcher, as Celery's strategy sends ``task-received``, where the worker sends
+        task events (``worker_send_task_events``, as a pool process reads it; None: it
+        sends none)."""
         eventer = self.consumer.event_dispatcher
-        if not (eventer and eventer.enabled and self.task.send_events):
+        if not (eventer is not None and self.task.app.conf.worker_send_task_events):
             return None
 
         def send(kind: str, **fields: Any) -> None:

@@ -67,7 +67,7 @@ def admitted_late(task: Task[Any, Any]) -> float:
 def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
           max_wait: float | None, estimated: set[str] | None = None,
           coded: Mapping[str, bool] | None = None) -> tuple[Action, Leave]:
-    """What to do with ``task`` now, and what its way out needs (``exits.carry_out`` does
+    """What to do with ``task`` now, and what its way out needs (``act.carry_out`` does
     it): :class:`Start` when it may start now (its seats are held, its run records what it
     was admitted under); any other action: it waits elsewhere, is dropped, or fails.
 
@@ -144,19 +144,21 @@ def _arrival(task: Task[Any, Any], run: Run, limits: list[AnyLimit], state: Wait
         waited=_waited(runtime, state) if served == "t" else 0.0, max_wait=max_wait)
     if ended is not None:
         return ended, state, None
+    # The entry is taken: a copy made from here on (re-published while the store is
+    # down, too) is a new one, which its arrival must not find spent.
+    taken = replace(state, entry="", token="", room=0, charged="", kept=False)
     turn = None
     if state.charged == "c" and limits:
         concurrent = seats_of(limits)
-        held = _seats_still_held(task, runtime, concurrent, state)
+        held = _seats_still_held(task, runtime, concurrent, taken)
         if not isinstance(held, bool):
             if not isinstance(held, Start):
-                return held, state, None
+                return held, taken, None
             held = True  # (policy "allow")
-        if held and _in_time_for_its_start(task, run, limits, state, arrived_at, asked):
+        if held and _in_time_for_its_start(task, run, limits, taken, arrived_at, asked):
             # Its turn came in its line: every limit was charged for it.
-            turn = _Turn(_latest_start(runtime, limits, state))
-    # The entry is taken: a copy made from here on is a new one.
-    return Start(), replace(state, entry="", token="", room=0, charged="", kept=False), turn
+            turn = _Turn(_latest_start(runtime, limits, taken))
+    return Start(), taken, turn
 
 
 def _take_the_pointer(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
@@ -166,22 +168,17 @@ def _take_the_pointer(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
     moves to "ran:")?  ``action``: how it was admitted.  A first "late" verdict (the store
     answered after its turn) asks the gate again, once."""
     runtime = run.runtime
-    verdict: str
-    try:
-        verdict = pointer_to_run(task, runtime, state, latest_us=latest)
-        if verdict == "late":
-            logger.info("throttle: task %s[%s] ready after its turn (the store answered "
-                        "late); in line again", task.name, task.request.id)
-            again, leave = _wait_for_start(task, run, limits, max_wait, state, arrived)
-            if not isinstance(again, Start):
-                return again, leave
-            action = again
-            verdict = pointer_to_run(task, runtime, state)
-    except redis.RedisError as exc:
-        down = store_down(runtime, state, exc)
-        if not isinstance(down, Start):
-            return down, Leave(limits, state)
-        verdict = "go"  # (policy "allow": it starts as admitted)
+    verdict = _pointer(task, runtime, state, latest)
+    if verdict == "late":
+        logger.info("throttle: task %s[%s] ready after its turn (the store answered "
+                    "late); in line again", task.name, task.request.id)
+        again, leave = _wait_for_start(task, run, limits, max_wait, state, arrived)
+        if not isinstance(again, Start):
+            return again, leave
+        action = again
+        verdict = _pointer(task, runtime, state, 0)
+    if not isinstance(verdict, str):
+        return verdict, Leave(limits, state)
     refused = admission.verdict(verdict)
     if refused is None:
         return action, Leave(limits, state)
@@ -193,6 +190,17 @@ def _take_the_pointer(task: Task[Any, Any], run: Run, limits: list[AnyLimit],
         with contextlib.suppress(redis.RedisError):
             runtime.gate.release(concurrent, str(task.request.id))
     return refused, Leave(limits, state)
+
+
+def _pointer(task: Task[Any, Any], runtime: Runtime, state: WaitState, latest: int
+             ) -> str | WaitForStore | StoreFailed:
+    """The copy pointer's verdict on this copy's start ("go" where the store is down and the
+    policy lets the task run as admitted), or the store-down policy's action."""
+    try:
+        return pointer_to_run(task, runtime, state, latest_us=latest)
+    except redis.RedisError as exc:
+        down = store_down(runtime, state, exc)
+        return "go" if isinstance(down, Start) else down
 
 
 def _start(task: Task[Any, Any], run: Run, limits: list[AnyLimit], shadowed: list[AnyLimit],

@@ -28,7 +28,7 @@ class Waiter:
 
     task: Task[Any, Any]
     id: str
-    retries: int = 0
+    retries: Any = 0  # (as Celery's request carries it: the copy pointer's key holds it)
     priority: int | None = None
     expires: Any = None
     ignore_result: bool = False
@@ -46,7 +46,7 @@ class Waiter:
         request = task.request
         raw = (request.delivery_info or {}).get("priority")
         events = task.app.conf.worker_send_task_events
-        return cls(task, str(request.id), int(request.retries or 0),
+        return cls(task, str(request.id), request.retries,
                    raw if isinstance(raw, int) else None, getattr(request, "expires", None),
                    bool(getattr(request, "ignore_result", False)), request,
                    task.send_event if events else None)
@@ -59,6 +59,6 @@ class Waiter:
         the id, retries and expiry in its headers, the priority in its properties);
         ``request``: its fields as Celery's request holds them, for the result backend."""
         raw = properties.get("priority")
-        return cls(task, str(headers["id"]), int(headers.get("retries") or 0),
+        return cls(task, str(headers["id"]), headers.get("retries", 0),
                    raw if isinstance(raw, int) else None, headers.get("expires"),
                    bool(headers.get("ignore_result")), request, send_event)

@@ -230,3 +230,41 @@ def test_a_run_gives_its_lease_back_however_it_ends(app: Celery, prefix: str) ->
             job.pop_request()
         assert gate.inspect_leases(Concurrency("one-seat", 1)).held == 0
     assert held_inside == [1, 1, 1]  # each run held the one booked start, and got it: none leaked
+
+
+def test_a_copy_charged_for_its_turn_that_meets_the_store_down_comes_back_as_a_new_copy(
+        app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy dispatched for its turn takes its entry as it arrives; if the store fails at its
+    seat check (policy "defer"), the copy re-published to wait names no entry, so its next
+    arrival is a new copy's, not a second copy of the entry it spent (dropped unrun)."""
+    import redis
+
+    from celery_throttle.integration.runtime import runtime_for
+
+    celery_throttle.install(app)
+    published: list[dict[str, Any]] = []
+
+    @throttled(concurrency=1)
+    @app.task(bind=True, shared=False)
+    def job(self: Task[Any, Any]) -> str:
+        return "ran"
+
+    job.signature_from_request = lambda request, **options: PublishRecorder(published, options)  # type: ignore[method-assign,assignment]
+
+    def store_down(*_: Any, **__: Any) -> int:
+        raise redis.ConnectionError("the store went away")
+
+    monkeypatch.setattr(runtime_for(app).gate, "extend", store_down)
+    header = {"entry": "t-turn:-", "token": "tok", "room": 1, "charged": "c", "deferrals": 2}
+    job.push_request(id="t-turn", called_directly=False, delivery_info={},
+                     headers={HEADER: header})
+    try:
+        with pytest.raises(Ignore):
+            job.run()
+    finally:
+        job.pop_request()
+    (copy,) = published
+    sent = copy["headers"][HEADER]
+    assert not sent.get("entry")
+    assert not sent.get("charged")
+    assert sent["deferrals"] == 3

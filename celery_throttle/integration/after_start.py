@@ -118,11 +118,12 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     if isinstance(sent, Drop):
         return sent
     new = sent
+    waiter = Waiter.of_run(task)
     if pointed_copy(task, state):
-        move_pointer(Waiter.of_run(task), runtime, state, new.copy)
+        move_pointer(waiter, runtime, state, new.copy)
     metrics.deferred(limits[0].name if limits else "(provider)", seconds)
     if store_up:  # (as in the store-down path, a backend beside it may be down too)
-        announce(Waiter.of_run(task), limit=names or "(provider)", wait=seconds,
+        announce(waiter, limit=names or "(provider)", wait=seconds,
                  deferrals=new.deferrals, reason="provider")
     logger.info("throttle: task %s[%s] refused by the provider: %s paused %.3fs on every "
                 "worker; re-scheduled (deferral %d)", task.name, request.id, names, seconds,

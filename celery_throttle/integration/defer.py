@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import redis
@@ -93,7 +93,9 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
         rewrite(request, routing_key=queue_of(came_by))
     arrived = state.entry  # dispatched from the waiting room as this entry ("" if not)
     start = Start()
-    turn: _Turn | None = None  # (dispatched for its turn, and in time for it)
+    # Dispatched for its turn and in time for it: the latest it may start (server clock,
+    # us; 0: any time), else None.
+    turn: int | None = None
     if arrived:
         went, state, turn = _arrival(task, run, limits, state, max_wait)
         if not isinstance(went, Start):
@@ -106,7 +108,7 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     if pointed_copy(task, state):
         # Before the seats are held: a copy refused here must not keep them renewed.
         taken, leave = _take_the_pointer(task, run, limits, max_wait, state, arrived, start,
-                                         turn.latest if turn is not None else 0)
+                                         turn or 0)
         if not isinstance(taken, Start):
             return taken, leave
         start = taken
@@ -115,20 +117,12 @@ def admit(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
     return start, Leave(limits, state)
 
 
-@dataclass(frozen=True, slots=True)
-class _Turn:
-    """A copy dispatched for its turn arrived in time for it: it may start until ``latest``
-    (server clock, us; 0: any time)."""
-
-    latest: int = 0
-
-
 def _arrival(task: Task[Any, Any], run: Run, limits: list[AnyLimit], state: WaitState,
-             max_wait: float | None) -> tuple[Action, WaitState, _Turn | None]:
+             max_wait: float | None) -> tuple[Action, WaitState, int | None]:
     """A copy dispatched from the waiting room arrives: the first of its entry goes on
     (:class:`Start`), with the entry taken from its state; a copy charged for its turn
-    that still holds its seats and is in time for it comes with its :class:`_Turn`
-    (None: it asks the gate)."""
+    that still holds its seats and is in time for it comes with the latest it may start
+    (server clock, us; 0: any time; None: it asks the gate)."""
     runtime = run.runtime
     asked = time.monotonic()  # (this process's clock before the arrival is asked)
     try:
@@ -157,7 +151,7 @@ def _arrival(task: Task[Any, Any], run: Run, limits: list[AnyLimit], state: Wait
             held = True  # (policy "allow")
         if held and _in_time_for_its_start(task, run, limits, taken, arrived_at, asked):
             # Its turn came in its line: every limit was charged for it.
-            turn = _Turn(_latest_start(runtime, limits, taken))
+            turn = _latest_start(runtime, limits, taken)
     return Start(), taken, turn
 
 

@@ -59,7 +59,12 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
     gate = runtime.gate
     live = runtime.live.read()
     rows = []
-    selected = select(app, names)
+    # A name no task declares is known while its limit is stopped (a gated client's:
+    # ``_stopped_rows`` shows it); any other unknown name is refused by ``select``.
+    undeclared = set(names) - {k.limit.name for k in known_limits(app)}
+    stopped = {stop.limit for stop in gate.stops(value)} & undeclared if undeclared else set()
+    asked = [n for n in names if n not in stopped]
+    selected = select(app, asked) if asked or not names else []
     for known in selected:
         if isinstance(known.limit, Limit) and known.limit.name in live:
             rate, burst = live[known.limit.name]

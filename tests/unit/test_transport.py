@@ -295,8 +295,12 @@ def test_money_spent_stops_the_limit_for_every_caller_until_resumed(
             (row,) = [r for r in report.status(app)["limits"] if r["limit"] == name]
             assert row["paused_by"] == "money"
             assert row["stopped"]["message"] in str(mock.ANSWERS[answer][""][1])
+            (asked,) = report.status(app, [name])["limits"]  # (asked by its name)
+            assert (asked["limit"], asked["stopped"]) == (name, row["stopped"])
             assert control.resume(app, name)
             assert not [r for r in report.status(app)["limits"] if r["limit"] == name]
+            with pytest.raises(report.UnknownLimit, match=name):  # (no longer stopped)
+                report.status(app, [name])
         assert call(client, 99)
         assert len(provider.accepted) == 1
 

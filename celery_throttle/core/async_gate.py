@@ -17,7 +17,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
-from ..values import LONGEST_WAIT, from_us, to_us
+from ..values import LONGEST_WAIT, to_us
 from . import stops, waiting
 from .calls import COMMANDS, Clock, F, GateCalls
 from .connect import connect_async
@@ -116,9 +116,12 @@ class AsyncGate(GateCalls):
         """Renew ``holder``'s leases; returns how many are lost (see :meth:`Gate.extend`)."""
         return int(await self._run("renew", *self._call(limits, holder)))
 
-    async def pause(self, limits: Sequence[AnyLimit], seconds: float) -> float:
-        """Admit nothing in ``limits`` for ``seconds`` (see :meth:`Gate.pause`)."""
-        return from_us(int(await self._run("pause", *self._paused_call(limits, to_us(seconds)))))
+    async def pause(self, limits: Sequence[AnyLimit], seconds: float, *,
+                    refused_after: float | None = None) -> float:
+        """Admit nothing in ``limits`` for ``seconds``; a refusal cuts the learned rates
+        (see :meth:`Gate.pause`)."""
+        return self._pause_reply(await self._run(
+            "pause", *self._pause_call(limits, seconds, refused_after)))
 
     async def stop(self, limits: Sequence[AnyLimit], reason: str, message: str) -> bool:
         """Stop ``limits`` until resumed, for ``reason`` (see :meth:`Gate.stop`)."""

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
-from ..values import US_PER_SECOND, from_us, seconds, to_us, units
+from ..values import US_PER_SECOND, from_us, seconds, text, to_us, units
 from .keys import bell_key, epoch_key, freed_key, validate_prefix
 from .limits import (
     ADMITTED,
@@ -22,6 +22,7 @@ from .limits import (
     BucketState,
     Concurrency,
     Decision,
+    Learned,
     LeaseState,
     Limit,
     Reservation,
@@ -141,6 +142,17 @@ class GateCalls:
             raise ValueError("pause and resume need at least one limit")
         return self._call(limits, *head)
 
+    def _pause_call(self, limits: Sequence[AnyLimit], pause: float,
+                    refused_after: float | None) -> Call:
+        """The "pause" call: ``pause`` seconds; ``refused_after``: the provider refused, for
+        its quota, a request sent that many seconds ago (the limits that learn cut)."""
+        age = -1 if refused_after is None else to_us(seconds("refused_after", refused_after))
+        return self._paused_call(limits, to_us(seconds("pause", pause)), age)
+
+    @staticmethod
+    def _pause_reply(reply: Any) -> float:
+        return from_us(int(reply[0]))  # (reply[1]: how many learned rates were cut)
+
     def _cancel_call(self, limits: Sequence[AnyLimit], booking: Reservation) -> Call:
         return self._call(limits, booking.start, booking.booked, booking.epoch)
 
@@ -149,7 +161,7 @@ class GateCalls:
                 - (limit.cost if charged is None else units("charged cost", charged)))
         if diff == 0:
             return None
-        args = [str(self._now_us()).encode(), str(limit.rate.interval_us).encode(),
+        args = [str(self._now_us()).encode(), limit.interval_field.encode(),
                 str(limit.burst).encode(), str(diff).encode()]
         return self._keys([limit]), args
 
@@ -171,7 +183,7 @@ class GateCalls:
             return None
         args = [str(self._now_us()).encode(), str(reset_us).encode()]
         for lim in bound:
-            args += [str(lim.rate.interval_us).encode(), str(lim.burst).encode(),
+            args += [lim.interval_field.encode(), str(lim.burst).encode(),
                      str(left).encode()]
         return self._keys(bound) + [lim.held_in(self.prefix) for lim in bound], args
 
@@ -181,15 +193,23 @@ class GateCalls:
 
     @staticmethod
     def _bucket_state(limit: Limit, reply: Any) -> BucketState:
-        exists, ahead, next_free, pttl, now, paused, held, left, at = (int(v) for v in reply)
-        used = ahead / limit.rate.interval_us  # the bucket's content, in starts
+        exists, ahead, next_free, pttl, now, paused, held, left, at, interval = (
+            int(v) for v in reply[:10])
+        learned = None
+        if interval:
+            why, moved, before = text(reply[10]), int(reply[11]), text(reply[12])
+            learned = Learned(rate=US_PER_SECOND / interval, why=why,
+                              since=from_us(now - moved) if moved else 0.0,
+                              before=float(before or 0))
+        used = ahead / (interval or limit.rate.interval_us)  # the bucket's content, in starts
         booked = max(0, math.ceil(used - 1e-9) - limit.burst)
         return BucketState(limit=limit, exists=bool(exists), used=used,
                            next_free=from_us(next_free), booked_ahead=booked,
                            ttl=max(0, pttl) / 1000, now=now, paused=from_us(paused),
                            held=from_us(held) if left >= 0 else 0.0,
                            held_remaining=left if left >= 0 else None,
-                           held_since=from_us(now - at) if left >= 0 else 0.0)
+                           held_since=from_us(now - at) if left >= 0 else 0.0,
+                           learned=learned)
 
     @staticmethod
     def _lease_state(limit: Concurrency, reply: Any) -> LeaseState:

@@ -16,7 +16,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from .. import values
-from ..values import LONGEST_WAIT, from_us, to_us
+from ..values import LONGEST_WAIT, to_us
 from . import stops, waiting
 from .calls import COMMANDS, Clock, F, GateCalls
 from .connect import connect
@@ -175,14 +175,21 @@ class Gate(GateCalls):
         """
         return int(self._run("renew", *self._call(limits, holder)))
 
-    def pause(self, limits: Sequence[AnyLimit], seconds: float) -> float:
+    def pause(self, limits: Sequence[AnyLimit], seconds: float, *,
+              refused_after: float | None = None) -> float:
         """Admit nothing in any of ``limits`` for ``seconds`` (a provider's ``Retry-After``).
 
         Every worker sees it at its next decision; starts booked before the
         pause ends are void (their tasks book again after it).  A longer
         pause already set is kept.  Returns the seconds the pause lasts.
+
+        ``refused_after``: the provider refused, for its quota, a request sent that many
+        seconds ago: each limit that learns its rate (``Limit(adaptive=True)``) cuts it,
+        unless the request left before its last cut; ``seconds`` may then be 0 (a
+        refusal that names no wait pauses nothing that learns).
         """
-        return from_us(int(self._run("pause", *self._paused_call(limits, to_us(seconds)))))
+        return self._pause_reply(self._run(
+            "pause", *self._pause_call(limits, seconds, refused_after)))
 
     def stop(self, limits: Sequence[AnyLimit], reason: str, message: str) -> bool:
         """Stop ``limits`` until resumed (``core/stops.py``): pause them for

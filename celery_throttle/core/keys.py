@@ -3,7 +3,7 @@
 A limit's keys: ``{<prefix>}:<kind>:<digest>:<name>``, where ``kind`` is
 ``b`` (a rate bucket), ``q`` (its line of waiting tasks), ``t`` (the
 turns of a fair line), ``h`` (why a provider's report holds it back),
-``o`` (an operator paused it),
+``o`` (an operator paused it), ``r`` (its learned rate, if it learns),
 ``l`` (a concurrency limit's leases), ``m`` (its meta
 hash), ``k`` (its line of tasks waiting for a seat; never fair, it has no
 turns), and ``digest`` is the hashed key
@@ -50,6 +50,7 @@ __all__ = [
     "freed_key",
     "held_key",
     "key_digest",
+    "learned_key",
     "leases_key",
     "limit_of",
     "line_key",
@@ -184,6 +185,12 @@ def operator_key(prefix: str, name: str, key: object = None) -> str:
 def turns_key(prefix: str, name: str, key: object = None) -> str:
     """The turns of a fair line (``room/lines.py``): a hash, key value digest -> last turn."""
     return _limit_key("t", prefix, name, key)
+
+
+def learned_key(prefix: str, name: str, key: object = None) -> str:
+    """A rate limit's learned rate (``lua/learn.lua``), if it learns: a hash that
+    outlives its bucket."""
+    return _limit_key("r", prefix, name, key)
 
 
 def leases_key(prefix: str, name: str, key: object = None) -> str:

@@ -18,6 +18,7 @@ from .keys import (
     bucket_key,
     held_key,
     key_digest,
+    learned_key,
     leases_key,
     line_key,
     meta_key,
@@ -27,11 +28,14 @@ from .keys import (
 )
 from .rates import Rate, parse_rate
 
-__all__ = ["DEFAULT_LEASE", "AnyLimit", "BucketState", "Concurrency", "Decision", "LeaseState",
-           "Limit", "Reservation", "declared", "rates_of", "seats_of"]
+__all__ = ["DEFAULT_LEASE", "FLOOR_SHARE", "AnyLimit", "BucketState", "Concurrency", "Decision",
+           "Learned", "LeaseState", "Limit", "Reservation", "declared", "rates_of", "seats_of"]
 
 #: A lease a heartbeat does not extend ends this long after it was taken.
 DEFAULT_LEASE = 30.0
+
+#: A limit that learns its rate never goes below its rate / this, unless given a floor.
+FLOOR_SHARE = 10
 
 @dataclass(frozen=True, slots=True)
 class Limit:
@@ -40,6 +44,11 @@ class Limit:
     ``burst`` starts may happen at the same instant; over any window of length
     ``w`` at most ``burst - 1 + ceil(w * rate)`` units pass.  ``cost`` units are
     charged per start; a cost above the burst could never pass and is refused.
+
+    ``adaptive``: the provider's quota is not known: decide at a rate learned
+    in the store from the provider's quota refusals (``lua/learn.lua``), never
+    above ``rate`` (the ceiling) nor below ``floor`` (default: a tenth of
+    ``rate``).  The bound above then holds at the learned rate of each moment.
     """
 
     name: str
@@ -51,6 +60,8 @@ class Limit:
     # value in turn (room/lines.py).  Not part of the limit's identity: the
     # bucket, and every decision on it, are the same whatever it is.
     fair: object = field(default=None, repr=False, compare=False)
+    adaptive: bool = False
+    floor: Rate | None = None
 
     #: Admitted under a holder's name, who gives a lease back (see :class:`Concurrency`).
     leased: ClassVar[bool] = False
@@ -59,6 +70,18 @@ class Limit:
         validate_name(self.name)
         object.__setattr__(self, "rate", parse_rate(self.rate))
         check_cost(self.cost, positive_int("burst", self.burst), self.name)
+        if not isinstance(self.adaptive, bool):
+            raise TypeError(f"invalid adaptive {self.adaptive!r} of limit {self.name!r}: "
+                            "expected True or False")
+        if self.floor is not None:
+            if not self.adaptive:
+                raise ValueError(f"limit {self.name!r} has a floor ({self.floor}) but does "
+                                 "not learn its rate: give adaptive=True or no floor")
+            floor = parse_rate(self.floor)
+            if floor.interval_us < self.rate.interval_us:
+                raise ValueError(f"invalid floor {self.floor!r} of limit {self.name!r}: "
+                                 f"above its rate {self.rate}")
+            object.__setattr__(self, "floor", floor)
         if self.key is not None:
             key_digest(self.key)  # a TypeError naming the type, now rather than at the call
         if self.fair is not None:
@@ -69,17 +92,28 @@ class Limit:
         """The spacing of starts (microseconds), carried with a booking."""
         return self.rate.interval_us
 
+    @property
+    def interval_field(self) -> str:
+        """Its interval as every gate command reads it (``lua/limits.lua``): the interval
+        (us), or for a limit that learns, its ceiling's and its floor's: ``"T/F"``."""
+        if not self.adaptive:
+            return str(self.rate.interval_us)
+        floor = (self.floor.interval_us if self.floor is not None
+                 else self.rate.interval_us * FLOOR_SHARE)
+        return f"{self.rate.interval_us}/{floor}"
+
     def script_args(self) -> tuple[bytes, bytes, bytes]:
         """Its three ARGV in every gate command (``lua/limits.lua``): interval (us), burst, cost."""
-        return _encoded(self.rate.interval_us, self.burst, self.cost)
+        return _encoded(self.interval_field, self.burst, self.cost)
 
     def key_in(self, prefix: str) -> bytes:
         """The bucket's key, the one KEYS entry a decision needs of this limit."""
         return _key_bytes(bucket_key, prefix, self.name, self.key)
 
     def side_keys(self, prefix: str) -> tuple[bytes, ...]:
-        """Keys besides :meth:`key_in` that a call on this limit touches: none."""
-        return ()
+        """Keys besides :meth:`key_in` that a call on this limit touches: the learned
+        rate's record of a limit that learns (``lua/learn.lua``), else none."""
+        return (_key_bytes(learned_key, prefix, self.name, self.key),) if self.adaptive else ()
 
     def line_in(self, prefix: str) -> bytes:
         """The line of tasks waiting for this limit (``room/lines.py``)."""
@@ -292,6 +326,7 @@ class BucketState:
     report holds the limit below its rate (:meth:`Gate.follow` moved it;
     ``next_free`` includes that), with ``held_remaining`` the units the
     provider said were left and ``held_since`` how long ago (seconds).
+    ``learned``: a limit that learns its rate, what it learned; else None.
     """
 
     limit: Limit
@@ -305,6 +340,20 @@ class BucketState:
     held: float = 0.0
     held_remaining: int | None = None
     held_since: float = 0.0
+    learned: Learned | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Learned:
+    """The rate a limit that learns decides at now (``lua/learn.lua``): ``rate``, starts
+    a second; its last move, ``why`` ("cut": a provider's quota refusal; "raise": used
+    while the provider accepted; "": none yet), ``since`` how long ago (seconds), and the
+    rate ``before`` it (0.0 without a move)."""
+
+    rate: float
+    why: str
+    since: float
+    before: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,8 +369,8 @@ class LeaseState:
 # The arguments of a limit and its keys are encoded once, not per call: with
 # redis-py's pure-Python encoder that is a good part of a decision's cost.
 @functools.lru_cache(maxsize=1024)
-def _encoded(interval_us: int, burst: int, cost: int) -> tuple[bytes, bytes, bytes]:
-    return (str(interval_us).encode(), str(burst).encode(), str(cost).encode())
+def _encoded(interval: int | str, burst: int, cost: int) -> tuple[bytes, bytes, bytes]:
+    return (str(interval).encode(), str(burst).encode(), str(cost).encode())
 
 
 @functools.lru_cache(maxsize=65536)

@@ -101,7 +101,7 @@ def test_every_script_is_small_and_does_one_thing() -> None:
         # (An operation's name, compared with an argument; a flag such as enqueue.lua's
         # "1" is a condition of the one thing it does.)
         assert not re.search(r"\bop\b|ARGV\[[^]]+\]\s*==\s*'[a-z]+'", code), path
-    libraries = {"bucket", "bell", "clock", "epoch", "lease", "limits"}
+    libraries = {"bucket", "bell", "clock", "epoch", "learn", "lease", "limits"}
     core = {p.stem for p in found if p.parent.parent.name == "core"}
     assert core - libraries == set(COMMANDS)
 

@@ -1,4 +1,5 @@
 --- @include "core/clock.lua"
+--- @include "core/learn.lua"
 --[[
 celery_throttle bucket.lua: the rate bucket, one copy for every script that
 reads or charges one (the gate's commands; room/lua/serve.lua, which
@@ -81,4 +82,13 @@ end
 -- The TAT after charging a start at `at`.
 local function charged(lim, tat, at)
   return math.max(tat, at) + lim.cost * lim.interval
+end
+
+-- Charge rate limit `lim` for a start at `at` (its TAT read as `tat`): the
+-- bucket moves on, and a limit that learns counts the use (learn.lua).
+local function charge_rate(lim, tat, at, paused, shift)
+  write_rate(lim.key, charged(lim, tat, at), paused, shift)
+  if lim.learned then
+    learn_used(lim, lim.cost)
+  end
 end

@@ -103,7 +103,7 @@ if claim == 0 and m == 0 then
   end
   if tats then
     for i = 1, n do
-      write_rate(L[i].key, charged(L[i], tats[i], now), pauses[i], shifts[i])
+      charge_rate(L[i], tats[i], now, pauses[i], shifts[i])
     end
     return 1
   end
@@ -190,7 +190,7 @@ local function charge(i, at)
     take(lim, holder, now)
     return
   end
-  write_rate(lim.key, charged(lim, tats[i], at), paused[i], shifts[i])
+  charge_rate(lim, tats[i], at, paused[i], shifts[i])
 end
 
 -- Only reservations and claims need the epoch: the hot path never reads it.

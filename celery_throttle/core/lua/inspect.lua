@@ -12,7 +12,9 @@ KEYS[c]  a rate limit's hold note (follow.lua); absent for a concurrency limit
 ARGV[1]  now (clock.lua)
 
 Reply: a rate limit: { exists, tat_ahead_us, next_free_us, pttl_ms, now,
-         paused_us, held_us, held_remaining (-1: not held), held_at_us }
+         paused_us, held_us, held_remaining (-1: not held), held_at_us,
+         learned_interval_us (0: it does not learn), last move ("cut",
+         "raise" or ""), its time (us), the rate before it (a string) }
        a concurrency limit: { held, paused_us, average_run_us, now }
 ]]
 
@@ -34,5 +36,11 @@ if note then
     left, reset, at = tonumber(a), tonumber(b), tonumber(c)
   end
 end
+local learned, why, moved, before = 0, '', 0, ''
+if lim.learned then
+  local f = redis.call('HMGET', lim.learned, 'why', 'at', 'from')
+  learned, why, moved, before = lim.interval, f[1] or '', tonumber(f[2]) or 0, f[3] or ''
+end
 return { exists and 1 or 0, tat - now, math.max(0, rate_wait(lim, tat, paused)),
-         redis.call('PTTL', lim.key), now, math.max(0, paused - now), reset - now, left, at }
+         redis.call('PTTL', lim.key), now, math.max(0, paused - now), reset - now, left, at,
+         learned, why, moved, before }

@@ -6,31 +6,45 @@ celery_throttle pause.lua: admit nothing in the limits given for a while (a
 provider answered 429 with Retry-After).  A rate bucket keeps its pause in
 its value (bucket.lua), a concurrency limit in its meta hash; a longer pause
 already set is kept.  Starts booked before the pause ends are void
-(decide.lua).
+(decide.lua).  A provider's refusal for its quota also cuts the learned rate
+of each limit given that learns (learn.lua); a cut limit's burst is spent,
+so its next start is one new interval away (and a hold, learn.lua's HOLD,
+after a cut soon after the last).
 
 KEYS and the limits' ARGV: limits.lua.
 ARGV[1]  now (clock.lua)
-ARGV[2]  for how long, us
+ARGV[2]  for how long, us (0: no pause, a cut alone)
+ARGV[3]  the refused request's age, us: it was sent that long before now; -1
+         when no request was refused (an operator's pause, a stop)
 
-Reply: the longest pause now in force among the limits, us
+Reply: { the longest pause now in force among the limits (us), the limits cut }
 ]]
 
 now = clock_of(ARGV[1])
 local till = now + tonumber(ARGV[2])
-local L, n = limits_of(2)
-local longest = 0
+local age = tonumber(ARGV[3])
+local L, n = limits_of(3)
+local longest, cut = 0, 0
 for i = 1, n do
   local lim = L[i]
   local ends
   if lim.concurrent then
     ends = math.max(meta_num(lim, 'pause'), till)
-    redis.call('HSET', lim.meta, 'pause', us(ends))
-    keep_at_least(lim.meta, math.ceil((ends - now) / 1000))
+    if ends > now then
+      redis.call('HSET', lim.meta, 'pause', us(ends))
+      keep_at_least(lim.meta, math.ceil((ends - now) / 1000))
+    end
   else
     local tat, paused, shift = read_rate(lim.key)
+    tat = math.max(tat, now)
     ends = math.max(paused, till)
-    write_rate(lim.key, math.max(tat, now), ends, shift)
+    local hold = lim.learned and age >= 0 and learn_cut(lim, now - age)
+    if hold then
+      cut = cut + 1
+      tat = math.max(tat, now + hold + lim.burst * lim.interval)
+    end
+    write_rate(lim.key, tat, ends, shift)
   end
   longest = math.max(longest, ends - now)
 end
-return longest
+return { longest, cut }

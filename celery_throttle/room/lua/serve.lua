@@ -178,7 +178,7 @@ local function serve(q)
             -- that went down) blocks the seat for a trip's allowance, not a lease.
             take(lim, task.t, at, math.min(lim.lease, TRIP_LEASE_US))
           else
-            write_rate(lim.key, charged(lim, state[i][1], at), state[i][2], state[i][3])
+            charge_rate(lim, state[i][1], at, state[i][2], state[i][3])
           end
         end
         dispatch(q, entry, 'c', at, place, own ~= nil and own.fair ~= '')

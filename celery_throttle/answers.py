@@ -40,6 +40,7 @@ from .errors import (
     MAX_RETRY_AFTER,
     LimitStopped,
     RateLimited,
+    named_retry_after,
     response_of,
     retry_after_of,
     status_of,
@@ -110,12 +111,15 @@ class Answer:
     ``kind``: quota, overloaded or money.  ``retry_after``: the seconds the
     provider's headers name (a quota's default: 1 s), None when they name none
     for an overload or a money answer.  ``message``: the provider's own words,
-    cut to :data:`MAX_MESSAGE` characters ("" when it gave none).
+    cut to :data:`MAX_MESSAGE` characters ("" when it gave none).  ``named``:
+    the headers named the wait (a quota's default pauses a fixed limit; a
+    limit that learns its rate is cut instead, not paused).
     """
 
     kind: Kind
     retry_after: float | None
     message: str
+    named: bool = False
 
 
 def classify(status: int, headers: Mapping[str, str] | None, body: Any = None,
@@ -137,10 +141,10 @@ def classify(status: int, headers: Mapping[str, str] | None, body: Any = None,
         kind = _kind(status, code, message)
     if kind is None:
         return None
-    named = _named_retry_after(headers)
+    named = named_retry_after(headers)
     retry_after = (named if named is not None else retry_after_of(headers)) \
         if kind == "quota" else named
-    return Answer(kind, retry_after, message[:MAX_MESSAGE])
+    return Answer(kind, retry_after, message[:MAX_MESSAGE], named is not None)
 
 
 def check_response(response: Any, *, limits: Sequence[str] = (),
@@ -181,8 +185,7 @@ def check_response(response: Any, *, limits: Sequence[str] = (),
         return
     if answer.kind == "overloaded":
         raise RateLimited(_BACKOFF.next(answer.retry_after), limits=limits, overloaded=True)
-    raise RateLimited(answer.retry_after if answer.retry_after is not None
-                      else DEFAULT_RETRY_AFTER, limits=limits,
+    raise RateLimited(answer.retry_after if answer.named else None, limits=limits,
                       stop=(answer.message or "money") if answer.kind == "money" else None)
 
 
@@ -251,11 +254,3 @@ def _error_of(body: Any) -> tuple[str, str]:
     code = next((c for c in codes if c in _MONEY_CODES), codes[0] or codes[1])
     return code, str(error.get("message") or "")
 
-
-def _named_retry_after(headers: Mapping[str, str]) -> float | None:
-    """The seconds the headers name (as :func:`retry_after_of` reads them), None when they
-    name none."""
-    if not any(headers.get(h) is not None for h in
-               ("retry-after-ms", "Retry-After-Ms", "retry-after", "Retry-After")):
-        return None
-    return retry_after_of(headers)

@@ -32,7 +32,8 @@ AnyLimitT = TypeVar("AnyLimitT")
 
 __all__ = ["DEFAULT_RETRY_AFTER", "LimitStopped", "RateLimited", "ThrottleConfigError",
            "ThrottleError",
-           "ThrottleStoreError", "ThrottleTimeout", "response_of", "retry_after_of",
+           "ThrottleStoreError", "ThrottleTimeout", "named_retry_after", "response_of",
+           "retry_after_of",
            "status_of"]
 
 #: Seconds a quota's refusal holds off when its headers name none (or none readable).
@@ -131,7 +132,9 @@ class RateLimited(ThrottleError):
     the limits are stopped until resumed instead (``Gate.stop``), and the task
     waits in line for that.  ``overloaded``: the provider is busy for everyone:
     the limits are held off for ``retry_after`` instead, their quota untouched
-    (``Gate.follow`` with nothing left until then: no pause).
+    (``Gate.follow`` with nothing left until then: no pause).  ``named``: the
+    wait was named (given, or in the refusal's headers): a limit that learns
+    its rate is paused only then, and cut in any case.
     """
 
     def __init__(self, retry_after: float | str | object | None = None, *,
@@ -139,13 +142,16 @@ class RateLimited(ThrottleError):
                  overloaded: bool = False) -> None:
         self.stop = stop
         self.overloaded = overloaded
+        self.named = retry_after is not None and not isinstance(retry_after, str)
         message = None
         if retry_after is None:
             retry_after = DEFAULT_RETRY_AFTER
         elif isinstance(retry_after, str):  # re-created from its message by a result backend
             message, retry_after = retry_after, DEFAULT_RETRY_AFTER
         elif not isinstance(retry_after, int | float):
-            retry_after = retry_after_of(response_of(retry_after).headers or {})
+            named = named_retry_after(response_of(retry_after).headers or {})
+            self.named = named is not None
+            retry_after = DEFAULT_RETRY_AFTER if named is None else named
         self.retry_after = min(seconds("retry_after", retry_after), MAX_RETRY_AFTER)
         self.limits = tuple(limits)
         super().__init__(message or f"provider rate limit: retry after {self.retry_after:.3f}s")
@@ -163,7 +169,8 @@ class RateLimited(ThrottleError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (functools.partial(type(self), limits=self.limits, stop=self.stop,
-                                  overloaded=self.overloaded), (self.retry_after,))
+                                  overloaded=self.overloaded),
+                (self.retry_after if self.named else None,))
 
 
 def status_of(response: Any) -> int | None:
@@ -182,6 +189,15 @@ def response_of(obj: Any) -> Any:
         return inner
     raise TypeError(f"cannot read an HTTP status and headers from {type(obj).__name__!r}: "
                     "pass the response, or an error carrying it in .response")
+
+
+def named_retry_after(headers: Any) -> float | None:
+    """The seconds a refusal's headers name (as :func:`retry_after_of` reads them), None
+    when they name none."""
+    if not any(headers.get(h) is not None for h in
+               ("retry-after-ms", "Retry-After-Ms", "retry-after", "Retry-After")):
+        return None
+    return retry_after_of(headers)
 
 
 def retry_after_of(headers: Any) -> float:

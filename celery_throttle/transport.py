@@ -62,15 +62,16 @@ import importlib
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from . import metrics, usage
 from .answers import MAX_BODY, Backoff, Hook, classify
-from .core import credit
+from .core import credit, learners
 from .core.async_gate import AsyncGate, LoopGates
 from .core.gate import Gate
-from .core.limits import Limit
+from .core.keys import learners_key
+from .core.limits import Limit, pauses_for_refusal
 from .core.live import LiveLimits
 from .core.logs import logger
 from .core.rates import Rate, parse_rate
@@ -109,14 +110,19 @@ else:
 
 
 def _limits_of(rate: str | Rate | None, name: str | None, burst: int, key: object,
-               limits: Sequence[Limit]) -> list[Limit]:
-    """The transport's limits: ``rate`` under ``name``, and/or ``limits`` (rate limits only)."""
+               limits: Sequence[Limit], adaptive: bool = False,
+               floor: str | Rate | None = None) -> list[Limit]:
+    """The transport's limits: ``rate`` under ``name`` (learning its rate below it when
+    ``adaptive``, not below ``floor``), and/or ``limits`` (rate limits only)."""
     chosen = list(limits)
     if rate is not None:
         if not name:
             raise ValueError("a rate needs the limit's name (name=...), the same as the "
                              "workers' @throttled(name=...) for one shared quota")
-        chosen.insert(0, Limit(name, parse_rate(rate), burst, key))
+        chosen.insert(0, Limit(name, parse_rate(rate), burst, key, adaptive=adaptive,
+                               floor=None if floor is None else parse_rate(floor)))
+    elif adaptive or floor is not None:
+        raise ValueError("adaptive and floor go with a rate (or with each Limit given)")
     elif name is not None and not limits:
         raise ValueError(f"limit {name!r} needs a rate")
     if not chosen:
@@ -157,6 +163,7 @@ class _Step:
 
     op: str  # "pause" | "stop" | "follow" | "settle"
     args: tuple[Any, ...]
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 class _Gated:
@@ -178,6 +185,8 @@ class _Gated:
         self.follow = follow
         self.every = [*limits, *meters.values()]
         self.names = sorted({lim.name for lim in self.every})
+        # Its limits that learn, written once where `status` finds them (core/learners.py).
+        self.unwritten = learners.fields(self.every)
 
     def _before(self, request: Any, key_of: Any) -> _Attempt:
         """The limits to wait for (each token limit charged the request's estimate), the
@@ -223,9 +232,11 @@ class _Gated:
         return kind.startswith("application/json") and (
             self.answers is not None or (bool(attempt.charged) and response.status_code < 300))
 
-    def _after(self, response: Any, attempt: _Attempt, body: bytes | None) -> list[_Step]:
+    def _after(self, response: Any, attempt: _Attempt, body: bytes | None,
+               sent: float) -> list[_Step]:
         """The gate calls an answer asks for: a 429 pauses the limits (and its tokens were not
-        spent); the headers' reports are followed; the tokens used are settled."""
+        spent; a limit that learns is cut); the headers' reports are followed; the tokens
+        used are settled.  ``sent``: when the request left (``time.monotonic``)."""
         steps: list[_Step] = []
         answer = classify(response.status_code, response.headers, body, self.answers) \
             if body is not None or response.status_code >= 400 else None
@@ -238,10 +249,12 @@ class _Gated:
         if answer is not None:
             metrics.provider_paused(self.names)
             steps += [_Step("settle", (limit, 0)) for _, limit in attempt.charged]
-            steps.append(_Step("stop", (self.every, "money", answer.message or "money"))
-                         if answer.kind == "money" else
-                         _Step("pause", (self.every, answer.retry_after)))
-            return steps
+            if answer.kind == "money":
+                return [*steps, _Step("stop", (self.every, "money", answer.message or "money"))]
+            refused = {"refused_after": max(0.0, time.monotonic() - sent)}
+            return [*steps, *(_Step("pause", (limits, seconds), refused) for limits, seconds
+                              in pauses_for_refusal(self.every, answer.retry_after or 0.0,
+                                                    answer.named))]
         if self.follow:
             for report in reports_of(response.headers):
                 which = self.limits if report.kind == "requests" else (
@@ -334,6 +347,10 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
         """Wait for the booked start (or spend the task's admission), send, and tell the gate
         what the answer says (a 429's pause, the quota left, the tokens used)."""
         attempt = self._before(request, self.gate.key_of)
+        if self.unwritten:
+            self.gate.client.hset(learners_key(self.gate.prefix),
+                                  mapping=self.unwritten)  # type: ignore[arg-type]
+            self.unwritten = {}
         for adm in attempt.stale:
             self.gate.settle(adm.limit, 0)
         if attempt.wait:
@@ -343,12 +360,13 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
             except ThrottleTimeout as exc:
                 self._past_probe(self.gate.stopped(limits), exc)
                 self.gate.wait(limits, timeout=self.timeout, grace=self.grace)
+        sent = time.monotonic()
         response = self.inner.handle_request(request)
         body = response.read() if self._needs_body(response, attempt) else None
-        for step in self._after(response, attempt, body):
+        for step in self._after(response, attempt, body, sent):
             if step.op == "stop":
                 response.close()
-            self._said(step, getattr(self.gate, step.op)(*step.args))
+            self._said(step, getattr(self.gate, step.op)(*step.args, **step.options))
         return response
 
     def close(self) -> None:
@@ -389,6 +407,10 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
         """:meth:`GatedTransport.handle_request`, awaiting the gate."""
         gate = self._gate()
         attempt = self._before(request, gate.key_of)
+        if self.unwritten:
+            await gate.client.hset(learners_key(gate.prefix),
+                                   mapping=self.unwritten)  # type: ignore[arg-type]
+            self.unwritten = {}
         for adm in attempt.stale:
             await gate.settle(adm.limit, 0)
         if attempt.wait:
@@ -398,12 +420,13 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
             except ThrottleTimeout as exc:
                 self._past_probe(await gate.stopped(limits), exc)
                 await gate.wait(limits, timeout=self.timeout, grace=self.grace)
+        sent = time.monotonic()
         response = await self.inner.handle_async_request(request)
         body = await response.aread() if self._needs_body(response, attempt) else None
-        for step in self._after(response, attempt, body):
+        for step in self._after(response, attempt, body, sent):
             if step.op == "stop":
                 await response.aclose()
-            self._said(step, await getattr(gate, step.op)(*step.args))
+            self._said(step, await getattr(gate, step.op)(*step.args, **step.options))
         return response
 
     async def aclose(self) -> None:
@@ -462,7 +485,8 @@ def gated_client(rate: str | Rate | None = None, *, name: str | None = None, bur
                  url: str | None = None,
                  gate: Gate | None = None, prefix: str = "throttle", module: str | None = None,
                  timeout: float | None = None, follow: bool = True,
-                 answers: Hook | None = None, **client_options: Any) -> Any:
+                 answers: Hook | None = None, adaptive: bool = False,
+                 floor: str | Rate | None = None, **client_options: Any) -> Any:
     """A sync HTTP client whose every request waits for a start of ``rate`` under ``name``.
 
     For ``OpenAI(http_client=...)`` and ``Anthropic(http_client=...)``.
@@ -477,10 +501,12 @@ def gated_client(rate: str | Rate | None = None, *, name: str | None = None, bur
     ``module``: ``"httpx2"`` (the SDKs', the default when installed) or
     ``"httpx"``.  ``follow``: spend no more than the provider's headers say
     is left (default).  ``answers``: a provider's own signals, e.g. a 200 whose
-    JSON says "rate limited" (``celery_throttle.answers``).  ``client_options``
-    go to the client (``timeout``...).
+    JSON says "rate limited" (``celery_throttle.answers``).  ``adaptive``:
+    the provider's quota is not known: learn it below ``rate`` from its quota
+    refusals, not below ``floor`` (``Limit(adaptive=True)``).
+    ``client_options`` go to the client (``timeout``...).
     """
-    chosen = _limits_of(rate, name, burst, key, limits)  # (bad input: before any client)
+    chosen = _limits_of(rate, name, burst, key, limits, adaptive, floor)  # (before any client)
     meters = _token_limits(name, tokens, input_tokens, output_tokens)
     http = _http_package(module)
     own = gate is None
@@ -501,9 +527,10 @@ def async_gated_client(rate: str | Rate | None = None, *, name: str | None = Non
                        url: str | None = None, gate: AsyncGate | None = None,
                        prefix: str = "throttle", module: str | None = None,
                        timeout: float | None = None, follow: bool = True,
-                       answers: Hook | None = None, **client_options: Any) -> Any:
+                       answers: Hook | None = None, adaptive: bool = False,
+                       floor: str | Rate | None = None, **client_options: Any) -> Any:
     """:func:`gated_client` for ``AsyncOpenAI`` and ``AsyncAnthropic``."""
-    chosen = _limits_of(rate, name, burst, key, limits)
+    chosen = _limits_of(rate, name, burst, key, limits, adaptive, floor)
     meters = _token_limits(name, tokens, input_tokens, output_tokens)
     http = _http_package(module)
     transport = AsyncGatedTransport(chosen, gate=gate, url=url, prefix=prefix, **meters,

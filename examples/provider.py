@@ -16,10 +16,10 @@ next requests (a count, or for a while) an answer that is not the quota's:
 the provider overloaded (Anthropic's 529, OpenAI's 503), an account out of
 money (OpenAI's 429 ``insufficient_quota``, Anthropic's spend-cap 429 and its
 usage-limit 400), or a bare 429 with no headers at all, as a proxy sends
-it (:data:`ANSWERS`).  ``set_limit()`` changes the quota while it serves, and
+it (:data:`ANSWERS`).  ``set_limit()`` changes the quota while it serves,
 ``rate_headers=False`` leaves every rate-limit header out, as most SaaS APIs
-and proxies do.  It logs every accepted and refused request for the demo's
-table and chart.
+and proxies do, and ``retry_after=False`` the wait of its own 429s too.  It
+logs every accepted and refused request for the demo's table and chart.
 
     python -m examples.provider --port 8080 --limit 10 --window 1
 
@@ -28,7 +28,8 @@ Endpoints: ``POST /v1/summarize`` (JSON ``{"prompt": ...}``), ``GET /stats``,
 (OpenAI's shape and its ``x-ratelimit-*`` headers, ``openai.OpenAI(base_url=
 provider.url + "/v1")``) and ``POST /v1/messages`` (Anthropic's, with its
 ``anthropic-ratelimit-*`` headers, ``anthropic.Anthropic(base_url=provider.url)``).
-Every 429 carries the provider's own ``retry-after`` and ``retry-after-ms``;
+Every 429 carries the provider's own ``retry-after`` and ``retry-after-ms``
+(unless ``retry_after=False``);
 ``refusals`` records why each was refused: ``"hold"`` (:meth:`MockProvider.hold`,
 the provider's own trouble) or a quota (``"requests"``, ``"inflight"``,
 ``"tokens"``), the 429s a client's pacing is to blame for.
@@ -114,9 +115,10 @@ class MockProvider:
     def __init__(self, *, limit: int = 10, window: float = 1.0, latency: float = 0.05,
                  max_inflight: int | None = None, token_budget: int | None = None,
                  token_window: float = 60.0, bucket: bool = False, host: str = "127.0.0.1",
-                 port: int = 0, rate_headers: bool = True) -> None:
+                 port: int = 0, rate_headers: bool = True, retry_after: bool = True) -> None:
         self.limit, self.window, self.latency = limit, window, latency
         self.rate_headers = rate_headers  # False: no x-ratelimit-*/anthropic-ratelimit-*
+        self.retry_after = retry_after  # False: its 429s name no wait (a bare 429)
         # answer_with(): (kind, requests left to answer so, or None; until, time.time())
         self._forced: tuple[str, int | None, float] | None = None
         # bucket=True: the request quota is a token bucket of `limit` refilled at
@@ -363,11 +365,10 @@ class MockProvider:
                 wait, why = provider.decide(tokens, self.path)
                 limits = shape.headers(provider) if provider.rate_headers else {}
                 if wait is not None:
-                    self._reply(429, shape.refusal(why), {
-                        **limits,
+                    self._reply(429, shape.refusal(why), {**limits, **({
                         "Retry-After": str(max(1, math.ceil(wait))),
                         "Retry-After-Ms": str(max(1, math.ceil(wait * 1000))),
-                    })
+                    } if provider.retry_after else {})})
                     return
                 try:
                     # The model "thinking"; a client may ask for longer (bounded).

@@ -293,6 +293,20 @@ def sdk_chat_checked(self: Task[Any, Any], i: int) -> str:
     return str(reply.choices[0].message.content)
 
 
+@throttled("30/s", name="learning-api", adaptive=True)
+@app.task(bind=True)
+def learning_call(self: Task[Any, Any], i: int) -> int:
+    """A call of a provider with no rate-limit headers and a quota under the declared 30/s:
+    its bare 429s, read by ``check_response``, teach the limit the quota."""
+    import httpx
+
+    response = httpx.post(f"{PROVIDER}/v1/chat/completions", timeout=10,
+                          json={"model": "mock", "messages": [{"role": "user", "content": "x"}]})
+    celery_throttle.check_response(response)
+    record(self, i=i)
+    return i
+
+
 @throttled(concurrency=1, name="one-seat", lease=LEASE)
 @app.task(bind=True)
 def one_seat(self: Task[Any, Any], seconds: float) -> float:

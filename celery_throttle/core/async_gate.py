@@ -120,7 +120,7 @@ class AsyncGate(GateCalls):
                     refused_after: float | None = None) -> float:
         """Admit nothing in ``limits`` for ``seconds``; a refusal cuts the learned rates
         (see :meth:`Gate.pause`)."""
-        return self._pause_reply(await self._run(
+        return self._pause_reply(limits, await self._run(
             "pause", *self._pause_call(limits, seconds, refused_after)))
 
     async def stop(self, limits: Sequence[AnyLimit], reason: str, message: str) -> bool:

@@ -28,6 +28,7 @@ from .limits import (
     Reservation,
     rates_of,
 )
+from .logs import logger
 from .packed import AsyncPackedPath, Call, PackedPath, Plain
 from .scripts import script
 
@@ -111,7 +112,10 @@ class GateCalls:
     def _decision(limits: Sequence[AnyLimit], reply: Any) -> Decision:
         if reply == _ALLOWED:  # the hot path replies with a bare integer
             return ADMITTED
-        status, wait_us, blocking, start_us, now_us, mask, epoch, shift = reply
+        status, wait_us, blocking, start_us, now_us, mask, epoch, shift = reply[:8]
+        if len(reply) > 8:  # (simply admitted, and learned rates moved: say so)
+            _say_moves(limits, reply[8:], "raised", "used while the provider accepted")
+            return ADMITTED
         blocked = limits[blocking - 1] if blocking else None
         retry_after = from_us(wait_us)
         booking = (Reservation(start=start_us, booked=mask, epoch=epoch, shift=shift)
@@ -150,8 +154,9 @@ class GateCalls:
         return self._paused_call(limits, to_us(seconds("pause", pause)), age)
 
     @staticmethod
-    def _pause_reply(reply: Any) -> float:
-        return from_us(int(reply[0]))  # (reply[1]: how many learned rates were cut)
+    def _pause_reply(limits: Sequence[AnyLimit], reply: Any) -> float:
+        _say_moves(limits, reply[1:], "cut", "the provider refused a request for its quota")
+        return from_us(int(reply[0]))
 
     def _cancel_call(self, limits: Sequence[AnyLimit], booking: Reservation) -> Call:
         return self._call(limits, booking.start, booking.booked, booking.epoch)
@@ -266,3 +271,10 @@ def _epoch_key(prefix: str) -> bytes:
     return epoch_key(prefix).encode()
 
 
+def _say_moves(limits: Sequence[AnyLimit], moves: Sequence[Any], verb: str,
+               because: str) -> None:
+    """Log the learned rates' moves a script replied ("i before after" each), at INFO."""
+    for move in moves:
+        i, before, after = text(move).split()
+        logger.info("throttle: learned rate of %s %s from %.4g/s to %.4g/s (%s)",
+                    limits[int(i) - 1].name, verb, float(before), float(after), because)

@@ -188,7 +188,7 @@ class Gate(GateCalls):
         unless the request left before its last cut; ``seconds`` may then be 0 (a
         refusal that names no wait pauses nothing that learns).
         """
-        return self._pause_reply(self._run(
+        return self._pause_reply(limits, self._run(
             "pause", *self._pause_call(limits, seconds, refused_after)))
 
     def stop(self, limits: Sequence[AnyLimit], reason: str, message: str) -> bool:

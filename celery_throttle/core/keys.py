@@ -11,7 +11,7 @@ value of a per-key limit (tenant id, API key, ...) or ``-`` for a shared
 one.  The name comes last, after two parts of fixed form, so a limit name
 can hold any character (``:`` included) and still never be the key of
 another limit, nor of the package's own keys: those (``epoch``, ``live``,
-``enforce``, ``stops``, ``bell``, ``freed``, ``wait:*``, ``copy:*``, ``arrived:*``,
+``enforce``, ``stops``, ``learners``, ``bell``, ``freed``, ``wait:*``, ``copy:*``, ``arrived:*``,
 ``counts:*``, and the waiting room's ``room:*``) start with a word no limit
 key starts with.
 
@@ -51,6 +51,7 @@ __all__ = [
     "held_key",
     "key_digest",
     "learned_key",
+    "learners_key",
     "leases_key",
     "limit_of",
     "line_key",
@@ -60,6 +61,7 @@ __all__ = [
     "operator_key",
     "seat_line_key",
     "sibling_key",
+    "side_key",
     "split_limit_key",
     "stop_field",
     "stops_key",
@@ -170,6 +172,13 @@ def sibling_key(key: str, kind: str) -> str:
     return f"{key[:tag + 1]}{kind}{key[tag + 2:]}"
 
 
+def side_key(key: str) -> str:
+    """The side key of the limit whose key is ``key``: a concurrency limit's meta hash
+    (``m``), a rate bucket's learned rate (``r``), as the scripts take them
+    (``lua/limits.lua``)."""
+    return sibling_key(key, "m" if split_limit_key(key)[0] == "l" else "r")
+
+
 def held_key(prefix: str, name: str, key: object = None) -> str:
     """Why a rate limit is held back by a provider's report (``Gate.follow``): a string
     "remaining reset_us reported_us" that expires at the provider's reset."""
@@ -253,6 +262,12 @@ def stop_field(name: str, key: object = None) -> str:
     """A limit's field in :func:`stops_key`: its key value's digest (``-`` for a shared
     limit) and its name, as in its own keys."""
     return f"{'-' if key is None else key_digest(key)}:{name}"
+
+
+def learners_key(prefix: str) -> str:
+    """The limits that learn their rate, as gated clients wrote them (``learners.py``): a
+    hash, limit name -> "rate burst floor per_key"."""
+    return f"{{{prefix}}}:learners"
 
 
 def live_key(prefix: str) -> str:

@@ -29,7 +29,8 @@ from .keys import (
 from .rates import Rate, parse_rate
 
 __all__ = ["DEFAULT_LEASE", "FLOOR_SHARE", "AnyLimit", "BucketState", "Concurrency", "Decision",
-           "Learned", "LeaseState", "Limit", "Reservation", "declared", "rates_of", "seats_of"]
+           "Learned", "LeaseState", "Limit", "Reservation", "declared", "pauses_for_refusal",
+           "rates_of", "seats_of"]
 
 #: A lease a heartbeat does not extend ends this long after it was taken.
 DEFAULT_LEASE = 30.0
@@ -71,16 +72,14 @@ class Limit:
         object.__setattr__(self, "rate", parse_rate(self.rate))
         check_cost(self.cost, positive_int("burst", self.burst), self.name)
         if not isinstance(self.adaptive, bool):
-            raise TypeError(f"invalid adaptive {self.adaptive!r} of limit {self.name!r}: "
-                            "expected True or False")
+            raise TypeError(f"invalid adaptive {self.adaptive!r}: expected True or False")
         if self.floor is not None:
             if not self.adaptive:
-                raise ValueError(f"limit {self.name!r} has a floor ({self.floor}) but does "
-                                 "not learn its rate: give adaptive=True or no floor")
+                raise ValueError(f"a floor ({self.floor}) but no learning: give "
+                                 "adaptive=True, or no floor")
             floor = parse_rate(self.floor)
             if floor.interval_us < self.rate.interval_us:
-                raise ValueError(f"invalid floor {self.floor!r} of limit {self.name!r}: "
-                                 f"above its rate {self.rate}")
+                raise ValueError(f"invalid floor '{floor}': above the rate {self.rate}")
             object.__setattr__(self, "floor", floor)
         if self.key is not None:
             key_digest(self.key)  # a TypeError naming the type, now rather than at the call
@@ -212,18 +211,36 @@ AnyLimit = Limit | Concurrency
 
 def declared(name: str, rate: str | Rate | None, burst: int = 1, key: object = None,
              cost: int = 1, concurrency: int | None = None, lease: float = DEFAULT_LEASE,
-             fair: object = None) -> list[AnyLimit]:
+             fair: object = None, adaptive: bool = False,
+             floor: Rate | None = None) -> list[AnyLimit]:
     """The limits one declaration makes under ``name``: a rate limit (``rate``, with its
-    ``burst``, ``cost`` and ``fair`` key value), a concurrency limit (``concurrency``
-    seats, each for a ``lease``), or both, in that order, for key value ``key``."""
+    ``burst``, ``cost``, ``fair`` key value, learning below it if ``adaptive``), a
+    concurrency limit (``concurrency`` seats, each for a ``lease``), or both, in that
+    order, for key value ``key``."""
     if rate is None and concurrency is None:
         raise ValueError("give a rate, a concurrency, or both")
     limits: list[AnyLimit] = []
     if rate is not None:
-        limits.append(Limit(name, parse_rate(rate), burst, key, cost, fair))
+        limits.append(Limit(name, parse_rate(rate), burst, key, cost, fair, adaptive, floor))
     if concurrency is not None:
         limits.append(Concurrency(name, concurrency, key, lease))
     return limits
+
+
+def pauses_for_refusal(limits: Iterable[AnyLimit], seconds: float, named: bool
+                       ) -> list[tuple[list[AnyLimit], float]]:
+    """How a provider's quota refusal pauses ``limits``: groups of (limits, seconds).
+
+    A limit that learns its rate is cut by the refusal (``Gate.pause``'s
+    ``refused_after``), and paused only for a wait the provider ``named``;
+    the others are paused ``seconds`` (a default when none was named).
+    """
+    given = list(limits)
+    learning: list[AnyLimit] = [lim for lim in given if isinstance(lim, Limit) and lim.adaptive]
+    if named or not learning:
+        return [(given, seconds)]
+    fixed = [lim for lim in given if lim not in learning]
+    return [(learning, 0.0), *([(fixed, seconds)] if fixed else [])]
 
 
 def rates_of(limits: Iterable[AnyLimit]) -> list[Limit]:

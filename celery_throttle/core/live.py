@@ -170,6 +170,9 @@ def _applied(limits: Sequence[AnyLimit], overrides: dict[str, tuple[Rate, int]]
             out.append(lim)
             continue
         rate, burst = found
+        # (A set rate under the floor of a limit that learns: the set rate is the floor.)
+        floor = lim.floor if lim.floor is None or lim.floor.interval_us >= rate.interval_us \
+            else rate
         out.append(dataclasses.replace(lim, rate=rate, burst=burst,
-                                       cost=min(lim.cost, burst)))
+                                       cost=min(lim.cost, burst), floor=floor))
     return out

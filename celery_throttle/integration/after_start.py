@@ -17,7 +17,7 @@ import redis
 from celery import Task
 
 from .. import metrics
-from ..core.limits import AnyLimit
+from ..core.limits import AnyLimit, pauses_for_refusal
 from ..core.logs import logger
 from ..room.header import WaitState
 from . import leases
@@ -66,7 +66,8 @@ def release_leases_of(task: Task[Any, Any]) -> None:
 
 def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLimit],
                       seconds: float, stop: str | None = None,
-                      overloaded: bool = False) -> Away | Drop:
+                      overloaded: bool = False, named: bool = True,
+                      refused_after: float | None = None) -> Away | Drop:
     """The provider refused the call (429): pause ``limits`` everywhere, re-schedule the task;
     the copy's way out (``act.carry_out``): :class:`Away`, or a :class:`Drop` where the
     waiting room has this copy already.
@@ -80,7 +81,11 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
     stop until resumed (``Gate.stop``, said once as an ERROR), and the task,
     back after ``seconds``, waits in line for that.  ``overloaded``: the
     provider is busy for everyone: the limits are held off for ``seconds``
-    (``Gate.follow`` with nothing left until then), not paused.
+    (``Gate.follow`` with nothing left until then), not paused.  A quota
+    refusal of a request sent ``refused_after`` seconds ago cuts the limits
+    that learn their rate, paused only for a wait the provider ``named``
+    (``pauses_for_refusal``); with every limit learning and none named, the
+    task comes back at once and waits for its start at the new rate.
     """
     request = task.request
     run = run_of(request)
@@ -103,7 +108,9 @@ def defer_after_start(task: Task[Any, Any], runtime: Runtime, limits: list[AnyLi
         elif overloaded:
             runtime.gate.follow(limits, 0, seconds)
         else:
-            seconds = max(seconds, runtime.gate.pause(limits, seconds))
+            groups = pauses_for_refusal(limits, seconds, named)
+            seconds = max(runtime.gate.pause(group, wait, refused_after=refused_after)
+                          for group, wait in groups)
     except redis.RedisError as exc:
         store_up = False
         metrics.store_error([lim.name for lim in limits])

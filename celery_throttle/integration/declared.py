@@ -43,7 +43,7 @@ def known_limits(app: Celery) -> list[KnownLimit]:
             name = spec.name or task_name
             cost = spec.cost if isinstance(spec.cost, int) else 1
             for lim in declared(name, spec.rate, spec.burst, None, cost, spec.concurrency,
-                                spec.lease):
+                                spec.lease, None, spec.adaptive, spec.floor):
                 table = leases if lim.leased else found
                 old = table.get(name)
                 table[name] = (KnownLimit(old.limit, old.keyed, (*old.used_by, task_name),

@@ -15,6 +15,8 @@ from typing import Any
 
 from celery import Celery
 
+from ..core import learners
+from ..core.keys import learners_key
 from ..core.limits import Concurrency, Limit
 from .declared import known_limits
 from .runtime import runtime_for
@@ -59,6 +61,9 @@ class FillCollector:
         drains = GaugeMetricFamily("celery_throttle_drain_seconds",
                                    "Estimated seconds until the limit's line is empty at its "
                                    "current rate", labels=["limit"])
+        learned = GaugeMetricFamily("celery_throttle_learned_rate",
+                                    "Starts a second a limit that learns its provider's quota "
+                                    "decides at now (at most its rate)", labels=["limit"])
         known_all = known_limits(self.app)
         rates = runtime.live.apply([k.limit for k in known_all if isinstance(k.limit, Limit)])
         for line in runtime.room.lines.busiest(
@@ -77,10 +82,17 @@ class FillCollector:
                 paused.add_metric([lim.name], leases.paused)
                 continue
             state = gate.inspect(lim)
+            if state.learned is not None:
+                learned.add_metric([lim.name], state.learned.rate)
             paused.add_metric([lim.name], state.paused)
             fill.add_metric([lim.name], state.used / lim.burst)
             free.add_metric([lim.name], state.next_free)
             booked.add_metric([lim.name], state.booked_ahead)
+        declared_names = {k.limit.name for k in known_all}
+        for lim, per_key in learners.limits(gate.client.hgetall(learners_key(gate.prefix))):
+            learnt = None if per_key or lim.name in declared_names else gate.inspect(lim).learned
+            if learnt is not None:  # (a gated client's, no task declares it)
+                learned.add_metric([lim.name], learnt.rate)
         stopped = GaugeMetricFamily(
             "celery_throttle_stopped",
             "1 while the limit is stopped until resumed (reason: money, a provider said the "
@@ -90,7 +102,7 @@ class FillCollector:
             if not stop.per_key:
                 stopped.add_metric([stop.limit, stop.reason], 1)
         yield from (fill, free, booked, held, paused, parked, dispatching, in_line, drains,
-                    stopped)
+                    stopped, learned)
 
 
 def serve(app: Celery, port: int, addr: str = "0.0.0.0") -> None:  # scraped from elsewhere

@@ -20,7 +20,7 @@ from celery.local import PromiseProxy, Proxy
 
 from ..core import credit
 from ..core.keys import validate_name
-from ..core.limits import DEFAULT_LEASE, AnyLimit, Concurrency, declared, rates_of
+from ..core.limits import DEFAULT_LEASE, AnyLimit, Concurrency, Limit, declared, rates_of
 from ..core.logs import logger
 from ..core.rates import Rate, parse_rate
 from ..errors import LimitStopped, RateLimited, ThrottleTimeout
@@ -58,6 +58,8 @@ class Throttle:
     lease: float = DEFAULT_LEASE
     fair: str | ArgFn | None = None
     enforce: bool | None = None  # None: the app's throttle_enforce
+    adaptive: bool = False
+    floor: Rate | None = None
 
     @property
     def estimated(self) -> bool:
@@ -75,7 +77,7 @@ class Throttle:
             cost = self.cost(*args, **kwargs) if callable(self.cost) else self.cost
         try:
             return declared(name, self.rate, self.burst, key, cost, self.concurrency,
-                            self.lease, fair)  # checks the cost
+                            self.lease, fair, self.adaptive, self.floor)  # checks the cost
         except ValueError as exc:
             raise ValueError(f"task {task_name!r}: {exc}") from None
         except TypeError as exc:  # a key value of an unsupported type
@@ -114,6 +116,8 @@ def throttled(
     lease: float = DEFAULT_LEASE,
     fair: str | ArgFn | None = None,
     enforce: bool | None = None,
+    adaptive: bool = False,
+    floor: str | Rate | None = None,
 ) -> Callable[[T], T]:
     """Limit every start of the decorated task, across all workers.
 
@@ -142,6 +146,9 @@ def throttled(
       made and counted (would have waited, how long, for which limit) but the
       task runs at once (default: the app's ``throttle_enforce``; a live
       ``celery throttle shadow NAME on|off`` overrides both).
+    * ``adaptive``: the provider's quota is not known: decide at a rate learned
+      from its quota refusals, never above ``rate``, never below ``floor``
+      (default: a tenth of ``rate``); see :class:`~celery_throttle.Limit`.
 
     Raising :class:`~celery_throttle.RateLimited` in the task (a provider's
     429) pauses its limits on every worker and re-schedules it, retries untouched.
@@ -155,7 +162,7 @@ def throttled(
         label, fun, bind = _describe(task)
         try:
             spec = _build_spec(rate, burst, key, name, cost, max_wait, fun, bind,
-                               concurrency, lease, fair, enforce)
+                               concurrency, lease, fair, enforce, adaptive, floor)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"@throttled on task {label}: {exc}") from None
         if isinstance(task, Task):
@@ -198,12 +205,18 @@ def _describe(task: object) -> tuple[str, Callable[..., Any] | None, bool]:
 def _build_spec(rate: object, burst: object, key: object, name: object, cost: object,
                 max_wait: object, fun: Callable[..., Any] | None, bind: bool,
                 concurrency: object = None, lease: object = DEFAULT_LEASE,
-                fair: object = None, enforce: object = None) -> Throttle:
+                fair: object = None, enforce: object = None, adaptive: object = False,
+                floor: object = None) -> Throttle:
     if rate is None and concurrency is None:
         raise ValueError("give a rate, a concurrency, or both")
     if fair is not None and rate is None:
         raise ValueError("fair shares a rate: give a rate too")
+    if (adaptive or floor is not None) and rate is None:
+        raise ValueError("adaptive learns a rate: give a rate (the most it may reach)")
     parsed = parse_rate(rate) if rate is not None else None
+    floored = parse_rate(floor) if floor is not None else None
+    if parsed is not None:  # (the learning options, checked as the limit checks them)
+        Limit("check", parsed, adaptive=adaptive, floor=floored)  # type: ignore[arg-type]
     if concurrency is not None:
         Concurrency("check", concurrency, None, lease)  # type: ignore[arg-type]
     positive_int("burst", burst)
@@ -236,7 +249,8 @@ def _build_spec(rate: object, burst: object, key: object, name: object, cost: ob
             raise ValueError(f"invalid {what} {spec!r}: expected an argument name or a "
                              "callable")
     return Throttle(parsed, burst, key, name, cost, max_wait,  # type: ignore[arg-type]
-                    signature, concurrency, lease, fair, enforce)  # type: ignore[arg-type]
+                    signature, concurrency, lease, fair, enforce,  # type: ignore[arg-type]
+                    bool(adaptive), floored)
 
 
 def _attach(task: Task[Any, Any], spec: Throttle) -> None:
@@ -333,9 +347,12 @@ def _gated(task: Task[Any, Any], run: Callable[..., Any]) -> Callable[..., Any]:
             # The provider said "not now": hold every worker off these limits,
             # give back the leases (only once the pause is written), come back
             # after the pause.
+            # (Its request left at the admission or later: read as the admission, a
+            # refusal may be taken for one of before the last cut, never cut twice.)
             way_out = defer_after_start(task, runtime, limited.limits_in(limits),
                                         limited.retry_after, stop=limited.stop,
-                                        overloaded=limited.overloaded)
+                                        overloaded=limited.overloaded, named=limited.named,
+                                        refused_after=time.monotonic() - now)
         finally:
             credit.revoke(unspent)
             release_leases_of(task)  # the run ended, in whatever state

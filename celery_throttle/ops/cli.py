@@ -95,7 +95,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
                                                      if r["drains_in_s"] is not None else "")
                        + (f" (+{r['booked_ahead']} booked)" if r.get("booked_ahead") else ""))
         rate = r["rate"] + (f" (set; code {r['code_rate']} burst {r['code_burst']})"
-                            if "code_rate" in r else "")
+                            if "code_rate" in r else "") + _learned(r)
         if shadow := r.get("shadow"):  # shadow mode: what it would have done
             waiting = (f"none (shadow: would have deferred {shadow['would_defer_15m']} in 15m"
                        + (f", would drain in {_span(shadow['would_next_free_s'])}"
@@ -107,6 +107,17 @@ def _table(rows: list[dict[str, Any]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
              for line in [head, *body]]
     return "\n".join(lines)
+
+
+def _learned(row: dict[str, Any]) -> str:
+    """What a limit that learns its rate learned, as a few words."""
+    if (learned := row.get("learned")) is None:
+        return ""
+    said = f", learned {learned['rate_per_s']:.4g}/s"
+    if learned["moved"]:
+        said += (f" ({learned['moved']} {_span(learned['moved_s_ago'])} ago from "
+                 f"{learned['before_per_s']:.4g}/s)")
+    return said
 
 
 def _by(row: dict[str, Any]) -> str:

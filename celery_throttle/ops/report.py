@@ -16,8 +16,9 @@ from typing import Any
 
 from celery import Celery
 
+from ..core import learners
 from ..core.gate import Gate
-from ..core.keys import operator_key, stop_field, stops_key
+from ..core.keys import learners_key, operator_key, stop_field, stops_key
 from ..core.limits import BucketState, Concurrency, LeaseState, Limit
 from ..core.rates import parse_rate
 from ..core.stops import parse
@@ -59,11 +60,11 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
     gate = runtime.gate
     live = runtime.live.read()
     rows = []
-    # A name no task declares is known while its limit is stopped (a gated client's:
-    # ``_stopped_rows`` shows it); any other unknown name is refused by ``select``.
+    # A name no task declares is known while its limit is stopped, or if it learns its
+    # rate (a gated client's: ``_clients_rows`` shows it); ``select`` refuses the others.
     undeclared = set(names) - {k.limit.name for k in known_limits(app)}
-    stopped = {stop.limit for stop in gate.stops(value)} & undeclared if undeclared else set()
-    asked = [n for n in names if n not in stopped]
+    clients = _clients(gate, value) if undeclared or not names else []
+    asked = [n for n in names if n not in {known.limit.name for known in clients}]
     selected = select(app, asked) if asked or not names else []
     for known in selected:
         if isinstance(known.limit, Limit) and known.limit.name in live:
@@ -90,7 +91,7 @@ def status(app: Celery, names: Sequence[str] = (), value: object = None) -> dict
         if line is not None and "rate" in r:
             r.update(in_line=line.waiting, drains_in_s=line.drains_in,
                      top_keys=[{"key_digest": d, "waiting": n} for d, n in line.top])
-    _stopped_rows(gate, rows, names, value)
+    _clients_rows(gate, rows, clients, names, value)
     _paused_by(runtime.gate, rows, value)
     # (A rate limit and a concurrency limit may share a name: one row each.)
     _shadow(app, rows, {(k.limit.name, isinstance(k.limit, Limit)): k for k in selected},
@@ -147,19 +148,34 @@ def _shadow(app: Celery, rows: list[dict[str, Any]], known: dict[tuple[str, bool
         r["shadow"] = fig
 
 
-def _stopped_rows(gate: Gate, rows: list[dict[str, Any]], names: Sequence[str],
-                  value: object) -> None:
-    """Add a row for each stopped limit that no task of the app declares (a gated client's:
-    its stop's record has its rate), of ``names`` (all when empty)."""
+def _clients(gate: Gate, value: object) -> list[KnownLimit]:
+    """The limits gated clients use that the store knows without any task declaring them:
+    the stopped ones (a stop's record has the rate) and the ones that learn their rate
+    (``core/learners.py``)."""
+    label = ("(no task: a gated client's)",)
+    found = {stop.limit: KnownLimit(Limit(stop.limit, parse_rate(stop.rate),
+                                          max(stop.burst, 1), value if stop.per_key else None),
+                                    stop.per_key, label)
+             for stop in gate.stops(value) if stop.rate}
+    records = gate.client.hgetall(learners_key(gate.prefix))
+    for lim, per_key in learners.limits(records, value):
+        found[lim.name] = KnownLimit(lim, per_key, label)
+    return list(found.values())
+
+
+def _clients_rows(gate: Gate, rows: list[dict[str, Any]], clients: Sequence[KnownLimit],
+                  names: Sequence[str], value: object) -> None:
+    """Add a row for each of ``clients`` (:func:`_clients`) that no row shows, of ``names``
+    (all when empty)."""
     shown = {r["limit"] for r in rows}
-    for stop in gate.stops(value):
-        if stop.limit in shown or (names and stop.limit not in names) or not stop.rate:
+    for known in clients:
+        lim = known.limit
+        if lim.name in shown or (names and lim.name not in names):
             continue
-        lim = Limit(stop.limit, parse_rate(stop.rate), max(stop.burst, 1),
-                    value if stop.per_key else None)
-        known = KnownLimit(lim, stop.per_key, ("(no task: a gated client's)",))
-        rows.append(_row(known, gate.inspect(lim), value is not None))
-        shown.add(stop.limit)
+        assert isinstance(lim, Limit)
+        rows.append(_row(known, gate.inspect(lim) if value is not None or not known.keyed
+                         else None, value is not None))
+        shown.add(lim.name)
 
 
 def _paused_by(gate: Gate, rows: list[dict[str, Any]], value: object) -> None:
@@ -221,4 +237,8 @@ def _row(known: KnownLimit, state: BucketState | None, key_given: bool) -> dict[
         row["held_by_provider"] = {"remaining": state.held_remaining,
                                    "until_reset_s": round(state.held, 3),
                                    "reported_s_ago": round(state.held_since, 3)}
+    if (learned := state.learned) is not None:  # it learns its rate (below "rate")
+        row["learned"] = {"rate_per_s": round(learned.rate, 4), "moved": learned.why or None,
+                          "moved_s_ago": round(learned.since, 3) if learned.why else None,
+                          "before_per_s": round(learned.before, 4) if learned.why else None}
     return row

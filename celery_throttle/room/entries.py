@@ -24,6 +24,7 @@ __all__ = [
     "Line",
     "Served",
     "Weights",
+    "ceiling_us",
     "entry_id",
     "entry_json",
     "fair_of",
@@ -112,8 +113,9 @@ def entry_json(task_id: str, limits: Sequence[AnyLimit], prefix: str, *, place_u
             rows.append([lim.key_in(prefix).decode(), 0, lim.seats, lim.lease_us])
             continue
         fair, units = fair_of(lim, weights or {})
-        row: list[str | int | float] = [lim.key_in(prefix).decode(), lim.rate.interval_us,
-                                        lim.burst, lim.cost]
+        row: list[str | int | float] = [lim.key_in(prefix).decode(),
+                                        lim.interval_field if lim.adaptive
+                                        else lim.rate.interval_us, lim.burst, lim.cost]
         if fair:  # (serve.lua reads a missing fair key value as none, and units as 1)
             row += [fair, units]
         rows.append(row)
@@ -160,7 +162,8 @@ def rows_of(task: dict[str, Any]) -> list[tuple[str, int, int]]:
     burst: a concurrency limit's seats).""
 
     A row is [bucket, interval, burst, cost, ...]; a concurrency limit's is
-    [leases, 0, seats, lease]: interval 0."""
+    [leases, 0, seats, lease]: interval 0.  A rate limit that learns has "T/F"
+    for its interval (``core/lua/learn.lua``): its ceiling's, T, is read."""
     limits = task.get("l")
     if not isinstance(limits, list):
         return []
@@ -169,10 +172,19 @@ def rows_of(task: dict[str, Any]) -> list[tuple[str, int, int]]:
         if not (isinstance(row, list) and len(row) >= 4 and isinstance(row[0], str)
                 and (":b:" in row[0] or ":l:" in row[0])):
             continue
-        interval, burst = row[1], row[2]
-        if isinstance(interval, int):
+        interval, burst = ceiling_us(row[1]), row[2]
+        if interval is not None:
             out.append((row[0], interval, burst if isinstance(burst, int) else 1))
     return out
+
+
+def ceiling_us(field: object) -> int | None:
+    """A limit's interval field (``core/lua/limits.lua``) as its interval (us): a rate's, or
+    the ceiling's of one that learns ("T/F"); None for anything else."""
+    if isinstance(field, int) and not isinstance(field, bool):
+        return field
+    ceiling, slash, floor = str(field).partition("/")
+    return int(ceiling) if ceiling.isdigit() and (not slash or floor.isdigit()) else None
 
 
 def limits_of(task: dict[str, Any]) -> list[str]:

@@ -56,6 +56,7 @@ from ..core.keys import (
     line_of,
     live_key,
     sibling_key,
+    side_key,
     split_limit_key,
 )
 from ..core.limits import AnyLimit, Limit
@@ -66,6 +67,7 @@ from .entries import (
     Line,
     Served,
     Weights,
+    ceiling_us,
     entry_id,
     entry_json,
     fair_of,
@@ -205,7 +207,7 @@ class Lines:
         new rate): the tasks already waiting are dispatched at it."""
         items: list[str] = []
         for lim in limits:
-            items += [lim.name, f"{lim.rate.interval_us} {lim.burst}"]
+            items += [lim.name, f"{lim.interval_field} {lim.burst}"]
         if items:
             self.client.hset(self.specs, items=items)
 
@@ -241,7 +243,7 @@ class Lines:
         own = [limit_of(q) for q in lines]
         for bucket in own:
             others.pop(bucket, None)
-        quads = [k for b in [*own, *others] for k in (b, *line_of(b), sibling_key(b, "m"))]
+        quads = [k for b in [*own, *others] for k in (b, *line_of(b), side_key(b))]
         reply = self._serve(
             keys=[self.messages, self.ready, self.claimed, self.epoch, self.trip,
                   self.wake, self.specs, self.live, *quads],
@@ -347,7 +349,8 @@ class Lines:
             _, digest, name = split_limit_key(q)
             if enqueued:
                 spec = specs[3 * j] or specs[3 * j + 1]
-                interval = int(text(spec).split()[0]) if spec else enqueued
+                interval = (ceiling_us(text(spec).split()[0]) or enqueued) if spec \
+                    else enqueued
             else:  # a seat's line: a turn per average run and seat (0: none ended yet)
                 run = specs[3 * j + 2]
                 interval = int(float(text(run))) // max(burst, 1) if run else 0

@@ -379,3 +379,39 @@ def test_tasks_a_web_handler_and_a_langchain_model_share_one_quota_through_the_t
     # callers' processes and threads are scheduled late for their starts, 7.03/s once
     # and 6.04/s once, hence 0.6.
     assert (len(accepted) - 1) / span >= 0.6 * 9
+
+
+def test_tasks_learn_a_quota_their_provider_does_not_tell_and_every_task_runs_once(
+        redis_base: str, capp: ModuleType, records: redis.Redis) -> None:
+    """40 tasks on 2 prefork nodes declared at 30/s, against a provider that allows 8 in any
+    second and sends no rate-limit headers: its bare 429s cut the learned rate (the limit is
+    never paused), the refused tasks come back with their retries untouched, and every
+    task succeeds once."""
+    from celery_throttle import Gate, Limit, parse_rate
+
+    provider = MockProvider(limit=8, window=1.0, latency=0.02, rate_headers=False,
+                            retry_after=False).start()
+    limit = Limit("learning-api", parse_rate("30/s"), adaptive=True)
+    paused: list[float] = []
+    try:
+        env = {"CT_PROVIDER": provider.url}
+        with worker_nodes(redis_base, ("w1", "w2"), concurrency=3, env=env), \
+                Gate.from_url(capp.STORE, prefix=capp.app.conf.throttle_prefix) as gate:
+            results = [capp.learning_call.delay(i) for i in range(40)]
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and not all(r.ready() for r in results):
+                paused.append(gate.inspect(limit).paused)
+                time.sleep(0.1)
+            states = wait_results(results, timeout=5)
+            learned = gate.inspect(limit).learned
+    finally:
+        provider.stop()
+    assert Counter(states) == {"SUCCESS": 40}
+    assert Counter(r["id"] for r in read_records(records, expect=40, timeout=5)) == Counter(
+        {r.id: 1 for r in results})
+    assert learned is not None
+    assert learned.rate < 20  # (learned below the 30/s guess)
+    assert max(paused) == 0.0
+    print(f"\nrefused {len(provider.refusals)} of {len(provider.refusals) + 40}; learned "
+          f"{learned.rate:.2f}/s")
+    assert len(provider.refusals) <= 30

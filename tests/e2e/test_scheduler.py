@@ -9,6 +9,7 @@ start records and the result backend, as in test_waiting_room.py.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ from types import ModuleType
 import pytest
 import redis
 
+from celery_throttle import parse_rate
 from celery_throttle.integration.defer import _MAX_SLEEPS
 from celery_throttle.testing import WorkerProcess
 
@@ -112,12 +114,17 @@ def test_cancelling_the_waiting_tasks_frees_the_limit_at_once(
     with worker_nodes(redis_base, ("w1",), conf=LINE) as nodes:
         batch = [capp.in_line.apply_async((i,), priority=BATCH) for i in range(40)]
         wait_in_line(redis_base, 30, timeout=20)
+        reached = time.monotonic()
         if how == "purge":
             done = throttle_cli(["purge", "--yes"], redis_base)
             assert done.returncode == 0, done.stderr
         else:
             capp.app.control.revoke([r.id for r in batch])
             until("the revoked tasks leave the line", lambda: _revoked_left(nodes), 10)
+        # (The line goes on at its pace while the command starts: a loaded machine takes
+        # seconds to start the CLI.)
+        pace = parse_rate(capp.LINE_RATE).per_second
+        served = 10 + math.ceil((time.monotonic() - reached) * pace)
         sent = time.time()
         fresh = capp.in_line.delay(1000)
         assert wait_results([fresh], timeout=20) == ["SUCCESS"]
@@ -126,8 +133,9 @@ def test_cancelling_the_waiting_tasks_frees_the_limit_at_once(
     start = next(r["t"] for r in rows if r["i"] == 1000)
     print(f"\nafter {how}: a new task started {start - sent:.3f}s after it was sent")
     assert start - sent <= 1.5
-    assert dropped.count("REVOKED") >= 30
-    assert len(rows) <= 11  # the dropped tasks never ran
+    ran = dropped.count("SUCCESS")
+    assert dropped.count("REVOKED") == 40 - ran >= 40 - served - 1
+    assert len(rows) == ran + 1  # the dropped tasks never ran
 
 
 def test_revoked_tasks_leave_their_line_at_once_wherever_they_wait(

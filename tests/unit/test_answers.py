@@ -127,7 +127,7 @@ def test_a_hook_reads_a_provider_s_own_signals_first() -> None:
         return None
 
     assert classify(200, {"retry-after": "3"}, b'{"status": "rate_limited"}',
-                    hook) == Answer("quota", 3.0, "")
+                    hook) == Answer("quota", 3.0, "", named=True)
     status, body = _answer("spend_cap")
     money = classify(status, {}, body, hook)
     assert money is not None

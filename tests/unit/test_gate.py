@@ -131,7 +131,10 @@ def test_in_line_decision_sees_the_queues_in_the_same_call(gate: Gate,
     assert not queued.allowed
     assert queued.limit == shared  # three waiting at 2/s: 1.5 s, against 0.1 s
     assert queued.retry_after == 1.5
-    assert [client.get(gate.key_of(lim)) for lim in (tenant, shared)] == stored
+    # (Nothing written: each bucket as it was, or gone (drained, its TTL over, on a
+    # loaded machine: the tenant's in 100 ms).)
+    after = [client.get(gate.key_of(lim)) for lim in (tenant, shared)]
+    assert all(now in (None, before) for now, before in zip(after, stored, strict=True))
     assert gate.acquire_many([tenant, shared]).allowed  # not in line: not held back
     client.delete(shared.line_in(gate.prefix), tenant.line_in(gate.prefix))
     assert gate.acquire_many([tenant, shared], in_line=True).allowed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import redis
@@ -195,8 +196,8 @@ def test_a_report_follows_a_limit_that_learns(cgate: Gate) -> None:
 
 
 @pytest.mark.parametrize(("options", "error", "words"), [
-    ({"floor": "1/s"}, ValueError, "does not learn"),
-    ({"adaptive": True, "floor": "20/s"}, ValueError, "above its rate"),
+    ({"floor": "1/s"}, ValueError, "no learning: give adaptive=True"),
+    ({"adaptive": True, "floor": "20/s"}, ValueError, "invalid floor '20/s': above the rate"),
     ({"adaptive": 1}, TypeError, "expected True or False"),
 ])
 def test_bad_learning_options_are_refused_by_name(options: dict[str, object],
@@ -204,3 +205,25 @@ def test_bad_learning_options_are_refused_by_name(options: dict[str, object],
     """A floor without learning, a floor above the rate, a non-bool adaptive."""
     with pytest.raises(error, match=words):
         Limit("llm", parse_rate("10/s"), **options)  # type: ignore[arg-type]
+
+
+def test_a_cut_and_a_climb_past_a_tenth_are_said_once_at_info(
+        cgate: Gate, clock: StepClock, caplog: pytest.LogCaptureFixture) -> None:
+    """The cut is logged by the caller that made it; the climb back from 8.5/s to 10/s
+    once, when it passes a tenth over the rate said last."""
+    caplog.set_level(logging.INFO, logger="celery_throttle")
+    refused(cgate)
+    use(cgate, clock, 20.0)
+    lines = [r.getMessage() for r in caplog.records if "learned rate" in r.getMessage()]
+    assert lines[0] == ("throttle: learned rate of llm cut from 10/s to 8.5/s (the provider "
+                        "refused a request for its quota)")
+    assert len(lines) == 2, lines
+    assert lines[1].startswith("throttle: learned rate of llm raised from 8.5/s to 9.")
+    assert lines[1].endswith("(used while the provider accepted)")
+
+
+def test_a_reset_forgets_what_it_learned(cgate: Gate) -> None:
+    """Reset: the bucket and the learned rate go; it decides at its ceiling again."""
+    refused(cgate)
+    assert cgate.reset(CEILING)
+    assert learned(cgate) == 10.0

@@ -6,10 +6,11 @@ import itertools
 import time
 from typing import cast
 
+import pytest
 import redis
 
 from celery_throttle import Concurrency, Gate, Limit, parse_rate
-from celery_throttle.core.keys import key_digest
+from celery_throttle.core.keys import key_digest, learned_key
 from celery_throttle.room.entries import entry_id
 from celery_throttle.room.envelope import Envelope, split_record
 from celery_throttle.room.lines import MAX_AHEAD_US, Lines
@@ -456,3 +457,36 @@ def test_a_task_is_handed_out_ahead_of_its_start_by_the_lead_and_the_measured_tr
     assert lines.ahead(6_000) == 0.066
     client.hset(lines.trip, mapping={"avg": 900_000, "dev": 0})
     assert lines.ahead(7_000) == MAX_AHEAD_US / 1e6
+
+
+def test_tasks_in_line_leave_at_a_learned_rate_and_count_as_its_use(client: redis.Redis,
+                                                                      prefix: str) -> None:
+    """A limit that learns, declared at 20/s and cut twice (to 20 x 0.85 x 0.925 x 0.85 =
+    13.4/s), serves its line at the learned pace, not the declared one; a set rate is its
+    ceiling there too."""
+    lines = Lines(client, prefix)
+    limit = Limit("llm", parse_rate("20/s"), adaptive=True)
+    lines.declare([limit])
+    gate = Gate(client, prefix=prefix)
+    gate.pause([limit], 0.0, refused_after=0.0)
+    gate.pause([limit], 0.0, refused_after=0.0)
+    learned = gate.inspect(limit).learned
+    assert learned is not None
+    assert learned.rate == pytest.approx(20 * 0.85 * 0.925 * 0.85, rel=1e-4)
+    now = _now_us(client)
+    for i in range(8):
+        lines.enqueue(f"e{i}", b"m", f"t{i}", limits=[limit], blocking=limit,
+                      place_us=now + i)
+    out = _serve_all(lines, within=5.0, want=8)
+    assert len(out) == 8
+    gaps = [b - a for (_, _, a), (_, _, b) in itertools.pairwise(out)]
+    assert sum(gaps) / len(gaps) >= 0.9 / learned.rate  # 74.6 ms, not 50 ms
+    record = client.hgetall(learned_key(prefix, "llm"))
+    assert int(record[b"n"]) > 0 or int(record[b"t"]) > 0  # (the dispatches were its use)
+    client.hset(f"{{{prefix}}}:live", "llm", f"{parse_rate('5/s').interval_us} 1 5/s")
+    for i in range(3):
+        lines.enqueue(f"f{i}", b"m", f"u{i}", limits=[limit], blocking=limit,
+                      place_us=now + 100 + i)
+    out = _serve_all(lines, within=5.0, want=3)
+    gaps = [b - a for (_, _, a), (_, _, b) in itertools.pairwise(out)]
+    assert sum(gaps) / len(gaps) >= 0.18  # the set 5/s under the learned 13.4/s

@@ -127,3 +127,19 @@ def test_without_rate_headers_only_the_retry_after_of_a_quota_429_is_left(
     assert _rate_headers(ok_headers) == []
     assert sorted(h.lower() for h in _rate_headers(refused_headers)) == ["retry-after",
                                                                          "retry-after-ms"]
+
+
+def test_its_own_refusals_can_name_no_wait() -> None:
+    """retry_after=False (and rate_headers=False): the quota's own 429s carry no header
+    at all; by default they name their wait."""
+    for retry_after, named in ((False, []), (True, ["retry-after", "retry-after-ms"])):
+        server = MockProvider(limit=1, window=5.0, latency=0.0, rate_headers=False,
+                              retry_after=retry_after).start()
+        try:
+            assert _post(server, "/v1/chat/completions")[0] == 200
+            got, headers, _ = _post(server, "/v1/chat/completions")
+            assert got == 429
+            assert sorted(h for h in (k.lower() for k in headers) if "retry" in h) == named
+            assert not [k for k in headers if "ratelimit" in k.lower()]
+        finally:
+            server.stop()

@@ -74,7 +74,8 @@ def test_every_script_of_the_package_resolves_and_includes_what_it_uses() -> Non
               "take(": "core/lease.lua", "fair_tag(": "room/turns.lua",
               "split_record(": "room/record.lua", "limits_of(": "core/limits.lua",
               "clock_of(": "core/clock.lua", "server_us(": "core/clock.lua",
-              "ring(": "core/bell.lua", "hand_out(": "room/lines.lua"}
+              "ring(": "core/bell.lua", "hand_out(": "room/lines.lua",
+              "learns(": "core/learn.lua", "learning_of(": "core/learn.lua"}
     found = sorted(PACKAGE.glob("*/lua/*.lua"))
     assert len(found) >= 14
     for path in found:

@@ -43,7 +43,7 @@ ARGV[8]   near, us: a start booked at most this far ahead in every limit is
 ARGV[9]   claim shift: the sum of the booked limits' shifts when the claimed
           start was booked (the reply's `shift`); 0 without
 
-Reply: 1 when simply allowed (charged now); otherwise
+Reply: 1 when simply allowed (charged now; or learn.lua's learn_admitted); otherwise
        { status, wait_us, blocking, start_us, now_us, mask, epoch, shift } (integers only)
   status   1 allowed (charged now, or a claim honoured: at once, or after
            wait_us when admitted for its booked start ahead of it; or a start booked
@@ -105,7 +105,7 @@ if claim == 0 and m == 0 then
     for i = 1, n do
       charge_rate(L[i], tats[i], now, pauses[i], shifts[i])
     end
-    return 1
+    return learn_admitted(L, n)
   end
 end
 
@@ -310,7 +310,7 @@ if wait <= 0 then
   for i = 1, n do
     charge(i, now)
   end
-  return 1 -- the hot path: a bare integer is cheaper to parse than an array
+  return learn_admitted(L, n)
 end
 local waiting_on_lease = false
 for i = 1, n do

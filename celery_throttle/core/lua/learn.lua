@@ -16,6 +16,9 @@ and a learned rate must outlive an idle hour.  Fields:
   cut    when the last cut was made (us); 0: never
   why, at, from  the last move ("cut" or "raise"), when (us), and the rate
          before it
+  mark   the rate last said (logged): a cut is said by the caller that made it,
+         a climb past SAY of the mark by the next decision that admits a
+         start at once (learn_admitted)
 
 The law has CUBIC's shape (RFC 9438), on a rate instead of a window:
 
@@ -51,9 +54,12 @@ local LEARN = {
   WINDOW = 1000000,     -- us: use is judged per window of at least this
   MOST = 2000000,       -- us: the most use one window adds (a long one was not all use)
   USED = 0.5,           -- the share of the rate a window must use to count
+  SAY = 0.1,            -- a move this far from the rate last said is said
   KEEP_MS = 604800000,  -- the record's life after its last write: a week
 }
 LEARN.C = (1 - LEARN.BETA) / LEARN.K ^ 3
+-- The moves to say in this call's reply: { limit, rate said before, rate now }.
+local LEARN_MOVES = {}
 
 -- "T/F" -> T, F (us); nil for a limit that does not learn.
 local function learning_of(field)
@@ -73,13 +79,14 @@ end
 
 -- Make rate limit `lim` learn: ceiling and floor intervals (us), its record's
 -- key; reads the record and sets lim.interval to the learned interval.
-local function learning(lim, ceiling, floor, record)
+local function learns(lim, ceiling, floor, record)
   lim.ceiling, lim.floor, lim.learned = ceiling, math.max(floor, ceiling), record
-  local f = redis.call('HMGET', record, 'w', 't', 'ws', 'n', 'cut')
+  local f = redis.call('HMGET', record, 'w', 't', 'ws', 'n', 'cut', 'mark')
   lim.w = tonumber(f[1]) or 1000000 / ceiling
   lim.t = tonumber(f[2]) or LEARN.K * 1000000
   lim.ws, lim.n, lim.cut = tonumber(f[3]) or now, tonumber(f[4]) or 0, tonumber(f[5]) or 0
   lim.rate = learned_rate(lim, lim.w, lim.t)
+  lim.mark = tonumber(f[6]) or lim.rate
   -- (rounded up: never faster than the ceiling)
   lim.interval = math.ceil(1000000 / lim.rate)
 end
@@ -107,10 +114,34 @@ local function learn_used(lim, units)
                            'from', string.format('%.6g', lim.rate) }) do
         fields[#fields + 1] = v
       end
+      if math.abs(rate - lim.mark) > LEARN.SAY * lim.mark then
+        LEARN_MOVES[#LEARN_MOVES + 1] = { lim, lim.mark, rate }
+      end
     end
   end
   redis.call('HSET', lim.learned, unpack(fields))
   learn_keep(lim)
+end
+
+-- Simply admitted under limits L[1..n] (decide.lua): 1 (a bare integer is
+-- cheaper to parse than an array), or, when a learned rate moved far enough
+-- to be said, status 1's whole reply with those moves after it, "i before
+-- after" each (limit i's rate said last and now), each then marked said.
+local function learn_admitted(L, n)
+  if #LEARN_MOVES == 0 then
+    return 1
+  end
+  local index, reply = {}, { 1, 0, 0, 0, now, 0, 0, 0 }
+  for i = 1, n do
+    index[L[i]] = i
+  end
+  for _, move in ipairs(LEARN_MOVES) do
+    if index[move[1]] then
+      redis.call('HSET', move[1].learned, 'mark', string.format('%.17g', move[3]))
+      reply[#reply + 1] = string.format('%d %.6g %.6g', index[move[1]], move[2], move[3])
+    end
+  end
+  return reply
 end
 
 -- A provider refused, for its quota, a request sent at `sent` (us) under
@@ -129,7 +160,8 @@ local function learn_cut(lim, sent)
   lim.interval = math.ceil(1000000 / lim.rate)
   local at = string.format('%d', now)
   redis.call('HSET', lim.learned, 'w', string.format('%.17g', lim.w), 't', '0', 'cut', at,
-             'ws', at, 'n', '0', 'why', 'cut', 'at', at, 'from', string.format('%.6g', before))
+             'ws', at, 'n', '0', 'why', 'cut', 'at', at, 'from', string.format('%.6g', before),
+             'mark', string.format('%.17g', lim.rate))
   learn_keep(lim)
   return hold
 end

@@ -44,7 +44,7 @@ local function limits_of(head)
       if not interval then
         local ceiling, floor = learning_of(field)
         s = s + 1
-        learning(L[i], ceiling, floor, KEYS[n + 1 + s])
+        learns(L[i], ceiling, floor, KEYS[n + 1 + s])
       end
     end
   end

@@ -17,14 +17,15 @@ ARGV[2]  for how long, us (0: no pause, a cut alone)
 ARGV[3]  the refused request's age, us: it was sent that long before now; -1
          when no request was refused (an operator's pause, a stop)
 
-Reply: { the longest pause now in force among the limits (us), the limits cut }
+Reply: { the longest pause now in force among the limits (us), then each cut:
+         "i before after", limit i's learned rate (starts a second) }
 ]]
 
 now = clock_of(ARGV[1])
 local till = now + tonumber(ARGV[2])
 local age = tonumber(ARGV[3])
 local L, n = limits_of(3)
-local longest, cut = 0, 0
+local reply = { 0 }
 for i = 1, n do
   local lim = L[i]
   local ends
@@ -38,13 +39,14 @@ for i = 1, n do
     local tat, paused, shift = read_rate(lim.key)
     tat = math.max(tat, now)
     ends = math.max(paused, till)
+    local before = lim.rate
     local hold = lim.learned and age >= 0 and learn_cut(lim, now - age)
     if hold then
-      cut = cut + 1
+      reply[#reply + 1] = string.format('%d %.6g %.6g', i, before, lim.rate)
       tat = math.max(tat, now + hold + lim.burst * lim.interval)
     end
     write_rate(lim.key, tat, ends, shift)
   end
-  longest = math.max(longest, ends - now)
+  reply[1] = math.max(reply[1], ends - now)
 end
-return { longest, cut }
+return reply

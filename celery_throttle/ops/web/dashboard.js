@@ -117,6 +117,13 @@ function controlsCell(r) {
   return td;
 }
 
+// A limit that learns its provider's quota: the rate it decides at, and its last move.
+function learnedText(l) {
+  const rate = (n) => `${Number(n.toPrecision(4))}/s`;
+  return `learned ${rate(l.rate_per_s)}` +
+    (l.moved ? ` (${l.moved} ${Math.round(l.moved_s_ago)}s ago from ${rate(l.before_per_s)})` : "");
+}
+
 function renderStatus(doc) {
   const body = document.getElementById("limits");
   // The busiest first: tasks waiting, then paused, then fill; idle limits last.
@@ -130,7 +137,8 @@ function renderStatus(doc) {
       el("td", {}, el("b", { text: r.limit }), r.per_key ? el("div", { class: "small", text: "per key" }) : null,
         r.enforced === false ? el("div", { class: "held", text: `shadow mode (${r.enforced_by})` }) : null),
       el("td", { "data-field": "rate" }, rate,
-        "code_rate" in r ? el("div", { class: "small", text: `set live; the code says ${r.code_rate} burst ${r.code_burst}` }) : null),
+        "code_rate" in r ? el("div", { class: "small", text: `set live; the code says ${r.code_rate} burst ${r.code_burst}` }) : null,
+        r.learned ? el("div", { class: "small", "data-field": "learned", text: learnedText(r.learned) }) : null),
       fillCell(r), nextCell(r), waitingCell(r),
       el("td", { class: "small", text: (r.top_keys || []).filter((k) => k.key_digest !== "-")
         .map((k) => `key ${k.key_digest.slice(0, 8)}…: ${k.waiting}`).join("\n") || "-" }),

@@ -10,12 +10,13 @@ is the gate's own (bucket.lua, lease.lua).
 
 KEYS[1] messages hash   KEYS[2] ready index    KEYS[3] claimed set
 KEYS[4] epoch           KEYS[5] trip estimate  KEYS[6] wake list
-KEYS[7] specs hash (limit name -> "interval burst")
+KEYS[7] specs hash (limit name -> "interval burst"; "T/F burst" if it learns)
 KEYS[8] live overrides (limit name -> "interval burst rate", core/live.py)
 KEYS[5+4j], KEYS[6+4j], KEYS[7+4j], KEYS[8+4j]  a limit's key (a rate
         bucket, or a concurrency limit's leases), its line, the line's turns
-        (turns.lua) and its meta hash (a concurrency limit's: its holders'
-        starts and pause), j = 1..; the first ARGV[4] are the lines to serve,
+        (turns.lua) and its side key (a concurrency limit's meta hash: its
+        holders' starts and pause; a rate limit's learned rate, learn.lua,
+        read if it learns), j = 1..; the first ARGV[4] are the lines to serve,
         the rest are other limits of their tasks (every limit a served task
         has must be among them)
 ARGV[1] the most tasks dispatched
@@ -105,14 +106,22 @@ local function task_limits(task)
       lims[i] = { key = key, concurrent = true, seats = burst, lease = cost,
                   meta = meta_of[key], fair = '' }
     else
+      -- (a limit that learns: "T/F", its ceiling's and floor's intervals, learn.lua;
+      -- a live rate is its ceiling)
+      local ceiling, floor = learning_of(interval) -- (a number reads as no match)
       local spec = redis.call('HGET', live, name) or redis.call('HGET', specs, name)
       if spec then
-        local ti, bu = string.match(spec, '^(%d+) (%d+)')
+        local ti, bu = string.match(spec, '^(%S+) (%d+)')
+        local c, f = learning_of(ti or '')
+        ceiling, floor = c or (ceiling and tonumber(ti)) or ceiling, f or floor
         interval, burst = tonumber(ti) or interval, tonumber(bu) or burst
       end
       -- A burst lowered below the cost could never admit it: the cost is capped.
       lims[i] = { key = key, interval = interval, burst = burst,
                   cost = math.min(cost, burst), fair = fair or '', units = units or 1 }
+      if ceiling then
+        learns(lims[i], ceiling, floor, meta_of[key])
+      end
     end
   end
   return lims

@@ -71,7 +71,7 @@ from .core import credit, learners
 from .core.async_gate import AsyncGate, LoopGates
 from .core.gate import Gate
 from .core.keys import learners_key
-from .core.limits import Limit, pauses_for_refusal
+from .core.limits import ADMITTED, Decision, Limit, pauses_for_refusal
 from .core.live import LiveLimits
 from .core.logs import logger
 from .core.rates import Rate, parse_rate
@@ -301,6 +301,13 @@ class _Gated:
         return f"{type(self).__name__}({shown})"
 
 
+def _admitted(decision: Decision) -> float:
+    """When (``time.monotonic``) the start a request leaves in was decided: a start booked
+    just ahead is admitted as it is booked, and the caller slept until it.  A refusal
+    of a request admitted before a learned rate's last cut does not cut it again."""
+    return time.monotonic() - decision.retry_after
+
+
 def _body(request: Any) -> bytes:
     """The request's body, if it is in memory (the SDKs' JSON is); else nothing."""
     try:
@@ -347,6 +354,7 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
         """Wait for the booked start (or spend the task's admission), send, and tell the gate
         what the answer says (a 429's pause, the quota left, the tokens used)."""
         attempt = self._before(request, self.gate.key_of)
+        decision = ADMITTED
         if self.unwritten:
             self.gate.client.hset(learners_key(self.gate.prefix),
                                   mapping=self.unwritten)  # type: ignore[arg-type]
@@ -356,11 +364,11 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
         if attempt.wait:
             limits = self._live.apply(attempt.wait) if self._live else attempt.wait
             try:
-                self.gate.wait(limits, timeout=self._probe(), grace=self.grace)
+                decision = self.gate.wait(limits, timeout=self._probe(), grace=self.grace)
             except ThrottleTimeout as exc:
                 self._past_probe(self.gate.stopped(limits), exc)
-                self.gate.wait(limits, timeout=self.timeout, grace=self.grace)
-        sent = time.monotonic()
+                decision = self.gate.wait(limits, timeout=self.timeout, grace=self.grace)
+        sent = _admitted(decision)
         response = self.inner.handle_request(request)
         body = response.read() if self._needs_body(response, attempt) else None
         for step in self._after(response, attempt, body, sent):
@@ -407,6 +415,7 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
         """:meth:`GatedTransport.handle_request`, awaiting the gate."""
         gate = self._gate()
         attempt = self._before(request, gate.key_of)
+        decision = ADMITTED
         if self.unwritten:
             await gate.client.hset(learners_key(gate.prefix),
                                    mapping=self.unwritten)  # type: ignore[arg-type]
@@ -416,11 +425,11 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
         if attempt.wait:
             limits = await self._live.aapply(gate.client, attempt.wait)
             try:
-                await gate.wait(limits, timeout=self._probe(), grace=self.grace)
+                decision = await gate.wait(limits, timeout=self._probe(), grace=self.grace)
             except ThrottleTimeout as exc:
                 self._past_probe(await gate.stopped(limits), exc)
-                await gate.wait(limits, timeout=self.timeout, grace=self.grace)
-        sent = time.monotonic()
+                decision = await gate.wait(limits, timeout=self.timeout, grace=self.grace)
+        sent = _admitted(decision)
         response = await self.inner.handle_async_request(request)
         body = await response.aread() if self._needs_body(response, attempt) else None
         for step in self._after(response, attempt, body, sent):

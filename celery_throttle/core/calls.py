@@ -149,7 +149,7 @@ class GateCalls:
     def _pause_call(self, limits: Sequence[AnyLimit], pause: float,
                     refused_after: float | None) -> Call:
         """The "pause" call: ``pause`` seconds; ``refused_after``: the provider refused, for
-        its quota, a request sent that many seconds ago (the limits that learn cut)."""
+        its quota, a request admitted that many seconds ago (the limits that learn cut)."""
         age = -1 if refused_after is None else to_us(seconds("refused_after", refused_after))
         return self._paused_call(limits, to_us(seconds("pause", pause)), age)
 

@@ -183,9 +183,9 @@ class Gate(GateCalls):
         pause ends are void (their tasks book again after it).  A longer
         pause already set is kept.  Returns the seconds the pause lasts.
 
-        ``refused_after``: the provider refused, for its quota, a request sent that many
+        ``refused_after``: the provider refused, for its quota, a request admitted that many
         seconds ago: each limit that learns its rate (``Limit(adaptive=True)``) cuts it,
-        unless the request left before its last cut; ``seconds`` may then be 0 (a
+        unless the request was admitted before its last cut; ``seconds`` may then be 0 (a
         refusal that names no wait pauses nothing that learns).
         """
         return self._pause_reply(limits, self._run(

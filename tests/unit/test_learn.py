@@ -11,7 +11,7 @@ import redis
 from celery_throttle import Gate, Limit, parse_rate
 from celery_throttle.core.keys import learned_key
 
-from ..clock import StepClock
+from ..clock import T0, StepClock
 
 CEILING = Limit("llm", parse_rate("10/s"), adaptive=True)  # K = 18 s, BETA = 0.85 (learn.lua)
 
@@ -227,3 +227,18 @@ def test_a_reset_forgets_what_it_learned(cgate: Gate) -> None:
     refused(cgate)
     assert cgate.reset(CEILING)
     assert learned(cgate) == 10.0
+
+
+def test_starts_booked_before_a_held_cut_move_past_the_hold(cgate: Gate,
+                                                            clock: StepClock) -> None:
+    """A start booked at the old rate, claimed after a cut that holds the limit, is early
+    until the hold has passed: the provider's window empties before it is sent."""
+    cgate.acquire_many([CEILING])
+    booked = cgate.acquire_many([CEILING], reserve=5)
+    assert booked.start == T0 + 100_000
+    refused(cgate)
+    refused(cgate)  # (a cut soon after the last: a hold of a second)
+    clock.us = T0 + 100_000
+    claimed = cgate.acquire_many([CEILING], claim=booked.reservation, grace=0.02)
+    assert claimed.early
+    assert claimed.retry_after == pytest.approx(1.0)

@@ -14,6 +14,7 @@ and a learned rate must outlive an idle hour.  Fields:
   t      use since the last cut, us; absent: K (the rate is w)
   ws, n  the window under way: its start (us), the units charged in it
   cut    when the last cut was made (us); 0: never
+  held   until when the last hold lasts (us)
   why, at, from  the last move ("cut" or "raise"), when (us), and the rate
          before it
   mark   the rate last said (logged): a cut is said by the caller that made it,
@@ -25,8 +26,8 @@ The law has CUBIC's shape (RFC 9438), on a rate instead of a window:
   rate = w * (1 + C * (t - K)^3),  K = cbrt((1 - BETA) / C)
 
 clamped to [floor, ceiling].  A cut (a provider's quota refusal of a request
-sent after the last cut: one sent before it was sent at the old rate, which
-the cut already answered) sets t to 0 and w to the rate then, or, when that
+admitted after the last cut: one admitted before it was sent at the old
+rate, which the cut already answered) sets t to 0 and w to the rate then, or, when that
 rate is under the last w, halfway from BETA of it to it (CUBIC's fast
 convergence: the quota moved down, so the next climb levels off lower): the
 rate drops to BETA of w, climbs back to w within K seconds of use, stays
@@ -81,12 +82,12 @@ end
 -- key; reads the record and sets lim.interval to the learned interval.
 local function learns(lim, ceiling, floor, record)
   lim.ceiling, lim.floor, lim.learned = ceiling, math.max(floor, ceiling), record
-  local f = redis.call('HMGET', record, 'w', 't', 'ws', 'n', 'cut', 'mark')
+  local f = redis.call('HMGET', record, 'w', 't', 'ws', 'n', 'cut', 'mark', 'held')
   lim.w = tonumber(f[1]) or 1000000 / ceiling
   lim.t = tonumber(f[2]) or LEARN.K * 1000000
   lim.ws, lim.n, lim.cut = tonumber(f[3]) or now, tonumber(f[4]) or 0, tonumber(f[5]) or 0
   lim.rate = learned_rate(lim, lim.w, lim.t)
-  lim.mark = tonumber(f[6]) or lim.rate
+  lim.mark, lim.held = tonumber(f[6]) or lim.rate, tonumber(f[7]) or 0
   -- (rounded up: never faster than the ceiling)
   lim.interval = math.ceil(1000000 / lim.rate)
 end
@@ -144,8 +145,8 @@ local function learn_admitted(L, n)
   return reply
 end
 
--- A provider refused, for its quota, a request sent at `sent` (us) under
--- learning limit `lim`: cut, unless the request left before the last cut.
+-- A provider refused, for its quota, a request admitted at `sent` (us) under
+-- learning limit `lim`: cut, unless it was admitted before the last cut.
 -- The time (us) the limit then holds before its next start (0: one interval
 -- only; lim.interval is the new one); nil when not cut.
 local function learn_cut(lim, sent)
@@ -153,7 +154,8 @@ local function learn_cut(lim, sent)
     return nil
   end
   local before = lim.rate
-  local hold = now - lim.cut < LEARN.HOLD and LEARN.HOLD or 0
+  -- (A hold under way is not made longer: the refusals it meets were sent at once.)
+  local hold = (now - lim.cut < LEARN.HOLD and now >= lim.held) and LEARN.HOLD or 0
   lim.w = before < lim.w and before * (1 + LEARN.BETA) / 2 or before
   lim.t, lim.cut = 0, now
   lim.rate = learned_rate(lim, lim.w, 0)
@@ -161,7 +163,8 @@ local function learn_cut(lim, sent)
   local at = string.format('%d', now)
   redis.call('HSET', lim.learned, 'w', string.format('%.17g', lim.w), 't', '0', 'cut', at,
              'ws', at, 'n', '0', 'why', 'cut', 'at', at, 'from', string.format('%.6g', before),
-             'mark', string.format('%.17g', lim.rate))
+             'mark', string.format('%.17g', lim.rate),
+             'held', string.format('%d', hold > 0 and now + hold or lim.held))
   learn_keep(lim)
   return hold
 end

@@ -59,14 +59,14 @@ end is not its response's, which a client may stream long after.
 from __future__ import annotations
 
 import importlib
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from . import metrics, usage
 from .answers import MAX_BODY, Backoff, Hook, classify
+from .client_limits import TokenQuota, limits_of, meters, token_limits
 from .core import credit, learners
 from .core.async_gate import AsyncGate, LoopGates
 from .core.gate import Gate
@@ -74,7 +74,7 @@ from .core.keys import learners_key
 from .core.limits import ADMITTED, Decision, Limit, pauses_for_refusal
 from .core.live import LiveLimits
 from .core.logs import logger
-from .core.rates import Rate, parse_rate
+from .core.rates import Rate
 from .core.stops import Stop
 from .core.waiting import DEFAULT_GRACE
 from .errors import MAX_RETRY_AFTER, LimitStopped, ThrottleTimeout
@@ -107,31 +107,6 @@ else:
     _Httpx2Base, _HttpxBase = _base("httpx2", "BaseTransport"), _base("httpx", "BaseTransport")
     _Httpx2AsyncBase = _base("httpx2", "AsyncBaseTransport")
     _HttpxAsyncBase = _base("httpx", "AsyncBaseTransport")
-
-
-def _limits_of(rate: str | Rate | None, name: str | None, burst: int, key: object,
-               limits: Sequence[Limit], adaptive: bool = False,
-               floor: str | Rate | None = None) -> list[Limit]:
-    """The transport's limits: ``rate`` under ``name`` (learning its rate below it when
-    ``adaptive``, not below ``floor``), and/or ``limits`` (rate limits only)."""
-    chosen = list(limits)
-    if rate is not None:
-        if not name:
-            raise ValueError("a rate needs the limit's name (name=...), the same as the "
-                             "workers' @throttled(name=...) for one shared quota")
-        chosen.insert(0, Limit(name, parse_rate(rate), burst, key, adaptive=adaptive,
-                               floor=None if floor is None else parse_rate(floor)))
-    elif adaptive or floor is not None:
-        raise ValueError("adaptive and floor go with a rate (or with each Limit given)")
-    elif name is not None and not limits:
-        raise ValueError(f"limit {name!r} needs a rate")
-    if not chosen:
-        raise ValueError("give a rate (with name=...) or limits=[Limit(...), ...]")
-    for lim in chosen:
-        if not isinstance(lim, Limit):
-            raise TypeError(f"a transport carries rate limits only, not {lim!r}: a request "
-                            "ends when its response is read, which the transport does not see")
-    return chosen
 
 
 def _http_package(module: str | None) -> Any:
@@ -342,9 +317,9 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
                  timeout: float | None = None, grace: float = DEFAULT_GRACE, live: bool = True,
                  follow: bool = True, own_gate: bool = False,
                  answers: Hook | None = None) -> None:
-        chosen = _limits_of(None, None, 1, None, limits)
+        chosen = limits_of(None, None, 1, None, limits)
         inner = transport if transport is not None else _http_package(module).HTTPTransport()
-        super().__init__(chosen, _meters(tokens, input_tokens, output_tokens), inner, timeout,
+        super().__init__(chosen, meters(tokens, input_tokens, output_tokens), inner, timeout,
                          grace, follow, answers)
         self.gate = gate
         self.own_gate = own_gate
@@ -402,10 +377,10 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
                  follow: bool = True, answers: Hook | None = None) -> None:
         if gate is None and url is None:
             raise ValueError("give gate (an AsyncGate) or url (the throttle's Redis)")
-        chosen = _limits_of(None, None, 1, None, limits)
+        chosen = limits_of(None, None, 1, None, limits)
         inner = (transport if transport is not None
                  else _http_package(module).AsyncHTTPTransport())
-        super().__init__(chosen, _meters(tokens, input_tokens, output_tokens), inner, timeout,
+        super().__init__(chosen, meters(tokens, input_tokens, output_tokens), inner, timeout,
                          grace, follow, answers)
         self.gate = gate
         self._loop_gates = LoopGates(url, prefix) if url is not None else None
@@ -451,43 +426,6 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
         return self._loop_gates.get()
 
 
-def _meters(tokens: Limit | None, input_tokens: Limit | None,
-            output_tokens: Limit | None) -> dict[str, Limit]:
-    given = dict(zip(usage.PARTS, (tokens, input_tokens, output_tokens), strict=True))
-    return {part: lim for part, lim in given.items() if lim is not None}
-
-
-def _token_limit(given: str | Rate | Limit | None, name: str | None, part: str
-                 ) -> Limit | None:
-    """A token limit ``gated_client`` declares: a :class:`Limit` as given, or a rate under
-    ``<name>-<part>`` with a whole period's tokens as its burst (a request may cost
-    thousands)."""
-    if given is None or isinstance(given, Limit):
-        return given
-    if not name:
-        raise ValueError(f"a {part} rate needs name=... (the limit is '<name>-{part}'), "
-                         f"or give a Limit")
-    rate = parse_rate(given)
-    return Limit(f"{name}-{part}", rate, max(1, math.ceil(rate.count)))
-
-
-TokenQuota = str | Rate | Limit | None
-
-
-class _Meters(TypedDict):
-    tokens: Limit | None
-    input_tokens: Limit | None
-    output_tokens: Limit | None
-
-
-def _token_limits(name: str | None, tokens: TokenQuota, input_tokens: TokenQuota,
-                  output_tokens: TokenQuota) -> _Meters:
-    """The transports' token keyword arguments, from what a ``gated_client`` was given."""
-    return {"tokens": _token_limit(tokens, name, "tokens"),
-            "input_tokens": _token_limit(input_tokens, name, "input-tokens"),
-            "output_tokens": _token_limit(output_tokens, name, "output-tokens")}
-
-
 def gated_client(rate: str | Rate | None = None, *, name: str | None = None, burst: int = 1,
                  key: object = None, limits: Sequence[Limit] = (), tokens: TokenQuota = None,
                  input_tokens: TokenQuota = None, output_tokens: TokenQuota = None,
@@ -515,8 +453,8 @@ def gated_client(rate: str | Rate | None = None, *, name: str | None = None, bur
     refusals, not below ``floor`` (``Limit(adaptive=True)``).
     ``client_options`` go to the client (``timeout``...).
     """
-    chosen = _limits_of(rate, name, burst, key, limits, adaptive, floor)  # (before any client)
-    meters = _token_limits(name, tokens, input_tokens, output_tokens)
+    chosen = limits_of(rate, name, burst, key, limits, adaptive, floor)  # (before any client)
+    meters = token_limits(name, tokens, input_tokens, output_tokens)
     http = _http_package(module)
     own = gate is None
     if gate is None:
@@ -539,8 +477,8 @@ def async_gated_client(rate: str | Rate | None = None, *, name: str | None = Non
                        answers: Hook | None = None, adaptive: bool = False,
                        floor: str | Rate | None = None, **client_options: Any) -> Any:
     """:func:`gated_client` for ``AsyncOpenAI`` and ``AsyncAnthropic``."""
-    chosen = _limits_of(rate, name, burst, key, limits, adaptive, floor)
-    meters = _token_limits(name, tokens, input_tokens, output_tokens)
+    chosen = limits_of(rate, name, burst, key, limits, adaptive, floor)
+    meters = token_limits(name, tokens, input_tokens, output_tokens)
     http = _http_package(module)
     transport = AsyncGatedTransport(chosen, gate=gate, url=url, prefix=prefix, **meters,
                                     transport=http.AsyncHTTPTransport(), timeout=timeout,

@@ -21,6 +21,7 @@ LAYERS = {
     "answers": 2,  # what a provider's answer means (over the errors it raises)
     "langchain": 3,  # a chat model's rate limiter on the core's gates
     "transport": 3,  # an HTTP client's transport on the core's gates
+    "client_limits": 3,  # the limits a gated client makes of its arguments
     "room": 4,
     "integration": 5,
     "ops": 6,

@@ -77,17 +77,17 @@ def test_a_quota_refusal_cuts_by_beta_and_spends_the_burst(
 
 def test_a_refusal_of_a_request_sent_before_the_last_cut_does_not_cut_again(
         cgate: Gate, clock: StepClock) -> None:
-    """Requests in flight at the old rate are answered by one cut; a request sent after
-    the cut and still refused cuts again, deeper (the quota fell: the climb levels off
-    halfway between) and, so soon after the last, holds the limit for a second."""
+    """Requests in flight at the old rate are answered by one cut; a request admitted
+    after the cut and still refused cuts again and, so soon after the last, holds the
+    limit for a second."""
     refused(cgate)
     clock.us += 50_000
-    refused(cgate, sent_ago=0.1)  # (left 50 ms before the cut)
+    refused(cgate, sent_ago=0.1)  # (admitted 50 ms before the cut)
     assert learned(cgate) == pytest.approx(8.5, rel=1e-5)
-    refused(cgate, sent_ago=0.01)  # (left 40 ms after it)
-    assert learned(cgate) == pytest.approx(8.5 * 0.925 * 0.85, rel=1e-5)
+    refused(cgate, sent_ago=0.01)  # (admitted 40 ms after it)
+    assert learned(cgate) == pytest.approx(8.5 * 0.85, rel=1e-5)
     assert cgate.acquire_many([CEILING]).retry_after == pytest.approx(
-        1 + 1 / (8.5 * 0.925 * 0.85), abs=2e-6)
+        1 + 1 / (8.5 * 0.85), abs=2e-6)
     clock.us += 3_000_000
     refused(cgate)  # (3 s after the last cut: one new interval, no hold)
     assert cgate.acquire_many([CEILING]).retry_after == pytest.approx(

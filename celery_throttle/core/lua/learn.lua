@@ -27,25 +27,25 @@ The law has CUBIC's shape (RFC 9438), on a rate instead of a window:
 
 clamped to [floor, ceiling].  A cut (a provider's quota refusal of a request
 admitted after the last cut: one admitted before it was sent at the old
-rate, which the cut already answered) sets t to 0 and w to the rate then, or, when that
-rate is under the last w, halfway from BETA of it to it (CUBIC's fast
-convergence: the quota moved down, so the next climb levels off lower): the
-rate drops to BETA of w, climbs back to w within K seconds of use, stays
-near it, then probes above it.  The long stay near w keeps the
+rate, which the cut already answered) sets w to the rate then and t to 0:
+the rate drops to BETA of it, climbs back to it within K seconds of use,
+stays near it, then probes above it.  The long stay near w keeps the
 average near the quota with few refusals (plain AIMD's line averages
 (1 + BETA) / 2 of it).  Use is counted per window: t grows by a window's
 length only when at least USED of the rate was charged in it, so an idle or
 half-idle fleet does not climb; and it stops growing at the ceiling, so a
 raised ceiling is climbed from there.  A cut within HOLD of the last one
-(the quota fell: requests sent at the new rate are refused too) also holds
-the limit for HOLD, so that the provider's own window of past requests
-drains instead of refusing every request of a cut after a cut.
+(the quota fell: requests admitted at the new rate are refused too) also
+holds the limit for HOLD, so that the provider's own window of past
+requests drains instead of refusing every request of a cut after a cut.
 
-The constants were chosen by simulating a sliding-window provider whose
-quota starts at a third of the ceiling, is halved, then restored: a lower
-BETA averages further under the quota, a shorter K probes above it (and is
-refused) more often, a longer one climbs back too slowly, and without the
-hold or the fast convergence a halving costs about twice the refusals.
+BETA and K were chosen against a sliding-window provider whose quota is a
+third of the ceiling, then halved, then restored (benchmarks/adaptive.py,
+BENCHMARKS.md section 11): a lower BETA averages further under the quota, a
+shorter K probes above it (and is refused) more often, a longer one climbs
+back too slowly.  CUBIC's fast convergence (a lower w after a cut under the
+last one) left the rate under a halved quota for longer, and is not used:
+one rate serves the whole fleet, so there is no other flow to make room for.
 ]]
 
 local LEARN = {
@@ -156,7 +156,7 @@ local function learn_cut(lim, sent)
   local before = lim.rate
   -- (A hold under way is not made longer: the refusals it meets were sent at once.)
   local hold = (now - lim.cut < LEARN.HOLD and now >= lim.held) and LEARN.HOLD or 0
-  lim.w = before < lim.w and before * (1 + LEARN.BETA) / 2 or before
+  lim.w = before
   lim.t, lim.cut = 0, now
   lim.rate = learned_rate(lim, lim.w, 0)
   lim.interval = math.ceil(1000000 / lim.rate)

@@ -208,10 +208,11 @@ class _Gated:
             self.answers is not None or (bool(attempt.charged) and response.status_code < 300))
 
     def _after(self, response: Any, attempt: _Attempt, body: bytes | None,
-               sent: float) -> list[_Step]:
+               admitted: float) -> list[_Step]:
         """The gate calls an answer asks for: a 429 pauses the limits (and its tokens were not
         spent; a limit that learns is cut); the headers' reports are followed; the tokens
-        used are settled.  ``sent``: when the request left (``time.monotonic``)."""
+        used are settled.  ``admitted``: when the request's start was decided
+        (``time.monotonic``, :func:`_admitted`)."""
         steps: list[_Step] = []
         answer = classify(response.status_code, response.headers, body, self.answers) \
             if body is not None or response.status_code >= 400 else None
@@ -226,7 +227,7 @@ class _Gated:
             steps += [_Step("settle", (limit, 0)) for _, limit in attempt.charged]
             if answer.kind == "money":
                 return [*steps, _Step("stop", (self.every, "money", answer.message or "money"))]
-            refused = {"refused_after": max(0.0, time.monotonic() - sent)}
+            refused = {"refused_after": max(0.0, time.monotonic() - admitted)}
             return [*steps, *(_Step("pause", (limits, seconds), refused) for limits, seconds
                               in pauses_for_refusal(self.every, answer.retry_after or 0.0,
                                                     answer.named))]
@@ -343,10 +344,10 @@ class GatedTransport(_Gated, _Httpx2Base, _HttpxBase):
             except ThrottleTimeout as exc:
                 self._past_probe(self.gate.stopped(limits), exc)
                 decision = self.gate.wait(limits, timeout=self.timeout, grace=self.grace)
-        sent = _admitted(decision)
+        admitted = _admitted(decision)
         response = self.inner.handle_request(request)
         body = response.read() if self._needs_body(response, attempt) else None
-        for step in self._after(response, attempt, body, sent):
+        for step in self._after(response, attempt, body, admitted):
             if step.op == "stop":
                 response.close()
             self._said(step, getattr(self.gate, step.op)(*step.args, **step.options))
@@ -404,10 +405,10 @@ class AsyncGatedTransport(_Gated, _Httpx2AsyncBase, _HttpxAsyncBase):
             except ThrottleTimeout as exc:
                 self._past_probe(await gate.stopped(limits), exc)
                 decision = await gate.wait(limits, timeout=self.timeout, grace=self.grace)
-        sent = _admitted(decision)
+        admitted = _admitted(decision)
         response = await self.inner.handle_async_request(request)
         body = await response.aread() if self._needs_body(response, attempt) else None
-        for step in self._after(response, attempt, body, sent):
+        for step in self._after(response, attempt, body, admitted):
             if step.op == "stop":
                 await response.aclose()
             self._said(step, await getattr(gate, step.op)(*step.args, **step.options))

@@ -11,12 +11,14 @@ burst, floor and whether it is per key), which status reads to show them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from ..values import text
+from .keys import learners_key
 from .limits import AnyLimit, Limit
 from .rates import parse_rate
 
-__all__ = ["fields", "limits"]
+__all__ = ["fields", "limits", "read"]
 
 
 def fields(limits: Iterable[AnyLimit]) -> dict[str, str]:
@@ -44,3 +46,8 @@ def limits(records: Mapping[bytes | str, bytes | str], key: object = None
         found.append((lim, per_key == "1"))
     return found
 
+
+def read(client: Any, prefix: str, key: object = None) -> list[tuple[Limit, bool]]:
+    """The learning limits gated clients wrote under ``prefix`` (:func:`limits`), read with
+    ``client`` (a sync redis-py client)."""
+    return limits(client.hgetall(learners_key(prefix)), key)

@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass
 
 from ..values import LONGEST_WAIT, text
 from .limits import AnyLimit, Limit
+from .rates import parse_rate
 
-__all__ = ["MAX_MESSAGE", "Stop", "dumps", "first", "parse", "record"]
+__all__ = ["MAX_MESSAGE", "Stop", "dumps", "first", "limit_of", "parse", "record"]
 
 #: The most of a provider's message a record keeps (characters).
 MAX_MESSAGE = 300
@@ -51,6 +52,15 @@ def record(limit: AnyLimit, reason: str, message: str, now: float | None = None)
     rate, burst = (limit.rate.text, limit.burst) if isinstance(limit, Limit) else ("", 0)
     return Stop(limit.name, limit.key is not None, reason, message[:MAX_MESSAGE], rate, burst,
                 at, at + LONGEST_WAIT)
+
+
+def limit_of(stop: Stop, key: object = None) -> Limit | None:
+    """The rate limit ``stop`` names, at the rate it had when stopped (for key value ``key``
+    of a per-key one); None when its record has no rate (a concurrency limit)."""
+    if not stop.rate:
+        return None
+    return Limit(stop.limit, parse_rate(stop.rate), max(stop.burst, 1),
+                 key if stop.per_key else None)
 
 
 def parse(raw: bytes | str | None, now: float | None = None) -> Stop | None:

@@ -16,7 +16,6 @@ from typing import Any
 from celery import Celery
 
 from ..core import learners
-from ..core.keys import learners_key
 from ..core.limits import Concurrency, Limit
 from .declared import known_limits
 from .runtime import runtime_for
@@ -89,7 +88,7 @@ class FillCollector:
             free.add_metric([lim.name], state.next_free)
             booked.add_metric([lim.name], state.booked_ahead)
         declared_names = {k.limit.name for k in known_all}
-        for lim, per_key in learners.limits(gate.client.hgetall(learners_key(gate.prefix))):
+        for lim, per_key in learners.read(gate.client, gate.prefix):
             learnt = None if per_key or lim.name in declared_names else gate.inspect(lim).learned
             if learnt is not None:  # (a gated client's, no task declares it)
                 learned.add_metric([lim.name], learnt.rate)

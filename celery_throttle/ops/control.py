@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from celery import Celery
 
+from ..core import stops
 from ..core.keys import operator_key, stop_field, stops_key
 from ..core.limits import Concurrency, Limit
 from ..core.logs import logger
@@ -194,9 +195,8 @@ def _stopped_alone(app: Celery, name: str, value: object) -> list[Limit | Concur
         return []
     gate = runtime_for(app).gate
     stop = parse(gate.client.hget(stops_key(gate.prefix), stop_field(name, value)))
-    if stop is None or not stop.rate:
-        return []
-    return [Limit(name, parse_rate(stop.rate), max(stop.burst, 1), value)]
+    limit = stops.limit_of(stop, value) if stop is not None else None
+    return [limit] if limit is not None else []
 
 
 def _limits_of(app: Celery, name: str, value: object) -> list[Limit | Concurrency]:

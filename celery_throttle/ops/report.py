@@ -16,9 +16,9 @@ from typing import Any
 
 from celery import Celery
 
-from ..core import learners
+from ..core import learners, stops
 from ..core.gate import Gate
-from ..core.keys import learners_key, operator_key, stop_field, stops_key
+from ..core.keys import operator_key, stop_field, stops_key
 from ..core.limits import BucketState, Concurrency, LeaseState, Limit
 from ..core.rates import parse_rate
 from ..core.stops import parse
@@ -153,12 +153,9 @@ def _clients(gate: Gate, value: object) -> list[KnownLimit]:
     the stopped ones (a stop's record has the rate) and the ones that learn their rate
     (``core/learners.py``)."""
     label = ("(no task: a gated client's)",)
-    found = {stop.limit: KnownLimit(Limit(stop.limit, parse_rate(stop.rate),
-                                          max(stop.burst, 1), value if stop.per_key else None),
-                                    stop.per_key, label)
-             for stop in gate.stops(value) if stop.rate}
-    records = gate.client.hgetall(learners_key(gate.prefix))
-    for lim, per_key in learners.limits(records, value):
+    found = {stop.limit: KnownLimit(limit, stop.per_key, label) for stop in gate.stops(value)
+             if (limit := stops.limit_of(stop, value)) is not None}
+    for lim, per_key in learners.read(gate.client, gate.prefix, value):
         found[lim.name] = KnownLimit(lim, per_key, label)
     return list(found.values())
 
